@@ -1,0 +1,466 @@
+"""Integer affine constraints: guards, supports, and the operations the compiler needs on them.
+
+A :class:`Guard` is a union (DNF) of :class:`Conj` conjunctions of :class:`Constraint`s over named
+integer variables.  Every variable also lives in a *box* ``0 <= v < extent`` that is implied and
+never stored.  The compiler needs:
+
+- substitution of affine expressions for variables (reading a relation through an index map);
+- projection onto a subset of variables (the support of a rule's head), by Fourier-Motzkin;
+- simplification against the box, and merging of complementary pieces (``i < 4`` or ``i >= 4``);
+- evaluation to a boolean mask, and exact counting of the points inside the box.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Box = Mapping[str, int]  # variable -> extent
+
+
+@dataclass(frozen=True, order=True)
+class Affine:
+    """``sum(coef * var) + const`` with integer coefficients; terms sorted, no zero coefficient."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    const: int = 0
+
+    @staticmethod
+    def var(name: str, coef: int = 1) -> Affine:
+        return Affine(((name, coef),) if coef else ())
+
+    @staticmethod
+    def of(terms: Mapping[str, int] | Iterable[tuple[str, int]], const: int = 0) -> Affine:
+        acc: dict[str, int] = {}
+        for v, c in terms.items() if isinstance(terms, Mapping) else terms:
+            acc[v] = acc.get(v, 0) + c
+        return Affine(tuple(sorted((v, c) for v, c in acc.items() if c)), const)
+
+    @property
+    def vars(self) -> frozenset[str]:
+        return frozenset(v for v, _ in self.terms)
+
+    def coef(self, name: str) -> int:
+        return next((c for v, c in self.terms if v == name), 0)
+
+    def __add__(self, other: Affine | int) -> Affine:
+        if isinstance(other, int):
+            return Affine(self.terms, self.const + other)
+        return Affine.of(self.terms + other.terms, self.const + other.const)
+
+    def __neg__(self) -> Affine:
+        return self.scale(-1)
+
+    def __sub__(self, other: Affine | int) -> Affine:
+        return self + (-other)
+
+    def scale(self, k: int) -> Affine:
+        return Affine(tuple((v, c * k) for v, c in self.terms) if k else (), self.const * k)
+
+    def substitute(self, mapping: Mapping[str, Affine]) -> Affine:
+        """Replace variables simultaneously; unmapped variables stay."""
+        out = Affine((), self.const)
+        for v, c in self.terms:
+            out = out + (mapping[v].scale(c) if v in mapping else Affine.var(v, c))
+        return out
+
+    def bounds(self, box: Box) -> tuple[int, int]:
+        """Least and greatest value over the box."""
+        lo = hi = self.const
+        for v, c in self.terms:
+            top = c * (box[v] - 1)
+            lo += min(0, top)
+            hi += max(0, top)
+        return lo, hi
+
+    def evaluate(self, values: Mapping[str, np.ndarray | int]) -> np.ndarray | int:
+        acc: np.ndarray | int = self.const
+        for v, c in self.terms:
+            acc = acc + c * values[v]
+        return acc
+
+    def __str__(self) -> str:
+        return _render_sum(list(self.terms), self.const)
+
+
+def _render_sum(terms: list[tuple[str, int]], const: int) -> str:
+    parts: list[str] = []
+    for v, c in terms:
+        mag = abs(c)
+        body = v if mag == 1 else f"{mag}*{v}"
+        parts.append(("- " if c < 0 else "+ ") + body)
+    if const or not parts:
+        parts.append(("- " if const < 0 else "+ ") + str(abs(const)))
+    text = " ".join(parts)
+    return text[2:] if text.startswith("+ ") else "-" + text[2:]
+
+
+@dataclass(frozen=True, order=True)
+class Constraint:
+    """``expr >= 0``, or ``expr == 0`` when ``eq``."""
+
+    expr: Affine
+    eq: bool = False
+
+    def normalized(self) -> Constraint | bool:
+        """Divide by the gcd of the coefficients (tightening the constant over the integers).
+
+        Returns True or False for constraints without variables.
+        """
+        if not self.expr.terms:
+            return self.expr.const == 0 if self.eq else self.expr.const >= 0
+        g = 0
+        for _, c in self.expr.terms:
+            g = math.gcd(g, c)
+        if self.eq:
+            if self.expr.const % g:
+                return False
+            # Canonical sign: first coefficient positive.
+            sign = -1 if self.expr.terms[0][1] < 0 else 1
+            return Constraint(
+                Affine(tuple((v, sign * c // g) for v, c in self.expr.terms), sign * self.expr.const // g), True
+            )
+        return Constraint(Affine(tuple((v, c // g) for v, c in self.expr.terms), self.expr.const // g))
+
+    def negated(self) -> list[Constraint]:
+        """The complement over the integers, as a union of constraints."""
+        if self.eq:
+            return [Constraint(self.expr - 1), Constraint(-self.expr - 1)]
+        return [Constraint(-self.expr - 1)]
+
+    def holds(self, values: Mapping[str, np.ndarray | int]) -> np.ndarray | bool:
+        val = self.expr.evaluate(values)
+        return val == 0 if self.eq else val >= 0
+
+    def __str__(self) -> str:
+        pos = [(v, c) for v, c in self.expr.terms if c > 0]
+        neg = [(v, -c) for v, c in self.expr.terms if c < 0]
+        k = self.expr.const
+        if pos and neg:  # N - k' <= P + k  reads best as "t + 1 <= s"
+            op = "==" if self.eq else "<="
+            return f"{_render_sum(neg, max(0, -k))} {op} {_render_sum(pos, max(0, k))}"
+        if pos:
+            return f"{_render_sum(pos, 0)} {'==' if self.eq else '>='} {-k}"
+        return f"{_render_sum(neg, 0)} {'==' if self.eq else '<='} {k}"
+
+
+@dataclass(frozen=True)
+class Conj:
+    """A conjunction; the empty conjunction is true."""
+
+    constraints: tuple[Constraint, ...] = ()
+
+    @property
+    def vars(self) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for c in self.constraints:
+            out |= c.expr.vars
+        return out
+
+    def __str__(self) -> str:
+        return ", ".join(str(c) for c in self.constraints) if self.constraints else "true"
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A union of conjunctions.  ``Guard(())`` is false; ``Guard((Conj(),))`` is true."""
+
+    conjs: tuple[Conj, ...]
+
+    @staticmethod
+    def true() -> Guard:
+        return Guard((Conj(),))
+
+    @staticmethod
+    def false() -> Guard:
+        return Guard(())
+
+    @staticmethod
+    def of(constraints: Iterable[Constraint]) -> Guard:
+        return Guard((Conj(tuple(constraints)),))
+
+    @property
+    def is_true(self) -> bool:
+        return any(not c.constraints for c in self.conjs)
+
+    @property
+    def is_false(self) -> bool:
+        return not self.conjs
+
+    @property
+    def vars(self) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for c in self.conjs:
+            out |= c.vars
+        return out
+
+    def __and__(self, other: Guard) -> Guard:
+        return Guard(tuple(Conj(a.constraints + b.constraints) for a in self.conjs for b in other.conjs))
+
+    def __or__(self, other: Guard) -> Guard:
+        return Guard(self.conjs + other.conjs)
+
+    def substitute(self, mapping: Mapping[str, Affine]) -> Guard:
+        return Guard(
+            tuple(
+                Conj(tuple(Constraint(c.expr.substitute(mapping), c.eq) for c in conj.constraints))
+                for conj in self.conjs
+            )
+        )
+
+    def rename(self, mapping: Mapping[str, str]) -> Guard:
+        return self.substitute({k: Affine.var(v) for k, v in mapping.items()})
+
+    def __str__(self) -> str:
+        if self.is_false:
+            return "false"
+        if len(self.conjs) == 1:
+            return str(self.conjs[0])
+        return " or ".join(f"({c})" if len(c.constraints) > 1 else str(c) for c in self.conjs)
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def mask(self, order: Sequence[str], box: Box) -> np.ndarray | bool:
+        """Boolean array over the variables ``order`` (each axis its extent, or 1 if the guard
+        does not mention it), or a plain bool when the guard is constant."""
+        if self.is_true:
+            return True
+        if self.is_false:
+            return False
+        values: dict[str, np.ndarray] = {}
+        for k, v in enumerate(order):
+            shape = [1] * len(order)
+            shape[k] = box[v]
+            values[v] = np.arange(box[v], dtype=np.int64).reshape(shape)
+        out: np.ndarray | bool = False
+        for conj in self.conjs:
+            m: np.ndarray | bool = True
+            for c in conj.constraints:
+                m = np.logical_and(m, c.holds(values))
+            out = np.logical_or(out, m)
+        return out
+
+    def count(self, box: Box) -> int:
+        """The exact number of points of the box that satisfy the guard."""
+        involved = sorted(self.vars)
+        free = math.prod(box[v] for v in box if v not in self.vars)
+        if self.is_false:
+            return 0
+        if self.is_true:
+            return math.prod(box.values())
+        return free * _count_union([c.constraints for c in self.conjs], involved, box)
+
+    # -- symbolic reasoning ------------------------------------------------------------------
+
+    def simplify(self, box: Box) -> Guard:
+        """Normalize, drop what the box implies, drop empty pieces, merge complementary ones."""
+        conjs: list[Conj] = []
+        for conj in self.conjs:
+            simple = _simplify_conj(conj, box)
+            if simple is not None:
+                conjs.append(simple)
+        return Guard(_merge(conjs, box))
+
+    def project(self, keep: Iterable[str], box: Box) -> tuple[Guard, bool]:
+        """The guard's shadow on the variables ``keep``: exists the others within the box.
+
+        Returns the projection and whether it is exact over the integers (Fourier-Motzkin is
+        exact when every eliminated variable has a unit coefficient on one side).
+        """
+        keep = frozenset(keep)
+        exact = True
+        conjs: list[Conj] = []
+        for conj in self.conjs:
+            cons: list[Constraint] | None = list(conj.constraints)
+            for v in sorted(conj.vars - keep):
+                assert cons is not None
+                bounds = [Constraint(Affine.var(v)), Constraint(Affine.var(v, -1) + (box[v] - 1))]
+                cons, ok = _eliminate(cons + bounds, v)
+                exact &= ok
+                if cons is None:
+                    break
+            if cons is not None:
+                conjs.append(Conj(tuple(cons)))
+        return Guard(tuple(conjs)).simplify({v: n for v, n in box.items() if v in keep}), exact
+
+    def feasible(self, box: Box) -> bool:
+        """Rational feasibility inside the box (exact for unit coefficients)."""
+        projected, _ = self.project((), box)
+        return not projected.is_false
+
+
+def _eliminate(cons: list[Constraint], v: str) -> tuple[list[Constraint] | None, bool]:
+    """Remove ``v`` from a conjunction.  Returns None if it becomes infeasible."""
+    eqs = [c for c in cons if c.eq and c.expr.coef(v)]
+    if eqs:
+        unit = next((c for c in eqs if abs(c.expr.coef(v)) == 1), None)
+        if unit is not None:
+            a = unit.expr.coef(v)
+            # a*v + rest == 0  =>  v = -rest / a
+            others = Affine(tuple((w, c) for w, c in unit.expr.terms if w != v), unit.expr.const)
+            value = others.scale(-a)  # a is +-1 so 1/a == a
+            out = [Constraint(c.expr.substitute({v: value}), c.eq) for c in cons if c is not unit]
+            return _clean(out), True
+        # Non-unit equality: keep it as two inequalities (rational shadow).
+        cons = [c for c in cons if c not in eqs] + [d for c in eqs for d in (Constraint(c.expr), Constraint(-c.expr))]
+    lower = [c for c in cons if c.expr.coef(v) > 0]
+    upper = [c for c in cons if c.expr.coef(v) < 0]
+    rest = [c for c in cons if not c.expr.coef(v)]
+    exact = all(c.expr.coef(v) == 1 for c in lower) or all(c.expr.coef(v) == -1 for c in upper)
+    for lo in lower:
+        for up in upper:
+            a, b = lo.expr.coef(v), -up.expr.coef(v)
+            rest.append(Constraint(lo.expr.scale(b) + up.expr.scale(a)))
+    return _clean(rest), exact
+
+
+def _clean(cons: list[Constraint]) -> list[Constraint] | None:
+    out: list[Constraint] = []
+    for c in cons:
+        n = c.normalized()
+        if n is False:
+            return None
+        if isinstance(n, Constraint) and n not in out:
+            out.append(n)
+    return out
+
+
+def _simplify_conj(conj: Conj, box: Box) -> Conj | None:
+    cleaned = _clean(list(conj.constraints))
+    if cleaned is None:
+        return None
+    kept: list[Constraint] = []
+    for c in cleaned:
+        lo, hi = c.expr.bounds(box)
+        if c.eq:
+            if lo > 0 or hi < 0:
+                return None
+            if lo == hi == 0:
+                continue
+        else:
+            if hi < 0:
+                return None
+            if lo >= 0:
+                continue
+        kept.append(c)
+    kept = _drop_dominated(kept)
+    result = Conj(tuple(sorted(kept)))
+    if len(kept) > 1 and not _feasible_conj(result, box):
+        return None
+    return result
+
+
+def _drop_dominated(cons: list[Constraint]) -> list[Constraint]:
+    """Of inequalities with the same variable part keep the tightest (smallest constant)."""
+    best: dict[tuple[tuple[str, int], ...], Constraint] = {}
+    out: list[Constraint] = []
+    for c in cons:
+        if c.eq:
+            out.append(c)
+            continue
+        prev = best.get(c.expr.terms)
+        if prev is None or c.expr.const < prev.expr.const:
+            best[c.expr.terms] = c
+    return out + list(best.values())
+
+
+def _feasible_conj(conj: Conj, box: Box) -> bool:
+    cons: list[Constraint] | None = list(conj.constraints)
+    for v in sorted(conj.vars):
+        assert cons is not None
+        cons += [Constraint(Affine.var(v)), Constraint(Affine.var(v, -1) + (box[v] - 1))]
+        cons, _ = _eliminate(cons, v)
+        if cons is None:
+            return False
+    return True
+
+
+def _merge(conjs: list[Conj], box: Box) -> tuple[Conj, ...]:
+    """Drop pieces contained in others and merge ``A and c`` with ``A and not c``."""
+    changed = True
+    pieces = list(dict.fromkeys(conjs))
+    while changed:
+        changed = False
+        if any(not p.constraints for p in pieces):
+            return (Conj(),)
+        for a, b in itertools.permutations(pieces, 2):
+            if set(b.constraints) <= set(a.constraints):  # a implies b
+                pieces.remove(a)
+                changed = True
+                break
+            merged = _merge_pair(a, b, box)
+            if merged is not None:
+                pieces.remove(a)
+                pieces.remove(b)
+                pieces.append(merged)
+                changed = True
+                break
+    return tuple(sorted(pieces, key=str))
+
+
+def _merge_pair(a: Conj, b: Conj, box: Box) -> Conj | None:
+    sa, sb = set(a.constraints), set(b.constraints)
+    only_a, only_b = sa - sb, sb - sa
+    if len(only_a) != 1 or len(only_b) != 1:
+        return None
+    (ca,), (cb,) = only_a, only_b
+    neg = ca.negated()
+    if len(neg) == 1 and neg[0].normalized() == cb:
+        return _simplify_conj(Conj(tuple(sorted(sa & sb))), box) or Conj()
+    return None
+
+
+# -- counting -----------------------------------------------------------------------------------
+
+_ENUM_LIMIT = 1 << 22
+
+
+def _count_union(conjs: list[tuple[Constraint, ...]], order: list[str], box: Box) -> int:
+    """Points of the box over ``order`` inside the union, by inclusion-exclusion over the pieces;
+    each intersection is counted by enumerating all variables but one, whose feasible set is an
+    interval."""
+    total = 0
+    for r in range(1, len(conjs) + 1):
+        for subset in itertools.combinations(conjs, r):
+            cons = tuple(c for piece in subset for c in piece)
+            total += (-1) ** (r + 1) * _count_conj(cons, order, box)
+    return total
+
+
+def _count_conj(cons: tuple[Constraint, ...], order: list[str], box: Box) -> int:
+    if not order:
+        return int(all(bool(c.holds({})) for c in cons))
+    last = max(order, key=lambda v: box[v])
+    outer = [v for v in order if v != last]
+    n_outer = math.prod(box[v] for v in outer)
+    if n_outer > _ENUM_LIMIT:
+        raise OverflowError("support too large to count exactly")
+    values: dict[str, np.ndarray] = {}
+    grids = np.meshgrid(*[np.arange(box[v], dtype=np.int64) for v in outer], indexing="ij") if outer else []
+    for v, g in zip(outer, grids, strict=True):
+        values[v] = g.ravel()
+    size = n_outer
+    lo = np.zeros(size, dtype=np.int64)
+    hi = np.full(size, box[last] - 1, dtype=np.int64)
+    ok = np.ones(size, dtype=bool)
+    for c in cons:
+        a = c.expr.coef(last)
+        rest = Affine(tuple((w, k) for w, k in c.expr.terms if w != last), c.expr.const)
+        r = np.broadcast_to(np.asarray(rest.evaluate(values), dtype=np.int64), (size,))
+        if a == 0:
+            ok &= (r == 0) if c.eq else (r >= 0)
+        elif c.eq:
+            exact = (-r % a) == 0
+            val = -r // a
+            ok &= exact
+            lo = np.maximum(lo, val)
+            hi = np.minimum(hi, val)
+        elif a > 0:  # a*x + r >= 0  =>  x >= ceil(-r / a)
+            lo = np.maximum(lo, -(r // a))
+        else:  # a*x + r >= 0 with a < 0  =>  x <= floor(r / -a)
+            hi = np.minimum(hi, r // (-a))
+    return int(np.where(ok, np.maximum(hi - lo + 1, 0), 0).sum())

@@ -1,0 +1,315 @@
+"""The join-agg graph: what every rule of a program computes, in a form planners can split.
+
+A :class:`JoinAgg` is one rule.  Its *join space* is the box of its :class:`Index` es; each input
+is an :class:`Access` that maps the join indices to the axes of a relation (a composite axis such
+as ``wq[(h,e),d]`` is a view over the finer indices ``h`` and ``e``, never a copy); a scalar DAG
+combines the inputs at every point; the aggregation folds the indices that the head does not keep;
+and the *effective guard* says which points exist at all (user guards plus the supports of the
+relations read).  Planning later splits the join space into blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from edatalog.ir import dtypes
+from edatalog.ir.affine import Affine, Guard
+from edatalog.ir.scalar import ScalarExpr
+
+if TYPE_CHECKING:
+    from edatalog.ir.cost import NodeCost
+
+AGG_NAMES = {"=": None, "+=": "sum", "*=": "prod", "max=": "max", "min=": "min"}
+
+
+class VerifyError(Exception):
+    """An IR invariant is broken: a compiler bug, never a user mistake."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise VerifyError(msg)
+
+
+@dataclass(frozen=True)
+class Index:
+    """A join index with its extent and the symbolic form of the extent (``S``, ``H*E``)."""
+
+    name: str
+    extent: int
+    symbol: str
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.symbol}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One component of an axis: a join index, or a fixed position ``const`` of a given extent."""
+
+    index: str | None
+    const: int | None
+    extent: int
+
+    def __str__(self) -> str:
+        return self.index if self.index is not None else str(self.const)
+
+
+@dataclass(frozen=True)
+class AxisMap:
+    """How one axis of a relation is addressed: row-major over its parts (first part major)."""
+
+    parts: tuple[Part, ...]
+
+    @property
+    def extent(self) -> int:
+        return math.prod(p.extent for p in self.parts)
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return tuple(p.index for p in self.parts if p.index is not None)
+
+    def affine(self) -> Affine:
+        """The axis coordinate as an affine function of the join indices."""
+        out = Affine()
+        stride = 1
+        for p in reversed(self.parts):
+            out = out + (Affine.var(p.index, stride) if p.index is not None else Affine((), stride * (p.const or 0)))
+            stride *= p.extent
+        return out
+
+    def __str__(self) -> str:
+        inner = ",".join(str(p) for p in self.parts)
+        return f"({inner})" if len(self.parts) > 1 else inner
+
+
+@dataclass(frozen=True)
+class Access:
+    """An input of a join-agg: a relation read through one :class:`AxisMap` per axis."""
+
+    relation: str
+    axes: tuple[AxisMap, ...]
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i for ax in self.axes for i in ax.indices))
+
+    def __str__(self) -> str:
+        return f"{self.relation}[{','.join(str(a) for a in self.axes)}]"
+
+
+@dataclass(frozen=True)
+class JoinAgg:
+    """One rule, compiled.  ``name`` is unique in the graph; ``out`` is the relation written."""
+
+    name: str
+    out: str
+    indices: tuple[Index, ...]
+    inputs: tuple[Access, ...]
+    expr: ScalarExpr
+    aggop: str
+    out_axes: tuple[AxisMap, ...]
+    guard: Guard
+    dtype: str
+    origin: str = field(default="", compare=False)
+
+    @property
+    def box(self) -> dict[str, int]:
+        return {i.name: i.extent for i in self.indices}
+
+    @property
+    def out_indices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i for ax in self.out_axes for i in ax.indices))
+
+    @property
+    def agg_indices(self) -> tuple[str, ...]:
+        kept = set(self.out_indices)
+        return tuple(i.name for i in self.indices if i.name not in kept)
+
+    @property
+    def agg(self) -> str | None:
+        """'sum', 'prod', 'max', 'min', or None for ``=``."""
+        return AGG_NAMES[self.aggop]
+
+    def index(self, name: str) -> Index:
+        return next(i for i in self.indices if i.name == name)
+
+    def head(self) -> str:
+        return f"{self.out}[{','.join(str(a) for a in self.out_axes)}]"
+
+    def body(self) -> str:
+        return self.expr.render(lambda k: str(self.inputs[k]))
+
+    def __str__(self) -> str:
+        where = "" if self.guard.is_true else f" where {self.guard}"
+        return f"{self.head()} {self.aggop} {self.body()}{where}"
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A tensor relation.  ``support`` (over ``axis_names``) is where its cells exist."""
+
+    name: str
+    kind: str  # "input" | "param" | "derived"
+    shape: tuple[int, ...]
+    symbols: tuple[str, ...]
+    dtype: str
+    axis_names: tuple[str, ...]
+    support: Guard
+    support_exact: bool = True
+    aggop: str | None = None  # how several rules for it combine; None for inputs and params
+    origin: str = field(default="", compare=False)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def box(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.shape, strict=True))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+    def __str__(self) -> str:
+        dims = ", ".join(self.symbols)
+        sup = "" if self.support.is_true else f"  support {self.support}"
+        return f"{self.kind} {self.name}[{dims}] : {self.dtype}{sup}"
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A compiled program: relations, join-agg nodes in dependency order, and outputs."""
+
+    relations: tuple[Relation, ...]
+    nodes: tuple[JoinAgg, ...]
+    outputs: tuple[str, ...]
+    dims: tuple[tuple[str, int], ...] = ()
+    consts: tuple[tuple[str, float], ...] = ()
+    source_name: str = field(default="", compare=False)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Relation]:
+        return {r.name: r for r in self.relations}
+
+    def relation(self, name: str) -> Relation:
+        return self._by_name[name]
+
+    def node(self, name: str) -> JoinAgg:
+        return next(n for n in self.nodes if n.name == name)
+
+    def producers(self, relation: str) -> tuple[JoinAgg, ...]:
+        return tuple(n for n in self.nodes if n.out == relation)
+
+    @property
+    def inputs(self) -> tuple[Relation, ...]:
+        return tuple(r for r in self.relations if r.kind == "input")
+
+    @property
+    def params(self) -> tuple[Relation, ...]:
+        return tuple(r for r in self.relations if r.kind == "param")
+
+    @cached_property
+    def costs(self) -> dict[str, NodeCost]:
+        from edatalog.ir.cost import graph_costs  # cost analysis reads the graph it describes
+
+        return graph_costs(self)
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Check every structural invariant; raises :class:`VerifyError` on the first broken one."""
+        names = [r.name for r in self.relations]
+        _check(len(set(names)) == len(names), "duplicate relation names")
+        node_names = [n.name for n in self.nodes]
+        _check(len(set(node_names)) == len(node_names), "duplicate node names")
+        for r in self.relations:
+            _check(r.kind in ("input", "param", "derived"), f"{r.name}: bad kind {r.kind}")
+            _check(r.dtype in dtypes.DTYPES, f"{r.name}: bad dtype {r.dtype}")
+            _check(all(n > 0 for n in r.shape), f"{r.name}: non-positive extent")
+            _check(len(r.symbols) == len(r.shape) == len(r.axis_names), f"{r.name}: rank mismatch")
+            _check(len(set(r.axis_names)) == len(r.axis_names), f"{r.name}: repeated axis names")
+            _check(r.support.vars <= set(r.axis_names), f"{r.name}: support names unknown axes")
+            producers = self.producers(r.name)
+            if r.kind == "derived":
+                _check(bool(producers), f"{r.name}: derived relation without a rule")
+                _check(all(p.aggop == r.aggop for p in producers), f"{r.name}: mixed aggops")
+            else:
+                _check(not producers, f"{r.name}: {r.kind} written by a rule")
+        done = {r.name for r in self.relations if r.kind != "derived"}
+        pending = {r.name: len(self.producers(r.name)) for r in self.relations if r.kind == "derived"}
+        for n in self.nodes:
+            self._verify_node(n, done)
+            pending[n.out] -= 1
+            if pending[n.out] == 0:
+                done.add(n.out)
+        for o in self.outputs:
+            _check(o in self._by_name, f"output {o} is not a relation")
+
+    def _verify_node(self, n: JoinAgg, done: set[str]) -> None:
+        where = f"node {n.name}"
+        box = n.box
+        _check(len(box) == len(n.indices), f"{where}: repeated index")
+        _check(all(i.extent > 0 for i in n.indices), f"{where}: non-positive index extent")
+        _check(n.aggop in AGG_NAMES, f"{where}: bad aggop {n.aggop}")
+        _check(n.out in self._by_name, f"{where}: writes unknown relation {n.out}")
+        out = self.relation(n.out)
+        _check(out.kind == "derived", f"{where}: writes {out.kind} {out.name}")
+        _check(n.dtype == out.dtype, f"{where}: dtype {n.dtype} but {out.name} is {out.dtype}")
+        used: set[str] = set(n.expr.index_values()) | n.guard.vars
+        for acc in (*n.inputs, Access(n.out, n.out_axes)):
+            _check(acc.relation in self._by_name, f"{where}: unknown relation {acc.relation}")
+            rel = self.relation(acc.relation)
+            _check(len(acc.axes) == rel.rank, f"{where}: {acc} has {len(acc.axes)} axes, {rel.name} has {rel.rank}")
+            for k, ax in enumerate(acc.axes):
+                _check(ax.extent == rel.shape[k], f"{where}: axis {k} of {acc} spans {ax.extent}, not {rel.shape[k]}")
+                for p in ax.parts:
+                    if p.index is None:
+                        _check(p.const is not None and 0 <= p.const < p.extent, f"{where}: bad constant part")
+                    else:
+                        _check(p.index in box, f"{where}: unknown index {p.index}")
+                        _check(box[p.index] == p.extent, f"{where}: {p.index} used with extent {p.extent}")
+                        used.add(p.index)
+        for acc in n.inputs:
+            _check(acc.relation in done, f"{where}: reads {acc.relation} before it is complete")
+        _check(set(box) <= used, f"{where}: unused index {set(box) - used}")
+        _check(n.guard.vars <= set(box), f"{where}: guard names unknown indices")
+        if n.aggop == "=":
+            _check(not n.agg_indices, f"{where}: '=' with aggregated indices {n.agg_indices}")
+        n.expr.verify(len(n.inputs), list(box))
+
+    # -- text -------------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        from edatalog.ir.printer import render_graph
+
+        return render_graph(self)
+
+    # -- JSON -------------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        from edatalog.ir.serialize import dumps
+
+        return dumps(self)
+
+    @staticmethod
+    def from_json(text: str) -> Graph:
+        from edatalog.ir.serialize import loads
+
+        graph = loads(text)
+        if not isinstance(graph, Graph):
+            raise ValueError("JSON does not hold a join-agg graph")
+        return graph
+
+    def fingerprint(self) -> str:
+        """A hash of what the graph computes (source locations excluded)."""
+        from edatalog.ir.serialize import encode
+
+        blob = json.dumps(encode(self, with_origins=False), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]

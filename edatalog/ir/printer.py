@@ -1,0 +1,47 @@
+"""The readable text form of a join-agg graph, one aligned line per node:
+
+q[b,s,h,e] += xn[b,s,d] * wq[(h,e),d]   sum d   2·B·S·D·H·E flops
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from edatalog.ir.cost import flops_formula
+
+if TYPE_CHECKING:
+    from edatalog.ir.graph import Graph
+
+
+def node_lines(graph: Graph) -> list[tuple[str, str, str]]:
+    rows = []
+    for n in graph.nodes:
+        agg = f"{n.agg} {','.join(n.agg_indices)}" if n.agg is not None and n.agg_indices else ""
+        rows.append((str(n), agg, f"{flops_formula(n, graph.costs[n.name])} flops"))
+    return rows
+
+
+def render_graph(graph: Graph) -> str:
+    lines: list[str] = []
+    if graph.dims:
+        lines.append("dim " + ", ".join(f"{k} = {v}" for k, v in graph.dims))
+    if graph.consts:
+        lines.append("const " + ", ".join(f"{k} = {v!r}" for k, v in graph.consts))
+    for r in graph.relations:
+        if r.kind != "derived":
+            lines.append(str(r))
+    rows = node_lines(graph)
+    if rows:
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        lines.append("")
+        for text, agg, flops in rows:
+            lines.append(f"{text:<{w0}}   {agg:<{w1}}   {flops}".rstrip())
+    partial = [r for r in graph.relations if r.kind == "derived" and not r.support.is_true]
+    if partial:
+        lines.append("")
+        lines.extend(f"support {r.name}[{','.join(r.axis_names)}]: {r.support}" for r in partial)
+    if graph.outputs:
+        lines.append("")
+        lines.append("output " + ", ".join(graph.outputs))
+    return "\n".join(lines)

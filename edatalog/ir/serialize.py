@@ -1,0 +1,78 @@
+"""JSON form of the IR: every frozen dataclass as an object tagged with its class name.
+
+Tuples become lists and come back as tuples; non-finite floats are spelled out, since JSON has
+no ``inf``.  Only the IR classes listed here can be decoded: loading a file never runs code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from edatalog.ir import affine, graph, scalar
+
+FORMAT = 1
+
+_CLASSES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        affine.Affine,
+        affine.Constraint,
+        affine.Conj,
+        affine.Guard,
+        scalar.ScalarExpr,
+        scalar.Load,
+        scalar.Const,
+        scalar.IndexValue,
+        scalar.Op,
+        graph.Index,
+        graph.Part,
+        graph.AxisMap,
+        graph.Access,
+        graph.JoinAgg,
+        graph.Relation,
+        graph.Graph,
+    )
+}
+
+
+def encode(obj: Any, *, with_origins: bool = True) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out: dict[str, Any] = {"$type": type(obj).__name__}
+        for f in dataclasses.fields(obj):
+            if not with_origins and not f.compare:
+                continue
+            out[f.name] = encode(getattr(obj, f.name), with_origins=with_origins)
+        return out
+    if isinstance(obj, (tuple, list)):
+        return [encode(x, with_origins=with_origins) for x in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"$float": repr(obj)}
+    return obj
+
+
+def decode(data: Any) -> Any:
+    if isinstance(data, list):
+        return tuple(decode(x) for x in data)
+    if isinstance(data, dict):
+        if "$float" in data:
+            return float(data["$float"])
+        name = data.get("$type")
+        cls = _CLASSES.get(name) if isinstance(name, str) else None
+        if cls is None:
+            raise ValueError(f"unknown IR object type {name!r}")
+        return cls(**{k: decode(v) for k, v in data.items() if k != "$type"})
+    return data
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps({"format": FORMAT, "ir": encode(obj)}, indent=1)
+
+
+def loads(text: str) -> Any:
+    data = json.loads(text)
+    if not isinstance(data, dict) or data.get("format") != FORMAT or "ir" not in data:
+        raise ValueError(f"not an edatalog IR file of format {FORMAT}")
+    return decode(data["ir"])

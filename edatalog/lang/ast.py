@@ -1,0 +1,185 @@
+"""The syntax tree of an ``.edl`` program, exactly as written, every node with its source span.
+
+The tree is deliberately dumb: names are unresolved strings and shapes are unevaluated
+expressions.  Meaning is given by the rule compiler (``edatalog.rules``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edatalog.errors import Source, Span
+
+# ---------------------------------------------------------------------------------------------
+# Expressions.  One grammar serves scalar bodies, dim expressions, extents and guards; each user
+# of an expression checks that only the forms it allows appear.
+
+
+@dataclass(frozen=True)
+class Num:
+    value: int | float
+    text: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class Name:
+    """An identifier used as a number: an index variable, a dim or a const."""
+
+    ident: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: str
+    args: tuple[Expr, ...]
+    span: Span
+    fn_span: Span
+
+
+@dataclass(frozen=True)
+class Unary:
+    op: str  # "-" | "not"
+    arg: Expr
+    span: Span
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str  # "+" "-" "*" "/" "^" "and" "or"
+    lhs: Expr
+    rhs: Expr
+    span: Span
+
+
+@dataclass(frozen=True)
+class Compare:
+    op: str  # "<" "<=" ">" ">=" "==" "!="
+    lhs: Expr
+    rhs: Expr
+    span: Span
+
+
+@dataclass(frozen=True)
+class Component:
+    """One component of an index position: a variable or an integer literal, maybe with an extent."""
+
+    var: str | None
+    literal: int | None
+    extent: Expr | None
+    span: Span
+
+    def __str__(self) -> str:
+        core = self.var if self.var is not None else str(self.literal)
+        return core if self.extent is None else f"{core}:{self.extent.span.text}"
+
+
+@dataclass(frozen=True)
+class Position:
+    """An index position of an atom: a single component, or a row-major composite ``(i, j, ...)``."""
+
+    components: tuple[Component, ...]
+    composite: bool
+    span: Span
+
+    def __str__(self) -> str:
+        inner = ",".join(str(c) for c in self.components)
+        return f"({inner})" if self.composite else inner
+
+
+@dataclass(frozen=True)
+class Atom:
+    """A relation reference ``name[pos, ...]`` in a head or a body."""
+
+    relation: str
+    positions: tuple[Position, ...]
+    span: Span
+    name_span: Span
+
+    def __str__(self) -> str:
+        return f"{self.relation}[{','.join(str(p) for p in self.positions)}]"
+
+
+Expr = Num | Name | Call | Unary | Binary | Compare | Atom
+
+# ---------------------------------------------------------------------------------------------
+# Statements.
+
+
+@dataclass(frozen=True)
+class Binding:
+    """``name = expr`` inside a ``dim`` or ``const`` declaration."""
+
+    name: str
+    expr: Expr
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True)
+class DimDecl:
+    items: tuple[Binding, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class ConstDecl:
+    items: tuple[Binding, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class RelationDecl:
+    """``input x[B, S, D] : f32`` or ``param w[F, D] : bf16``."""
+
+    kind: str  # "input" | "param"
+    name: str
+    shape: tuple[Expr, ...]
+    dtype: str
+    span: Span
+    name_span: Span
+    dtype_span: Span
+
+
+@dataclass(frozen=True)
+class OutputDecl:
+    names: tuple[tuple[str, Span], ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``head aggop body [where guard, ...]``."""
+
+    head: Atom
+    aggop: str  # "=" "+=" "*=" "max=" "min="
+    body: Expr
+    guards: tuple[Expr, ...]
+    span: Span
+    aggop_span: Span
+
+
+Statement = DimDecl | ConstDecl | RelationDecl | OutputDecl | Rule
+
+
+@dataclass(frozen=True)
+class Program:
+    source: Source
+    statements: tuple[Statement, ...]
+
+
+def walk(expr: Expr) -> list[Expr]:
+    """All sub-expressions of ``expr`` in pre-order (atoms are leaves)."""
+    out: list[Expr] = []
+    stack: list[Expr] = [expr]
+    while stack:
+        e = stack.pop()
+        out.append(e)
+        if isinstance(e, Call):
+            stack.extend(reversed(e.args))
+        elif isinstance(e, Unary):
+            stack.append(e.arg)
+        elif isinstance(e, (Binary, Compare)):
+            stack.extend((e.rhs, e.lhs))
+    return out

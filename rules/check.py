@@ -1,0 +1,279 @@
+"""Pass 2: rule structure.  Resolves every name a rule uses, checks arities, aggregation operators,
+index binding and dependencies, and orders the relations so each is computed after what it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edatalog.errors import Diagnostic, EdlError, Note, Span, did_you_mean
+from edatalog.ir.scalar import FUNCTIONS
+from edatalog.lang import ast
+from edatalog.rules.scope import BUILTIN_CONSTS, Scope
+
+
+@dataclass
+class RuleInfo:
+    """A rule with its atoms and index variables collected."""
+
+    index: int
+    rule: ast.Rule
+    atoms: tuple[ast.Atom, ...]  # body atoms, in reading order
+    vars: tuple[str, ...]  # index variables, head first, in order of first appearance
+    first: dict[str, Span]  # where each variable first appears
+
+    @property
+    def head(self) -> ast.Atom:
+        return self.rule.head
+
+
+@dataclass
+class Checked:
+    scope: Scope
+    rules: list[RuleInfo]
+    arity: dict[str, int]
+    by_head: dict[str, list[RuleInfo]]
+    order: list[str]  # derived relations, each after everything it reads
+    outputs: list[str]
+    warnings: list[Diagnostic] = field(default_factory=list)
+
+
+def body_atoms(expr: ast.Expr) -> list[ast.Atom]:
+    return [e for e in ast.walk(expr) if isinstance(e, ast.Atom)]
+
+
+def _vars_of(atom: ast.Atom) -> list[ast.Component]:
+    return [c for p in atom.positions for c in p.components if c.var is not None]
+
+
+def check_rules(scope: Scope) -> Checked:
+    heads: dict[str, ast.Rule] = {}
+    for r in scope.rules:
+        heads.setdefault(r.head.relation, r)
+    arity: dict[str, tuple[int, Span]] = {n: (len(d.shape), d.decl.span) for n, d in scope.decls.items()}
+    infos: list[RuleInfo] = []
+    for rule in scope.rules:
+        _check_head(rule, scope)
+        arity.setdefault(rule.head.relation, (len(rule.head.positions), rule.head.span))
+    for k, rule in enumerate(scope.rules):
+        infos.append(_check_rule(k, rule, scope, heads, arity))
+    by_head: dict[str, list[RuleInfo]] = {}
+    for info in infos:
+        by_head.setdefault(info.head.relation, []).append(info)
+    for rel, group in by_head.items():
+        first = group[0].rule
+        for info in group[1:]:
+            if info.rule.aggop != first.aggop:
+                raise EdlError(
+                    f"conflicting aggregation operators for '{rel}': {first.aggop} and {info.rule.aggop}",
+                    info.rule.aggop_span,
+                    help=f"every rule for '{rel}' must use the same operator; rules combine with it",
+                    notes=[Note(f"the first rule for '{rel}' uses {first.aggop}", first.aggop_span)],
+                )
+    order = _dependency_order(by_head)
+    outputs = _outputs(scope, by_head)
+    checked = Checked(scope, infos, {n: a for n, (a, _) in arity.items()}, by_head, order, outputs)
+    checked.warnings.extend(_unused(scope, infos, outputs))
+    return checked
+
+
+def _check_head(rule: ast.Rule, scope: Scope) -> None:
+    name = rule.head.relation
+    decl = scope.decls.get(name)
+    if decl is not None:
+        raise EdlError(
+            f"cannot assign to {decl.kind} '{name}'",
+            rule.head.name_span,
+            help=f"{decl.kind}s are given when the program runs; write the result to a new relation",
+            notes=[Note(f"'{name}' is declared as {decl.kind} here", decl.span)],
+        )
+    if name in scope.dims or name in scope.consts:
+        what = "dim" if name in scope.dims else "const"
+        raise EdlError(f"'{name}' is a {what}, not a relation", rule.head.name_span, help="rename the relation")
+
+
+def _check_rule(
+    k: int, rule: ast.Rule, scope: Scope, heads: dict[str, ast.Rule], arity: dict[str, tuple[int, Span]]
+) -> RuleInfo:
+    atoms = body_atoms(rule.body)
+    for atom in atoms:
+        if atom.relation not in scope.decls and atom.relation not in heads:
+            if atom.relation in scope.dims or atom.relation in scope.consts:
+                what = "dim" if atom.relation in scope.dims else "const"
+                raise EdlError(
+                    f"'{atom.relation}' is a {what}, not a relation",
+                    atom.name_span,
+                    help=f"use {atom.relation} without brackets",
+                )
+            pool = [*scope.decls, *heads]
+            raise EdlError(
+                f"undefined relation '{atom.relation}'",
+                atom.name_span,
+                help=did_you_mean(atom.relation, pool, "relations")
+                or f"declare it (input {atom.relation}[...] : f32.) or define it with a rule",
+            )
+    for atom in (rule.head, *atoms):
+        want, where = arity[atom.relation]
+        if len(atom.positions) != want:
+            raise EdlError(
+                f"wrong number of indices for '{atom.relation}': it has {want} ax{'i' if want == 1 else 'e'}s, "
+                f"but {len(atom.positions)} {'is' if len(atom.positions) == 1 else 'are'} given",
+                atom.span,
+                notes=[Note(f"'{atom.relation}' gets {want} ax{'i' if want == 1 else 'e'}s here", where)],
+            )
+    first: dict[str, Span] = {}
+    for atom in (rule.head, *atoms):
+        for c in _vars_of(atom):
+            assert c.var is not None
+            first.setdefault(c.var, c.span)
+            if c.var in scope.dims or c.var in scope.consts or c.var in BUILTIN_CONSTS:
+                what = "dim" if c.var in scope.dims else "const"
+                raise EdlError(
+                    f"index '{c.var}' has the name of a {what}",
+                    c.span,
+                    help=f"index variables must differ from dims and consts; rename it (e.g. '{c.var.lower()}')"
+                    if c.var.lower() != c.var
+                    else "rename the index",
+                )
+    info = RuleInfo(k, rule, tuple(atoms), tuple(first), first)
+    names = _check_expr(rule.body, info, scope, cond=False)
+    for g in rule.guards:
+        if not isinstance(g, ast.Compare):
+            raise EdlError(
+                "a guard must be a comparison such as 't <= s'", g.span, help="separate several guards with commas"
+            )
+        names |= _check_expr(g, info, scope, cond=True)
+    _check_binding(info, names)
+    return info
+
+
+def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[str]:
+    """Validate an expression; returns the index variables it uses by name."""
+    used: set[str] = set()
+    if isinstance(e, ast.Name):
+        if e.ident in info.first:
+            used.add(e.ident)
+        elif e.ident not in scope.dims and e.ident not in scope.consts and e.ident not in BUILTIN_CONSTS:
+            pool = [*info.vars, *scope.dims, *scope.consts, *BUILTIN_CONSTS]
+            raise EdlError(
+                f"undefined name '{e.ident}'",
+                e.span,
+                help=did_you_mean(e.ident, pool)
+                or "an index variable must appear in an index position of the rule; dims and consts must be declared",
+            )
+    elif isinstance(e, ast.Num | ast.Atom):
+        pass
+    elif isinstance(e, ast.Compare):
+        if not cond:
+            raise EdlError(
+                f"comparison '{e.op}' outside where(...)",
+                e.span,
+                help="comparisons select values in where(cond, a, b); to filter cells use a guard: 'rule where i < j.'",
+            )
+        used |= _check_expr(e.lhs, info, scope, False) | _check_expr(e.rhs, info, scope, False)
+    elif (isinstance(e, ast.Unary) and e.op == "not") or (isinstance(e, ast.Binary) and e.op in ("and", "or")):
+        if not cond:
+            raise EdlError(
+                f"'{e.op}' outside where(...)", e.span, help="logical operators combine conditions of where(cond, a, b)"
+            )
+        parts = [e.arg] if isinstance(e, ast.Unary) else [e.lhs, e.rhs]
+        for p in parts:
+            used |= _check_expr(p, info, scope, True)
+    elif isinstance(e, ast.Unary):
+        used |= _check_expr(e.arg, info, scope, False)
+    elif isinstance(e, ast.Binary):
+        used |= _check_expr(e.lhs, info, scope, False) | _check_expr(e.rhs, info, scope, False)
+    elif isinstance(e, ast.Call):
+        if e.fn not in FUNCTIONS:
+            raise EdlError(f"unknown function '{e.fn}'", e.fn_span, help=did_you_mean(e.fn, FUNCTIONS, "functions"))
+        if len(e.args) != FUNCTIONS[e.fn]:
+            n = FUNCTIONS[e.fn]
+            given = f"{len(e.args)} {'is' if len(e.args) == 1 else 'are'} given"
+            raise EdlError(f"{e.fn}() takes {n} argument{'s' if n > 1 else ''}, but {given}", e.span)
+        for pos, a in enumerate(e.args):
+            used |= _check_expr(a, info, scope, cond=e.fn == "where" and pos == 0)
+    return used
+
+
+def _check_binding(info: RuleInfo, named: set[str]) -> None:
+    rule = info.rule
+    head_vars = {c.var for c in _vars_of(rule.head)}
+    body_vars = {c.var for a in info.atoms for c in _vars_of(a)}
+    annotated = {c.var for c in _vars_of(rule.head) if c.extent is not None}
+    for c in _vars_of(rule.head):
+        if c.var not in body_vars and c.var not in named and c.var not in annotated:
+            raise EdlError(
+                f"head index '{c.var}' is not bound in the body",
+                c.span,
+                help=f"use '{c.var}' in the body, or give its range in the head ({c.var}:N) to broadcast",
+            )
+    if rule.aggop == "=":
+        for v in info.vars:
+            if v not in head_vars:
+                raise EdlError(
+                    f"index '{v}' is aggregated, but '=' does not aggregate",
+                    info.first[v],
+                    help=f"keep '{v}' in the head, or aggregate it with +=, max=, min= or *=",
+                )
+
+
+def _dependency_order(by_head: dict[str, list[RuleInfo]]) -> list[str]:
+    deps = {rel: [a for info in group for a in info.atoms if a.relation in by_head] for rel, group in by_head.items()}
+    order: list[str] = []
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[tuple[str, ast.Atom | None]] = []
+
+    def visit(rel: str, via: ast.Atom | None) -> None:
+        if state.get(rel) == 2:
+            return
+        if state.get(rel) == 1:
+            names = [r for r, _ in stack]
+            cycle = [*names[names.index(rel) :], rel]
+            assert via is not None
+            raise EdlError(
+                f"dependency cycle: {' -> '.join(cycle)}",
+                via.span,
+                help="edatalog programs are not recursive: a relation cannot depend on itself; "
+                "use a new name for the updated value",
+            )
+        state[rel] = 1
+        stack.append((rel, via))
+        for atom in deps[rel]:
+            visit(atom.relation, atom)
+        stack.pop()
+        state[rel] = 2
+        order.append(rel)
+
+    for rel in by_head:
+        visit(rel, None)
+    return order
+
+
+def _outputs(scope: Scope, by_head: dict[str, list[RuleInfo]]) -> list[str]:
+    for name, span in scope.outputs:
+        if name not in by_head and name not in scope.decls:
+            pool = [*by_head, *scope.decls]
+            raise EdlError(
+                f"output '{name}' is never defined",
+                span,
+                help=did_you_mean(name, pool, "relations") or f"add a rule for '{name}'",
+            )
+    if scope.outputs:
+        return [n for n, _ in scope.outputs]
+    read = {a.relation for group in by_head.values() for info in group for a in info.atoms}
+    return [rel for rel in by_head if rel not in read]
+
+
+def _unused(scope: Scope, infos: list[RuleInfo], outputs: list[str]) -> list[Diagnostic]:
+    read = {a.relation for info in infos for a in info.atoms} | set(outputs)
+    out = []
+    for name, decl in scope.decls.items():
+        if name not in read:
+            out.append(
+                Diagnostic(
+                    "warning",
+                    f"{decl.kind} '{name}' is never used",
+                    decl.span,
+                    help="remove it, or read it in a rule",
+                )
+            )
+    return out

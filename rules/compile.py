@@ -1,0 +1,116 @@
+"""The rule compiler: parsed program in, verified join-agg graph out.
+
+    scope -> check -> extents -> lower -> support -> verify
+
+Each pass lives in its own module and raises :class:`~edatalog.errors.EdlError` for the
+mistakes it is the first to see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from edatalog.errors import Diagnostic
+from edatalog.ir import dtypes
+from edatalog.ir.affine import Guard
+from edatalog.ir.graph import Graph, JoinAgg, Relation
+from edatalog.lang import ast
+from edatalog.rules.check import Checked, check_rules
+from edatalog.rules.extents import Extents, infer_extents
+from edatalog.rules.lower import lower_rule
+from edatalog.rules.scope import build_scope
+from edatalog.rules.support import check_disjoint, effective_guard, head_support
+
+
+def compile_program(
+    program: ast.Program,
+    dims: Mapping[str, int] | None = None,
+    consts: Mapping[str, float] | None = None,
+) -> tuple[Graph, list[Diagnostic]]:
+    scope = build_scope(program, dims, consts)
+    checked = check_rules(scope)
+    extents = infer_extents(checked)
+    graph = _build_graph(checked, extents, program.source.name)
+    graph.verify()
+    return graph, checked.warnings
+
+
+def _default_float(checked: Checked) -> str:
+    floats = [d.dtype for d in checked.scope.decls.values() if dtypes.kind(d.dtype) == "float"]
+    best = "f32"
+    for f in floats:
+        if f == "f64":
+            return "f64"
+    return floats[0] if floats and all(f == floats[0] for f in floats) else best
+
+
+def _axis_names(names: list[str | None]) -> tuple[str, ...]:
+    out: list[str] = []
+    for k, n in enumerate(names):
+        out.append(n if n is not None and n not in out and not n.startswith("a") else f"a{k}")
+    # A generated name could collide with a kept one; fall back to positional names then.
+    return tuple(out) if len(set(out)) == len(out) else tuple(f"a{k}" for k in range(len(out)))
+
+
+def _build_graph(checked: Checked, ext: Extents, source_name: str) -> Graph:
+    scope = checked.scope
+    relations: dict[str, Relation] = {}
+    for name, d in scope.decls.items():
+        guesses = [s.lower() if s.isidentifier() else None for s in d.symbols]
+        relations[name] = Relation(
+            name, d.kind, d.shape, d.symbols, d.dtype, _axis_names(guesses), Guard.true(), origin=str(d.span)
+        )
+    rel_dtype = {n: r.dtype for n, r in relations.items()}
+    default_float = _default_float(checked)
+    nodes: list[JoinAgg] = []
+    for rel in checked.order:
+        group = checked.by_head[rel]
+        names = [rel] if len(group) == 1 else [f"{rel}#{k + 1}" for k in range(len(group))]
+        lowered = [
+            lower_rule(info, n, scope, ext, rel_dtype, default_float) for info, n in zip(group, names, strict=True)
+        ]
+        dtype = lowered[0].node.dtype
+        for lw in lowered[1:]:
+            dtype = dtypes.promote(dtype, lw.node.dtype)
+        rel_dtype[rel] = dtype
+        arity = checked.arity[rel]
+        head = group[0].head
+        axis_names = _axis_names(
+            [p.components[0].var if not p.composite and p.components[0].var else None for p in head.positions]
+        )
+        rel_nodes = []
+        support = Guard.false()
+        exact = True
+        for lw in lowered:
+            node = dataclasses.replace(lw.node, dtype=dtype)
+            node = dataclasses.replace(node, guard=effective_guard(node, relations))
+            piece, ok = head_support(node, axis_names)
+            support, exact = support | piece, exact and ok
+            rel_nodes.append(node)
+        shape = tuple(ext.axis[(rel, k)][0] for k in range(arity))
+        symbols = tuple(ext.axis[(rel, k)][1] for k in range(arity))
+        if group[0].rule.aggop == "=" and len(rel_nodes) > 1:
+            check_disjoint(rel, rel_nodes, [info.head.span for info in group])
+        relations[rel] = Relation(
+            rel,
+            "derived",
+            shape,
+            symbols,
+            dtype,
+            axis_names,
+            support.simplify(dict(zip(axis_names, shape, strict=True))),
+            exact,
+            group[0].rule.aggop,
+            origin=str(head.span),
+        )
+        nodes.extend(rel_nodes)
+    order = [*scope.decls, *checked.order]
+    return Graph(
+        tuple(relations[n] for n in order),
+        tuple(nodes),
+        tuple(checked.outputs),
+        tuple((k, v.value) for k, v in scope.dims.items()),
+        tuple((k, v.value) for k, v in scope.consts.items()),
+        source_name,
+    )

@@ -1,0 +1,294 @@
+"""Pass 3: extents.  Infers the extent of every index variable and every relation axis.
+
+Extents flow through equalities (an index used at an axis has that axis's extent) and through
+composites (an axis used as ``(h, e)`` spans ``|h| * |e|``), across all rules at once, until
+nothing changes.  When a composite still has several unknown parts and its axis was declared as a
+product with as many factors (``wq[H * E, D]`` read as ``wq[(h, e), d]``), the parts take the
+factors in order.  Every extent remembers where it came from, so a conflict names both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from edatalog.errors import EdlError, Note, Span
+from edatalog.lang import ast
+from edatalog.rules.check import Checked, RuleInfo
+from edatalog.rules.scope import dim_symbol, eval_dim
+
+Key = Hashable  # ("var", rule, name) | ("axis", relation, k) | ("lit", rule, atom, pos, comp)
+
+
+@dataclass(frozen=True)
+class Origin:
+    what: str  # human description: "axis 0 of x, declared S"
+    span: Span | None
+
+
+@dataclass
+class _Class:
+    value: int | None = None
+    symbol: str | None = None
+    origin: Origin | None = None
+    factors: tuple[tuple[int, str], ...] | None = None  # declared product, e.g. ((32,"H"),(128,"E"))
+
+
+@dataclass(frozen=True)
+class _Product:
+    axis: Key
+    parts: tuple[Key, ...]
+    span: Span  # the composite position
+    atom: ast.Atom
+    axis_no: int
+
+
+@dataclass
+class Extents:
+    var: dict[tuple[int, str], tuple[int, str]]  # (rule, var) -> (extent, symbol)
+    axis: dict[tuple[str, int], tuple[int, str]]  # (relation, axis) -> (extent, symbol)
+    part: dict[tuple[int, int, int, int], int]  # (rule, atom, pos, comp) -> extent of that component
+
+
+class _Solver:
+    def __init__(self) -> None:
+        self.parent: dict[Key, Key] = {}
+        self.cls: dict[Key, _Class] = {}
+        self.products: list[_Product] = []
+
+    def find(self, k: Key) -> Key:
+        self.parent.setdefault(k, k)
+        self.cls.setdefault(k, _Class())
+        root = k
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[k] != root:
+            self.parent[k], k = root, self.parent[k]
+        return root
+
+    def get(self, k: Key) -> _Class:
+        return self.cls[self.find(k)]
+
+    def assign(self, k: Key, value: int, symbol: str, origin: Origin, what: str) -> bool:
+        c = self.get(k)
+        if c.value is None:
+            c.value, c.symbol, c.origin = value, symbol, origin
+            return True
+        if c.value != value:
+            raise _mismatch(what, c, value, symbol, origin)
+        return False
+
+    def union(self, a: Key, b: Key, what: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return
+        ca, cb = self.cls[ra], self.cls[rb]
+        if ca.value is not None and cb.value is not None and ca.value != cb.value:
+            assert cb.symbol is not None and cb.origin is not None
+            raise _mismatch(what, ca, cb.value, cb.symbol, cb.origin)
+        self.parent[rb] = ra
+        if ca.value is None:
+            ca.value, ca.symbol, ca.origin = cb.value, cb.symbol, cb.origin
+        ca.factors = ca.factors or cb.factors
+
+
+def _mismatch(what: str, c: _Class, value: int, symbol: str, origin: Origin) -> EdlError:
+    assert c.origin is not None
+    first = f"{c.symbol} = {c.value}" if c.symbol != str(c.value) else str(c.value)
+    second = f"{symbol} = {value}" if symbol != str(value) else str(value)
+    span = origin.span or c.origin.span
+    notes = [Note(f"extent {second} comes from {origin.what}", origin.span)]
+    notes.append(Note(f"extent {first} comes from {c.origin.what}", c.origin.span))
+    return EdlError(
+        f"extent mismatch for {what}: {first} from {c.origin.what}, but {second} from {origin.what}",
+        span,
+        notes=notes,
+    )
+
+
+def _factors(expr: ast.Expr) -> list[ast.Expr]:
+    if isinstance(expr, ast.Binary) and expr.op == "*":
+        return _factors(expr.lhs) + _factors(expr.rhs)
+    return [expr]
+
+
+def infer_extents(checked: Checked) -> Extents:
+    scope = checked.scope
+    s = _Solver()
+    # Declared shapes.
+    for name, decl in scope.decls.items():
+        for k, (value, expr) in enumerate(zip(decl.shape, decl.decl.shape, strict=True)):
+            axis_key = ("axis", name, k)
+            origin = Origin(f"axis {k} of {name}, declared {decl.symbols[k]}", expr.span)
+            s.assign(axis_key, value, decl.symbols[k], origin, f"axis {k} of {name}")
+            fs = _factors(expr)
+            if len(fs) > 1:
+                s.get(axis_key).factors = tuple((eval_dim(f, scope, f"the shape of {name}"), dim_symbol(f)) for f in fs)
+    # Uses of indices at axes, annotations and composites.
+    for info in checked.rules:
+        for a_no, atom in enumerate((info.head, *info.atoms)):
+            for k, pos in enumerate(atom.positions):
+                axis = ("axis", atom.relation, k)
+                s.find(axis)
+                keys = []
+                for c_no, comp in enumerate(pos.components):
+                    key: Key = (
+                        ("var", info.index, comp.var) if comp.var is not None else ("lit", info.index, a_no, k, c_no)
+                    )
+                    keys.append(key)
+                    s.find(key)
+                    if comp.extent is not None:
+                        value = eval_dim(comp.extent, scope, f"the extent of {comp}")
+                        sym = dim_symbol(comp.extent)
+                        s.assign(key, value, sym, Origin(f"the annotation {comp}", comp.extent.span), _name(comp))
+                if len(pos.components) == 1:
+                    s.union(axis, keys[0], f"index '{pos.components[0]}' at axis {k} of {atom.relation}")
+                else:
+                    s.products.append(_Product(axis, tuple(keys), pos.span, atom, k))
+    _propagate(s)
+    if _split_declared(s):
+        _propagate(s)
+    return _collect(checked, s)
+
+
+def _name(comp: ast.Component) -> str:
+    return f"index '{comp.var}'" if comp.var is not None else f"the literal part {comp.literal}"
+
+
+def _propagate(s: _Solver) -> None:
+    changed = True
+    while changed:
+        changed = False
+        for p in s.products:
+            axis = s.get(p.axis)
+            parts = [s.get(k) for k in p.parts]
+            unknown = [i for i, c in enumerate(parts) if c.value is None]
+            known = 1
+            for c in parts:
+                if c.value is not None:
+                    known *= c.value
+            where = Origin(f"the composite {_pos_text(p)} of {p.atom.relation}", p.span)
+            if not unknown:
+                sym = "*".join(_wrap(c.symbol) for c in parts)
+                if axis.value is None:
+                    changed |= s.assign(p.axis, known, sym, where, f"axis {p.axis_no} of {p.atom.relation}")
+                elif axis.value != known:
+                    raise _composite_error(p, axis, parts)
+            elif len(unknown) == 1 and axis.value is not None:
+                if axis.value % known:
+                    raise _composite_error(p, axis, parts)
+                value = axis.value // known
+                changed |= s.assign(p.parts[unknown[0]], value, str(value), where, _key_text(p.parts[unknown[0]]))
+
+
+def _wrap(sym: str | None) -> str:
+    sym = sym or "?"
+    return f"({sym})" if any(ch in sym for ch in "+-/") else sym
+
+
+def _pos_text(p: _Product) -> str:
+    return p.span.text
+
+
+def _composite_error(p: _Product, axis: _Class, parts: list[_Class]) -> EdlError:
+    sizes = " * ".join(str(c.value) if c.value is not None else "?" for c in parts)
+    known = 1
+    for c in parts:
+        known *= c.value or 1
+    notes = (
+        [
+            Note(
+                f"axis {p.axis_no} of {p.atom.relation} has extent {axis.value} from {axis.origin.what}",
+                axis.origin.span,
+            )
+        ]
+        if axis.origin
+        else []
+    )
+    for comp_c, comp in zip(parts, p.parts, strict=True):
+        if comp_c.origin is not None and comp_c.origin.span is not None and comp_c.origin.span != p.span:
+            notes.append(
+                Note(f"{_key_text(comp)} has extent {comp_c.value} from {comp_c.origin.what}", comp_c.origin.span)
+            )
+    return EdlError(
+        f"composite size mismatch: {_pos_text(p)} spans {sizes}"
+        + (f" = {known}" if all(c.value is not None for c in parts) else "")
+        + f", which does not fit axis {p.axis_no} of {p.atom.relation} (extent {axis.value})",
+        p.span,
+        help="the parts of a composite multiply to the axis extent, first part major",
+        notes=notes,
+    )
+
+
+def _key_text(k: Key) -> str:
+    assert isinstance(k, tuple)
+    return f"index '{k[2]}'" if k[0] == "var" else "a literal part"
+
+
+def _split_declared(s: _Solver) -> bool:
+    """Give unknown composite parts the factors of a declared product axis, in order."""
+    changed = False
+    for p in s.products:
+        axis = s.get(p.axis)
+        parts = [s.get(k) for k in p.parts]
+        if axis.factors is None or len(axis.factors) != len(parts) or sum(c.value is None for c in parts) < 2:
+            continue
+        if any(c.value is not None and c.value != f[0] for c, f in zip(parts, axis.factors, strict=True)):
+            continue
+        for key, c, (value, sym) in zip(p.parts, parts, axis.factors, strict=True):
+            if c.value is None:
+                origin = Origin(
+                    f"the declared shape {'*'.join(f for _, f in axis.factors)} of {p.atom.relation}",
+                    axis.origin.span if axis.origin else None,
+                )
+                s.assign(key, value, sym, origin, _key_text(key))
+                changed = True
+    return changed
+
+
+def _collect(checked: Checked, s: _Solver) -> Extents:
+    ext = Extents({}, {}, {})
+    for info in checked.rules:
+        for v in info.vars:
+            c = s.get(("var", info.index, v))
+            if c.value is None:
+                raise EdlError(
+                    f"cannot infer the extent of index '{v}'",
+                    info.first[v],
+                    help=f"give it where it first appears, e.g. {v}:N with N a dim; "
+                    "extents come from the declared shapes of the relations an index is used with",
+                )
+            ext.var[(info.index, v)] = (c.value, c.symbol or str(c.value))
+        for a_no, atom in enumerate((info.head, *info.atoms)):
+            for k, pos in enumerate(atom.positions):
+                axis = s.get(("axis", atom.relation, k))
+                if axis.value is None:
+                    raise EdlError(
+                        f"cannot infer the extent of axis {k} of '{atom.relation}'",
+                        pos.span,
+                        help="give the extent with an annotation such as 0:N",
+                    )
+                ext.axis[(atom.relation, k)] = (axis.value, axis.symbol or str(axis.value))
+                for c_no, comp in enumerate(pos.components):
+                    key = ("var", info.index, comp.var) if comp.var is not None else ("lit", info.index, a_no, k, c_no)
+                    c = s.get(key)
+                    if c.value is None:
+                        raise EdlError(
+                            f"cannot infer the extent of the literal part {comp.literal} of {pos.span.text}",
+                            comp.span,
+                            help=f"annotate it, e.g. {comp.literal}:2",
+                        )
+                    if comp.literal is not None and comp.literal >= c.value:
+                        raise EdlError(
+                            f"index {comp.literal} is out of range: "
+                            + (f"axis {k} of '{atom.relation}'" if len(pos.components) == 1 else "this composite part")
+                            + f" has extent {c.value}",
+                            comp.span,
+                        )
+                    ext.part[(info.index, a_no, k, c_no)] = c.value
+    return ext
+
+
+def rule_atoms(info: RuleInfo) -> tuple[ast.Atom, ...]:
+    """Head first, then body atoms: the numbering used by :attr:`Extents.part`."""
+    return (info.head, *info.atoms)

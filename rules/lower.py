@@ -1,0 +1,189 @@
+"""Pass 4: lowering.  Turns each checked rule into a :class:`~edatalog.ir.graph.JoinAgg` whose
+guard is still the user's own; :mod:`edatalog.rules.support` adds what the relations read imply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edatalog.errors import EdlError
+from edatalog.ir import dtypes
+from edatalog.ir.affine import Affine, Constraint, Guard
+from edatalog.ir.graph import Access, AxisMap, Index, JoinAgg, Part
+from edatalog.ir.scalar import BINARY, COMPARISONS, Const, ExprBuilder, IndexValue, Load, Op
+from edatalog.lang import ast
+from edatalog.rules.check import RuleInfo
+from edatalog.rules.extents import Extents
+from edatalog.rules.scope import BUILTIN_CONSTS, Scope
+
+# Functions that keep integers integral; everything else computes in floating point.
+_INTEGRAL = {"abs", "max", "min", "where", "relu"}
+
+
+@dataclass(frozen=True)
+class Lowered:
+    node: JoinAgg  # guard: the user's guards only; dtype: as computed from this rule alone
+    info: RuleInfo
+
+
+def lower_rule(
+    info: RuleInfo, name: str, scope: Scope, ext: Extents, rel_dtype: dict[str, str], default_float: str
+) -> Lowered:
+    rule = info.rule
+    indices = tuple(Index(v, *ext.var[(info.index, v)]) for v in info.vars)
+    atoms = (info.head, *info.atoms)
+
+    def axes(a_no: int) -> tuple[AxisMap, ...]:
+        atom = atoms[a_no]
+        maps = []
+        for k, pos in enumerate(atom.positions):
+            parts = []
+            for c_no, comp in enumerate(pos.components):
+                size = ext.part[(info.index, a_no, k, c_no)]
+                parts.append(Part(comp.var, comp.literal, size))
+            maps.append(AxisMap(tuple(parts)))
+        return tuple(maps)
+
+    accesses: list[Access] = []
+    load_of: dict[int, int] = {}  # id(atom) -> input number
+    for a_no, atom in enumerate(info.atoms, start=1):
+        acc = Access(atom.relation, axes(a_no))
+        if acc not in accesses:
+            accesses.append(acc)
+        load_of[id(atom)] = accesses.index(acc)
+
+    builder = ExprBuilder()
+    lowerer = _ExprLowerer(builder, set(info.vars), scope, load_of)
+    root = lowerer.lower(rule.body)
+    expr = builder.build(root)
+
+    dtype = _rule_dtype(rule.body, [rel_dtype[a.relation] for a in accesses], set(info.vars), scope, default_float)
+    guard = Guard.true()
+    for g in rule.guards:
+        assert isinstance(g, ast.Compare)
+        guard = guard & guard_of(g, set(info.vars), scope)
+    guard = guard.simplify({i.name: i.extent for i in indices})
+    node = JoinAgg(
+        name, rule.head.relation, indices, tuple(accesses), expr, rule.aggop, axes(0), guard, dtype, str(rule.span)
+    )
+    return Lowered(node, info)
+
+
+class _ExprLowerer:
+    def __init__(self, b: ExprBuilder, rule_vars: set[str], scope: Scope, load_of: dict[int, int]) -> None:
+        self.b, self.vars, self.scope, self.load_of = b, rule_vars, scope, load_of
+
+    def lower(self, e: ast.Expr) -> int:
+        b = self.b
+        if isinstance(e, ast.Num):
+            return b.add(Const(e.value))
+        if isinstance(e, ast.Name):
+            if e.ident in self.vars:
+                return b.add(IndexValue(e.ident))
+            if e.ident in self.scope.dims:
+                return b.add(Const(self.scope.dims[e.ident].value, e.ident))
+            if e.ident in self.scope.consts:
+                return b.add(Const(self.scope.consts[e.ident].value, e.ident))
+            return b.add(Const(BUILTIN_CONSTS[e.ident], e.ident))
+        if isinstance(e, ast.Atom):
+            return b.add(Load(self.load_of[id(e)]))
+        if isinstance(e, ast.Unary):
+            return b.add(Op("neg" if e.op == "-" else "not", (self.lower(e.arg),)))
+        if isinstance(e, ast.Binary):
+            return b.add(Op(BINARY[e.op], (self.lower(e.lhs), self.lower(e.rhs))))
+        if isinstance(e, ast.Compare):
+            return b.add(Op(COMPARISONS[e.op], (self.lower(e.lhs), self.lower(e.rhs))))
+        assert isinstance(e, ast.Call)
+        return b.add(Op(e.fn, tuple(self.lower(a) for a in e.args)))
+
+
+def _rule_dtype(body: ast.Expr, atom_dtypes: list[str], rule_vars: set[str], scope: Scope, default_float: str) -> str:
+    """Atoms set the type; numbers are weak.  Division, powers, transcendental functions and
+    fractional numbers need floats; index values and dims need at least integers."""
+    need = "bool"
+    for e in ast.walk(body):
+        if isinstance(e, ast.Num):
+            need = _max_kind(need, "float" if isinstance(e.value, float) else "int")
+        elif isinstance(e, ast.Name):
+            is_int = e.ident in rule_vars or e.ident in scope.dims
+            need = _max_kind(need, "int" if is_int else "float")
+        elif (isinstance(e, ast.Binary) and e.op in ("/", "^")) or (isinstance(e, ast.Call) and e.fn not in _INTEGRAL):
+            need = "float"
+    if not atom_dtypes:
+        return {"bool": "bool", "int": "i64", "float": default_float}[need]
+    dt = atom_dtypes[0]
+    for d in atom_dtypes[1:]:
+        dt = dtypes.promote(dt, d)
+    if _rank(need) > _rank(dtypes.kind(dt)):
+        return "i64" if need == "int" else default_float
+    return dt
+
+
+def _rank(kind: str) -> int:
+    return {"bool": 0, "int": 1, "float": 2}[kind]
+
+
+def _max_kind(a: str, b: str) -> str:
+    return a if _rank(a) >= _rank(b) else b
+
+
+# -- guards --------------------------------------------------------------------------------------
+
+
+def guard_of(g: ast.Compare, rule_vars: set[str], scope: Scope) -> Guard:
+    lhs = _affine(g.lhs, rule_vars, scope)
+    rhs = _affine(g.rhs, rule_vars, scope)
+    if g.op == "<":
+        return Guard.of([Constraint(rhs - lhs - 1)])
+    if g.op == "<=":
+        return Guard.of([Constraint(rhs - lhs)])
+    if g.op == ">":
+        return Guard.of([Constraint(lhs - rhs - 1)])
+    if g.op == ">=":
+        return Guard.of([Constraint(lhs - rhs)])
+    if g.op == "==":
+        return Guard.of([Constraint(lhs - rhs, eq=True)])
+    return Guard.of([Constraint(lhs - rhs - 1)]) | Guard.of([Constraint(rhs - lhs - 1)])
+
+
+def _affine(e: ast.Expr, rule_vars: set[str], scope: Scope) -> Affine:
+    help_text = "a guard compares sums of index variables times integers, dims and integers, e.g. 't <= s', 'i + j < N'"
+    if isinstance(e, ast.Num):
+        if isinstance(e.value, float):
+            raise EdlError(f"guards use whole numbers, not {e.text}", e.span, help=help_text)
+        return Affine((), e.value)
+    if isinstance(e, ast.Name):
+        if e.ident in rule_vars:
+            return Affine.var(e.ident)
+        if e.ident in scope.dims:
+            return Affine((), scope.dims[e.ident].value)
+        raise EdlError(f"guards may not use the const '{e.ident}'", e.span, help=help_text)
+    if isinstance(e, ast.Unary) and e.op == "-":
+        return -_affine(e.arg, rule_vars, scope)
+    if isinstance(e, ast.Binary) and e.op in "+-":
+        a, b = _affine(e.lhs, rule_vars, scope), _affine(e.rhs, rule_vars, scope)
+        return a + b if e.op == "+" else a - b
+    if isinstance(e, ast.Binary) and e.op == "*":
+        a, b = _affine(e.lhs, rule_vars, scope), _affine(e.rhs, rule_vars, scope)
+        if a.terms and b.terms:
+            raise EdlError(f"guard is not affine: '{e.span.text}' multiplies index variables", e.span, help=help_text)
+        return b.scale(a.const) if not a.terms else a.scale(b.const)
+    if isinstance(e, ast.Binary) and e.op == "/":
+        a, b = _affine(e.lhs, rule_vars, scope), _affine(e.rhs, rule_vars, scope)
+        if b.terms or b.const == 0:
+            raise EdlError(
+                f"guard is not affine: '{e.span.text}' divides by an index or by zero", e.span, help=help_text
+            )
+        if a.const % b.const or any(c % b.const for _, c in a.terms):
+            raise EdlError(
+                f"guard is not integral: '{e.span.text}' does not divide evenly",
+                e.span,
+                help="multiply both sides instead, e.g. 'i < 2 * j' rather than 'i / 2 < j'",
+            )
+        return Affine(tuple((v, c // b.const) for v, c in a.terms), a.const // b.const)
+    if isinstance(e, ast.Atom):
+        raise EdlError(
+            f"guards cannot read relations ('{e.relation}')",
+            e.span,
+            help="use where(cond, a, b) in the body to select on values",
+        )
+    raise EdlError(f"guard is not affine: '{e.span.text}'", e.span, help=help_text)

@@ -1,0 +1,300 @@
+"""Pass 1: declarations.  Evaluates dims and consts (with the caller's overrides) and the shapes of
+inputs and params; reports duplicates and undefined names."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from edatalog.errors import EdlError, Note, Span, did_you_mean
+from edatalog.ir.scalar import BINARY, FOLD, FUNCTIONS
+from edatalog.lang import ast
+
+BUILTIN_CONSTS = {"pi": math.pi, "inf": math.inf}
+
+
+@dataclass(frozen=True)
+class DimInfo:
+    name: str
+    value: int
+    span: Span | None  # None when given only as an override
+    overridden: bool = False
+
+
+@dataclass(frozen=True)
+class ConstInfo:
+    name: str
+    value: float
+    span: Span | None
+
+
+@dataclass(frozen=True)
+class RelDecl:
+    name: str
+    kind: str  # "input" | "param"
+    shape: tuple[int, ...]
+    symbols: tuple[str, ...]
+    dtype: str
+    decl: ast.RelationDecl
+
+    @property
+    def span(self) -> Span:
+        return self.decl.name_span
+
+
+@dataclass
+class Scope:
+    dims: dict[str, DimInfo] = field(default_factory=dict)
+    consts: dict[str, ConstInfo] = field(default_factory=dict)
+    decls: dict[str, RelDecl] = field(default_factory=dict)
+    outputs: list[tuple[str, Span]] = field(default_factory=list)
+    rules: list[ast.Rule] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [*self.dims, *self.consts, *self.decls]
+
+
+def dim_symbol(expr: ast.Expr, parent: int = 0) -> str:
+    """Compact text of a dim expression: ``H*E``, ``D/H``, ``(S+1)*2``."""
+    if isinstance(expr, ast.Num):
+        return expr.text
+    if isinstance(expr, ast.Name):
+        return expr.ident
+    if isinstance(expr, ast.Unary):
+        return "-" + dim_symbol(expr.arg, 3)
+    if isinstance(expr, ast.Binary):
+        prec = 1 if expr.op in "+-" else 2
+        text = f"{dim_symbol(expr.lhs, prec)}{expr.op}{dim_symbol(expr.rhs, prec + 1)}"
+        return f"({text})" if prec < parent else text
+    return expr.span.text
+
+
+class _Declared:
+    """Tracks every declared name for duplicate detection."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, tuple[str, Span]] = {}
+
+    def add(self, name: str, what: str, span: Span) -> None:
+        if name in BUILTIN_CONSTS:
+            raise EdlError(f"'{name}' is a built-in constant and cannot be declared", span, help="choose another name")
+        if name in FUNCTIONS:
+            raise EdlError(f"'{name}' is a built-in function and cannot be declared", span, help="choose another name")
+        prev = self.first.get(name)
+        if prev is not None:
+            raise EdlError(
+                f"duplicate declaration of '{name}'",
+                span,
+                help="each name is declared once; rename one of them",
+                notes=[Note(f"'{name}' was first declared here as a {prev[0]}", prev[1])],
+            )
+        self.first[name] = (what, span)
+
+
+def build_scope(
+    program: ast.Program,
+    dims: Mapping[str, int] | None = None,
+    consts: Mapping[str, float] | None = None,
+) -> Scope:
+    scope = Scope()
+    declared = _Declared()
+    dim_exprs: dict[str, ast.Binding] = {}
+    const_exprs: dict[str, ast.Binding] = {}
+    rel_decls: list[ast.RelationDecl] = []
+    for stmt in program.statements:
+        if isinstance(stmt, ast.DimDecl):
+            for b in stmt.items:
+                declared.add(b.name, "dim", b.name_span)
+                dim_exprs[b.name] = b
+        elif isinstance(stmt, ast.ConstDecl):
+            for b in stmt.items:
+                declared.add(b.name, "const", b.name_span)
+                const_exprs[b.name] = b
+        elif isinstance(stmt, ast.RelationDecl):
+            declared.add(stmt.name, stmt.kind, stmt.name_span)
+            rel_decls.append(stmt)
+        elif isinstance(stmt, ast.OutputDecl):
+            for name, span in stmt.names:
+                prev = next((s for n, s in scope.outputs if n == name), None)
+                if prev is not None:
+                    raise EdlError(
+                        f"duplicate declaration: '{name}' is already an output",
+                        span,
+                        help="list each output once",
+                        notes=[Note("first listed here", prev)],
+                    )
+                scope.outputs.append((name, span))
+        else:
+            scope.rules.append(stmt)
+
+    _check_overrides("dim", dims or {}, dim_exprs)
+    _check_overrides("const", consts or {}, const_exprs)
+    _DimEvaluator(dim_exprs, dict(dims or {}), scope).run()
+    _ConstEvaluator(const_exprs, dict(consts or {}), scope).run()
+    for d in rel_decls:
+        shape = tuple(eval_dim(e, scope, f"the shape of {d.name}") for e in d.shape)
+        scope.decls[d.name] = RelDecl(d.name, d.kind, shape, tuple(dim_symbol(e) for e in d.shape), d.dtype, d)
+    return scope
+
+
+def _check_overrides(what: str, given: Mapping[str, object], declared: Mapping[str, ast.Binding]) -> None:
+    for name, value in given.items():
+        if name not in declared:
+            raise EdlError(
+                f"unknown {what} '{name}' in the overrides",
+                help=did_you_mean(name, declared, f"{what}s") or f"the program declares no {what}s",
+            )
+        ok = isinstance(value, int) and not isinstance(value, bool) if what == "dim" else _is_number(value)
+        if not ok or (what == "dim" and isinstance(value, int) and value <= 0):
+            kind = "a positive integer" if what == "dim" else "a number"
+            raise EdlError(f"override of {what} '{name}' must be {kind}, not {value!r}", declared[name].name_span)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _DimEvaluator:
+    """Evaluates dims in dependency order, so ``E = D / H`` follows an override of ``D``."""
+
+    def __init__(self, exprs: dict[str, ast.Binding], overrides: dict[str, int], scope: Scope) -> None:
+        self.exprs, self.overrides, self.scope = exprs, overrides, scope
+        self.active: list[str] = []
+
+    def run(self) -> None:
+        for name in self.exprs:
+            self.value(name)
+
+    def value(self, name: str) -> int:
+        if name in self.scope.dims:
+            return self.scope.dims[name].value
+        b = self.exprs[name]
+        if name in self.overrides:
+            v = self.overrides[name]
+            self.scope.dims[name] = DimInfo(name, v, b.name_span, overridden=True)
+            return v
+        if name in self.active:
+            cycle = " -> ".join([*self.active[self.active.index(name) :], name])
+            raise EdlError(f"dim '{name}' is defined in terms of itself: {cycle}", b.name_span)
+        self.active.append(name)
+        v = eval_dim(b.expr, self.scope, f"dim {name}", lookup=self)
+        self.active.pop()
+        self.scope.dims[name] = DimInfo(name, v, b.name_span)
+        return v
+
+
+def eval_dim(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | None = None) -> int:
+    """Evaluate a dim expression (+ - * / of integers and dims) to a positive integer."""
+    v = _dim_value(expr, scope, what, lookup)
+    if v <= 0:
+        raise EdlError(f"{what} must be positive, but {dim_symbol(expr)} = {v}", expr.span)
+    return v
+
+
+def _dim_value(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | None) -> int:
+    if isinstance(expr, ast.Num):
+        if isinstance(expr.value, int):
+            return expr.value
+        raise EdlError(f"{what} must be a whole number, not {expr.text}", expr.span)
+    if isinstance(expr, ast.Name):
+        if lookup is not None and expr.ident in lookup.exprs:
+            return lookup.value(expr.ident)
+        if expr.ident in scope.dims:
+            return scope.dims[expr.ident].value
+        if expr.ident in scope.consts or expr.ident in BUILTIN_CONSTS:
+            raise EdlError(f"'{expr.ident}' is a const; {what} may use only dims and integers", expr.span)
+        raise EdlError(
+            f"undefined dim '{expr.ident}'",
+            expr.span,
+            help=did_you_mean(expr.ident, list(scope.dims) + (list(lookup.exprs) if lookup else []), "dims"),
+        )
+    if isinstance(expr, ast.Unary) and expr.op == "-":
+        return -_dim_value(expr.arg, scope, what, lookup)
+    if isinstance(expr, ast.Binary) and expr.op in "+-*/":
+        a = _dim_value(expr.lhs, scope, what, lookup)
+        b = _dim_value(expr.rhs, scope, what, lookup)
+        if expr.op == "+":
+            return a + b
+        if expr.op == "-":
+            return a - b
+        if expr.op == "*":
+            return a * b
+        if b == 0:
+            raise EdlError(f"division by zero in {what}: {dim_symbol(expr.rhs)} = 0", expr.span)
+        if a % b:
+            raise EdlError(
+                f"{what} is not a whole number: {dim_symbol(expr)} = {a} / {b}",
+                expr.span,
+                help="dims are integers; pick values that divide evenly",
+            )
+        return a // b
+    raise EdlError(f"{what} may use only + - * / on integers and dims", expr.span)
+
+
+class _ConstEvaluator:
+    def __init__(self, exprs: dict[str, ast.Binding], overrides: dict[str, float], scope: Scope) -> None:
+        self.exprs, self.overrides, self.scope = exprs, overrides, scope
+        self.active: list[str] = []
+
+    def run(self) -> None:
+        for name in self.exprs:
+            self.value(name)
+
+    def value(self, name: str) -> float:
+        if name in self.scope.consts:
+            return self.scope.consts[name].value
+        b = self.exprs[name]
+        if name in self.overrides:
+            v = float(self.overrides[name])
+        else:
+            if name in self.active:
+                cycle = " -> ".join([*self.active[self.active.index(name) :], name])
+                raise EdlError(f"const '{name}' is defined in terms of itself: {cycle}", b.name_span)
+            self.active.append(name)
+            raw = self.eval(b.expr, name)
+            self.active.pop()
+            if isinstance(raw, complex):
+                raise EdlError(f"const {name} is not a real number", b.expr.span)
+            v = float(raw)
+        self.scope.consts[name] = ConstInfo(name, v, b.name_span)
+        return v
+
+    def eval(self, e: ast.Expr, owner: str) -> float | bool:
+        if isinstance(e, ast.Num):
+            return e.value
+        if isinstance(e, ast.Name):
+            if e.ident in self.exprs:
+                return self.value(e.ident)
+            if e.ident in self.scope.dims:
+                return self.scope.dims[e.ident].value
+            if e.ident in BUILTIN_CONSTS:
+                return BUILTIN_CONSTS[e.ident]
+            pool = [*self.exprs, *self.scope.dims, *BUILTIN_CONSTS]
+            raise EdlError(
+                f"undefined name '{e.ident}' in const {owner}", e.span, help=did_you_mean(e.ident, pool, "names")
+            )
+        if isinstance(e, ast.Atom):
+            raise EdlError(
+                f"const {owner} cannot read relation '{e.relation}'",
+                e.span,
+                help="consts are numbers fixed before the program runs",
+            )
+        try:
+            if isinstance(e, ast.Unary):
+                return FOLD["neg" if e.op == "-" else "not"](self.eval(e.arg, owner))
+            if isinstance(e, ast.Binary):
+                return FOLD[BINARY[e.op]](self.eval(e.lhs, owner), self.eval(e.rhs, owner))
+            if isinstance(e, ast.Compare):
+                raise EdlError(f"const {owner} cannot be a comparison", e.span)
+            if isinstance(e, ast.Call):
+                if e.fn not in FUNCTIONS:
+                    raise EdlError(
+                        f"unknown function '{e.fn}'", e.fn_span, help=did_you_mean(e.fn, FUNCTIONS, "functions")
+                    )
+                if len(e.args) != FUNCTIONS[e.fn]:
+                    raise EdlError(f"{e.fn}() takes {FUNCTIONS[e.fn]} argument(s), not {len(e.args)}", e.span)
+                return FOLD[e.fn](*(self.eval(a, owner) for a in e.args))
+        except (ArithmeticError, ValueError) as exc:
+            raise EdlError(f"cannot evaluate const {owner}: {exc}", e.span) from None
+        raise EdlError(f"unexpected expression in const {owner}", e.span)
