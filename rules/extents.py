@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from edatalog.errors import EdlError, Note, Span
 from edatalog.lang import ast
 from edatalog.rules.check import Checked, RuleInfo
+from edatalog.rules.symbols import Symbols
 from edatalog.rules.scope import dim_symbol, eval_dim
 
 Key = Hashable  # ("var", rule, name) | ("axis", relation, k) | ("lit", rule, atom, pos, comp)
@@ -51,7 +52,8 @@ class Extents:
 
 
 class _Solver:
-    def __init__(self) -> None:
+    def __init__(self, symbols: Symbols) -> None:
+        self.symbols = symbols
         self.parent: dict[Key, Key] = {}
         self.cls: dict[Key, _Class] = {}
         self.products: list[_Product] = []
@@ -114,7 +116,7 @@ def _factors(expr: ast.Expr) -> list[ast.Expr]:
 
 def infer_extents(checked: Checked) -> Extents:
     scope = checked.scope
-    s = _Solver()
+    s = _Solver(Symbols({d.name: dim_symbol(d.expr) if d.expr is not None else None for d in scope.dims.values()}))
     # Declared shapes.
     for name, decl in scope.decls.items():
         for k, (value, expr) in enumerate(zip(decl.shape, decl.decl.shape, strict=True)):
@@ -139,15 +141,16 @@ def infer_extents(checked: Checked) -> Extents:
                     s.find(key)
                     if comp.extent is not None:
                         value = eval_dim(comp.extent, scope, f"the extent of {comp}")
-                        sym = dim_symbol(comp.extent)
+                        sym = s.symbols.simplify(dim_symbol(comp.extent))
                         s.assign(key, value, sym, Origin(f"the annotation {comp}", comp.extent.span), _name(comp))
                 if len(pos.components) == 1:
                     s.union(axis, keys[0], f"index '{pos.components[0]}' at axis {k} of {atom.relation}")
                 else:
                     s.products.append(_Product(axis, tuple(keys), pos.span, atom, k))
-    _propagate(s)
-    if _split_declared(s):
+    while True:
         _propagate(s)
+        if not _split_declared(s) and not _default_head_literals(s, checked):
+            break
     return _collect(checked, s)
 
 
@@ -169,7 +172,8 @@ def _propagate(s: _Solver) -> None:
                     known *= c.value
             where = Origin(f"the composite {_pos_text(p)} of {p.atom.relation}", p.span)
             if not unknown:
-                sym = "*".join(_wrap(c.symbol) for c in parts)
+                syms = [c.symbol or str(c.value) for c in parts]
+                sym = s.symbols.product(syms) or "*".join(_wrap(x) for x in syms)
                 if axis.value is None:
                     changed |= s.assign(p.axis, known, sym, where, f"axis {p.axis_no} of {p.atom.relation}")
                 elif axis.value != known:
@@ -178,7 +182,9 @@ def _propagate(s: _Solver) -> None:
                 if axis.value % known:
                     raise _composite_error(p, axis, parts)
                 value = axis.value // known
-                changed |= s.assign(p.parts[unknown[0]], value, str(value), where, _key_text(p.parts[unknown[0]]))
+                syms = [c.symbol or str(c.value) for c in parts if c.value is not None]
+                sym = s.symbols.quotient(axis.symbol or str(axis.value), syms) or str(value)
+                changed |= s.assign(p.parts[unknown[0]], value, sym, where, _key_text(p.parts[unknown[0]]))
 
 
 def _wrap(sym: str | None) -> str:
@@ -243,6 +249,30 @@ def _split_declared(s: _Solver) -> bool:
                 )
                 s.assign(key, value, sym, origin, _key_text(key))
                 changed = True
+    return changed
+
+
+def _default_head_literals(s: _Solver, checked: Checked) -> bool:
+    """Last resort for literal parts in heads (``r[(0, i)] = ...  r[(1, i)] = ...``): the smallest
+    extent that holds every literal written at that place by the relation's rules."""
+    groups: dict[tuple[str, int, int, int], list[tuple[Key, int, ast.Component]]] = {}
+    for info in checked.rules:
+        for k, pos in enumerate(info.head.positions):
+            for c_no, comp in enumerate(pos.components):
+                if comp.literal is not None:
+                    place = (info.head.relation, k, len(pos.components), c_no)
+                    groups.setdefault(place, []).append((("lit", info.index, 0, k, c_no), comp.literal, comp))
+    changed = False
+    for members in groups.values():
+        if any(s.get(key).value is None for key, _, _ in members):
+            size = max(lit for _, lit, _ in members) + 1
+            for key, _, comp in members:
+                if s.get(key).value is None:
+                    origin = Origin(
+                        f"the literals written at {comp.span.text} (smallest extent holding them)", comp.span
+                    )
+                    s.assign(key, size, str(size), origin, _key_text(key))
+                    changed = True
     return changed
 
 

@@ -19,7 +19,7 @@ class DimInfo:
     name: str
     value: int
     span: Span | None  # None when given only as an override
-    overridden: bool = False
+    expr: ast.Expr | None = None  # the definition; None when overridden
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class _DimEvaluator:
         b = self.exprs[name]
         if name in self.overrides:
             v = self.overrides[name]
-            self.scope.dims[name] = DimInfo(name, v, b.name_span, overridden=True)
+            self.scope.dims[name] = DimInfo(name, v, b.name_span)
             return v
         if name in self.active:
             cycle = " -> ".join([*self.active[self.active.index(name) :], name])
@@ -180,7 +180,7 @@ class _DimEvaluator:
         self.active.append(name)
         v = eval_dim(b.expr, self.scope, f"dim {name}", lookup=self)
         self.active.pop()
-        self.scope.dims[name] = DimInfo(name, v, b.name_span)
+        self.scope.dims[name] = DimInfo(name, v, b.name_span, b.expr)
         return v
 
 
