@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from edatalog.errors import EdlError, Note, Span
 from edatalog.lang import ast
 from edatalog.rules.check import Checked, RuleInfo
-from edatalog.rules.symbols import Symbols
 from edatalog.rules.scope import dim_symbol, eval_dim
+from edatalog.rules.symbols import Symbols
 
 Key = Hashable  # ("var", rule, name) | ("axis", relation, k) | ("lit", rule, atom, pos, comp)
 
