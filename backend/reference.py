@@ -244,7 +244,7 @@ def _contract(arrays: list[np.ndarray], ops: _Operands, out_vars: list[str]) -> 
         subs.append("".join(_LETTERS[k] for k in keep))
         spanned.update(ops.order[k] for k in keep)
     out_sub = "".join(_LETTERS[ops.order.index(v)] for v in out_vars if v in spanned)
-    result = np.einsum(",".join(subs) + "->" + out_sub, *squeezed, optimize=len(arrays) > 2)
+    result = np.einsum(",".join(subs) + "->" + out_sub, *squeezed, optimize=True)
     # Aggregated indices that no factor depends on multiply the sum by their extent.
     for v in ops.node.agg_indices:
         if v not in spanned:

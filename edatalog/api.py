@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -94,28 +94,34 @@ class Program:
         env = self.evaluate(values)
         return {name: env[name].data for name in self.outputs}
 
-    def random_inputs(self, seed: int = 0) -> dict[str, np.ndarray]:
+    def random_inputs(self, seed: int = 0, on_value: Callable[[str, int], None] | None = None) -> dict[str, np.ndarray]:
         """Random values for every input and param, scaled like a freshly initialized model:
         inputs ~ N(0, 1); matrix params ~ N(0, 1/fan_in) with fan_in the last axis (the PyTorch
-        ``Linear`` layout, out x in); vector params ~ 1 + N(0, 0.1²), like norm weights."""
+        ``Linear`` layout, out x in); vector params ~ 1 + N(0, 0.1²), like norm weights.
+        ``on_value(name, nbytes)`` is called after each value, for progress displays."""
         rng = np.random.default_rng(seed)
         out = {}
         for rel in self.inputs:
-            shape = rel.shape
-            kind = dtypes.kind(rel.dtype)
-            arr: np.ndarray
-            if kind == "bool":
-                arr = rng.random(shape) < 0.5
-            elif kind == "int":
-                arr = rng.integers(0, 16, size=shape)
-            elif rel.kind == "param" and len(shape) >= 2:
-                arr = rng.standard_normal(shape) / np.sqrt(shape[-1])
-            elif rel.kind == "param" and len(shape) == 1:
-                arr = 1.0 + 0.1 * rng.standard_normal(shape)
-            else:
-                arr = rng.standard_normal(shape)
-            out[rel.name] = np.asarray(arr).astype(dtypes.to_numpy(rel.dtype))
+            out[rel.name] = _random_value(rel, rng)
+            if on_value is not None:
+                on_value(rel.name, out[rel.name].nbytes)
         return out
+
+
+def _random_value(rel: Relation, rng: np.random.Generator) -> np.ndarray:
+    shape = rel.shape
+    kind = dtypes.kind(rel.dtype)
+    if kind == "bool":
+        return rng.random(shape) < 0.5
+    if kind == "int":
+        return rng.integers(0, 16, size=shape).astype(dtypes.to_numpy(rel.dtype))
+    gen = np.float64 if rel.dtype == "f64" else np.float32  # draw f32 directly: 7B weights draw in seconds
+    arr = rng.standard_normal(shape, dtype=gen)
+    if rel.kind == "param" and len(shape) >= 2:
+        arr *= gen(1.0 / np.sqrt(shape[-1]))
+    elif rel.kind == "param" and len(shape) == 1:
+        arr = gen(1.0) + gen(0.1) * arr
+    return arr.astype(dtypes.to_numpy(rel.dtype), copy=False)
 
 
 def _shape_text(rel: Relation) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyparsing as pp
 
-from edatalog.errors import EdlError, Source, Span
+from edatalog.errors import EdlError, Note, Source, Span
 from edatalog.lang import ast
 
 DTYPES = ("f64", "f32", "f16", "bf16", "i64", "i32", "bool")
@@ -106,18 +106,6 @@ def _list(item: pp.ParserElement) -> pp.ParserElement:
     return item + pp.ZeroOrMore(pp.Suppress(",") - item)
 
 
-def _left_assoc(operand: pp.ParserElement, ops: pp.ParserElement, name: str) -> pp.ParserElement:
-    def build(span: Span, t: pp.ParseResults) -> ast.Expr:
-        expr = t[0]
-        for k in range(1, len(t), 2):
-            rhs = t[k + 1]
-            op = t[k]
-            expr = ast.Binary(op, expr, rhs, expr.span.to(rhs.span))
-        return expr
-
-    return _node(operand + pp.ZeroOrMore(ops - operand), build, name)
-
-
 def _build_grammar() -> dict[str, pp.ParserElement]:
     pp.ParserElement.set_default_whitespace_chars(" \t\r\n")
     lbrack, rbrack = pp.Suppress("[").set_name("'['"), pp.Suppress("]").set_name("']'")
@@ -131,7 +119,14 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
     def number(span: Span, t: pp.ParseResults) -> ast.Num:
         text = t[0]
         is_float = any(c in text for c in ".eE")
-        return ast.Num(float(text) if is_float else int(text), text, span)
+        value = float(text) if is_float else int(text)
+        if is_float and value == float("inf"):
+            raise EdlError(
+                f"number {text} is too large for a floating-point value",
+                span,
+                help="the largest f64 is about 1.8e308; write inf for infinity",
+            )
+        return ast.Num(value, text, span)
 
     num = _node(pp.Regex(r"\d+(?:\.\d+)?(?:[eE][+-]?\d+)?"), number, "a number")
     integer = pp.Regex(r"\d+").set_name("an integer")
@@ -164,15 +159,23 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
 
     atom_ref = _node(name_tok + index_list, atom, "a relation reference")
 
-    def call(span: Span, t: pp.ParseResults) -> ast.Call:
+    # A name, a relation reference `name[...]` or a call `name(...)`: one alternative, decided by
+    # what follows the name, so operands never re-parse their name.
+    def named(span: Span, t: pp.ParseResults) -> ast.Expr:
         name, name_span = t[0]
-        return ast.Call(name, tuple(t[1:]), span, name_span)
+        if len(t) == 1:
+            return ast.Name(name, span)
+        kind, items = t[1]
+        if kind == "[":
+            return ast.Atom(name, items, span, name_span)
+        return ast.Call(name, items, span, name_span)
 
-    fn_tok = _tok_span(ident | pp.Keyword("where"), "a function name")
-    call_ref = _node(fn_tok + lpar - pp.Opt(_list(expr)) - rpar, call, "a function call")
-    name_ref = _node(ident, lambda sp, t: ast.Name(t[0], sp), "a name")
+    index_trailer = index_list.copy().add_parse_action(lambda t: [("[", tuple(t))])
+    call_trailer = (lpar - pp.Opt(_list(expr)) - rpar).add_parse_action(lambda t: [("(", tuple(t))])
+    name_or_where = _tok_span(ident | pp.Keyword("where"), "a name")
+    named_ref = _node(name_or_where + pp.Opt(index_trailer | call_trailer), named, "an operand")
     paren = lpar - expr - rpar
-    primary = (num | atom_ref | call_ref | name_ref | paren).set_name("an operand")
+    primary = (num | named_ref | paren).set_name("an operand")
 
     neg: pp.Forward = pp.Forward()
 
@@ -188,25 +191,17 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
 
     neg <<= _node((pp.Literal("-") + neg) | pow_expr, negate, "an operand")
     neg.set_name("an operand")
-    mul = _left_assoc(neg, pp.one_of("* /"), "an expression")
-    add = _left_assoc(mul, pp.one_of("+ -"), "an expression")
-    extent <<= add
-    extent.set_name("an extent")
-
-    def compare(span: Span, t: pp.ParseResults) -> ast.Expr:
-        if len(t) == 1:
-            return t[0]
-        return ast.Compare(t[1], t[0], t[2], span)
-
-    cmp = _node(add + pp.Opt(pp.one_of("<= >= == != < >") - add), compare, "an expression")
-    kw_not = pp.Keyword("not")
-    lnot: pp.Forward = pp.Forward()
-    lnot <<= _node((kw_not + lnot) | cmp, negate_word, "an expression")
-    lnot.set_name("an expression")
-    land = _left_assoc(lnot, pp.Keyword("and"), "an expression")
-    lor = _left_assoc(land, pp.Keyword("or"), "an expression")
-    expr <<= lor
+    # Binary operators are parsed flat (operand, op, operand, ...) and nested by precedence
+    # climbing in Python: one grammar level instead of six keeps pyparsing fast.
+    kw_not = _tok_span(pp.Keyword("not"), "'not'")
+    binop = (pp.one_of("<= >= == != < > + - * /") | pp.Keyword("and") | pp.Keyword("or")).set_name("an operator")
+    item = pp.Group(pp.ZeroOrMore(kw_not) + neg)
+    flat = item + pp.ZeroOrMore(binop - item)
+    expr <<= flat.copy().set_parse_action(_climb)
     expr.set_name("an expression")
+    extent <<= expr
+    extent.set_name("an extent")
+    add = expr
 
     # Statements.
     def bindings(kw: str, make: Callable[..., Any]) -> pp.ParserElement:
@@ -258,8 +253,41 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
     }
 
 
-def negate_word(span: Span, t: pp.ParseResults) -> ast.Expr:
-    return t[0] if len(t) == 1 else ast.Unary("not", t[1], span)
+_PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4, "+": 5, "-": 5, "*": 6, "/": 6}
+_NOT_PREC = 3  # `not a < b` is `not (a < b)`; `not a and b` is `(not a) and b`
+
+
+def _climb(text: str, loc: int, toks: pp.ParseResults) -> ast.Expr:
+    """Nest a flat ``item (op item)*`` by precedence; items are groups of ``not`` prefixes and an
+    operand, at even positions, with the operators between them."""
+    items = list(toks)
+    base = _WHERE.get().base
+
+    def operand(pos: int, k: int) -> tuple[ast.Expr, int]:
+        group = list(items[pos])
+        if k < len(group) - 1:  # a `not` prefix: it governs everything tighter than `and`
+            _, not_span = group[k]
+            arg, nxt = climb(pos, k + 1, _NOT_PREC + 1)
+            return ast.Unary("not", arg, not_span.to(arg.span)), nxt
+        return group[-1], pos + 1
+
+    def climb(pos: int, k: int, min_prec: int) -> tuple[ast.Expr, int]:
+        lhs, pos = operand(pos, k)
+        while pos < len(items) and _PREC[items[pos]] >= min_prec:
+            op = items[pos]
+            prec = _PREC[op]
+            rhs, nxt = climb(pos + 1, 0, prec + 1)
+            span = lhs.span.to(rhs.span)
+            if prec == _PREC["<"]:
+                if nxt < len(items) and _PREC[items[nxt]] == prec:
+                    raise pp.ParseFatalException(text, rhs.span.end - base, "comparisons do not chain; join them with 'and'")
+                lhs = ast.Compare(op, lhs, rhs, span)
+            else:
+                lhs = ast.Binary(op, lhs, rhs, span)
+            pos = nxt
+        return lhs, pos
+
+    return climb(0, 0, 0)[0]
 
 
 _GRAMMARS: dict[str, pp.ParserElement] | None = None
@@ -291,7 +319,7 @@ def parse(text: str, name: str = "<string>") -> ast.Program:
             statements.append(parse_statement(source, chunk))
         except EdlError as err:
             prev = chunks[k - 1] if k else None
-            if prev is not None and err.diagnostic.help is None and text[prev.end - 1 : prev.end].isdigit():
+            if prev is not None and _dangling_decimal(text, prev, chunk):
                 raise EdlError(
                     err.message,
                     err.span,
@@ -300,6 +328,19 @@ def parse(text: str, name: str = "<string>") -> ast.Program:
                 ) from None
             raise
     return ast.Program(source, tuple(statements))
+
+
+def _dangling_decimal(text: str, prev: Chunk, chunk: Chunk) -> bool:
+    """Whether ``prev`` ended at the dot of a number like ``2.`` that the statement ``chunk``
+    continues on the same line: ``y[i] = 2. * x[i].``"""
+    if not re.search(r"(?<![\w.])\d+$", text[prev.start : prev.end]):
+        return False
+    rest = text[chunk.start : chunk.end]
+    stripped = rest.lstrip(" \t\r")
+    if not stripped or stripped[0] in "\n#":
+        return False
+    m = _LEADING_WORD.match(stripped)
+    return not (m and m.group(1) and (m.group(1) in DECL_KEYWORDS or _is_rule_head(stripped, m)))
 
 
 def parse_file(path: str) -> ast.Program:
@@ -331,8 +372,11 @@ def parse_statement(source: Source, chunk: Chunk) -> ast.Statement:
     except pp.ParseBaseException as exc:
         raise _syntax_error(source, chunk, text, exc, kind) from None
     except RecursionError:
+        start = chunk.start + len(text) - len(_COMMENT.sub(lambda c: " " * len(c.group()), text).lstrip())
         raise EdlError(
-            "expression nested too deeply", source.span(chunk.start), help="split it into several rules"
+            "expression nested too deeply",
+            source.span(start, start + (len(word) if word else 1)),
+            help="split it into several rules, or use fewer parentheses",
         ) from None
     finally:
         _WHERE.reset(token)
@@ -362,22 +406,47 @@ def _syntax_error(source: Source, chunk: Chunk, text: str, exc: pp.ParseBaseExce
     found_m = re.match(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|[=<>!+*]=|\S", text[loc:])
     found = found_m.group(0) if found_m else None
     expected = _expected(exc)
+    if type(exc) is pp.ParseFatalException:  # a message of our own, e.g. from _climb
+        start = chunk.start + loc
+        return EdlError(exc.msg, source.span(start, start + (len(found) if found else 1)))
     start = chunk.start + loc
     span = source.span(start, start + (len(found) if found else 1))
     if found is None:
         message = f"expected {expected}, found the end of the statement" if expected else "unexpected end of statement"
     else:
         message = f"expected {expected}, found '{found}'" if expected else f"unexpected '{found}'"
+    # Code before the error, with comments blanked out so that offsets stay put.
+    code = _COMMENT.sub(lambda c: " " * len(c.group()), text[:loc])
+    end = len(code.rstrip())
+    if found is not None and end > 0 and "\n" in code[end:] and _starts_statement(text[loc:]):
+        # A statement starts on a new line where this one should have ended: the '.' is missing.
+        return EdlError(
+            message,
+            span,
+            help="did you forget the '.' that ends the previous statement?",
+            notes=[Note("the previous statement ends here, without '.'", source.span(chunk.start + end))],
+        )
+    if found is not None and end == 0 and kind == "rule" and not (found[0].isalpha() or found[0] == "_"):
+        message = f"expected a declaration or a rule, found '{found}'"
     help_text = None
-    if found is not None and "\n" in text[:loc] and kind == "rule" and loc > 0:
-        before = text[:loc].rstrip()
-        if before and before[-1] in "])0123456789" and "\n" in text[len(before) : loc]:
-            help_text = "did you forget the '.' that ends the previous statement?"
+    if found is not None and "\n" in code[end:] and kind == "rule" and end > 0 and code[end - 1] in "])0123456789":
+        help_text = "did you forget the '.' that ends the previous statement?"
     if found in KEYWORDS and "name" in (expected or ""):
         help_text = f"'{found}' is a reserved word; choose another name"
     if found == "." and kind == "rule":
         help_text = "a statement ends with '.' followed by whitespace; write decimals as 1.0, not 1."
+    if found == "==" and expected.startswith("an aggregation operator"):
+        help_text = "'==' compares two values; a rule defines its head with '=' (or +=, *=, max=, min=)"
     return EdlError(message, span, help=help_text)
+
+
+_RULE_START = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\s*\[[^\n]*(?:\+=|\*=|max=|min=|(?<![=<>!])=(?!=))")
+
+
+def _starts_statement(text: str) -> bool:
+    """Whether ``text`` begins like a statement of its own: a declaration or a rule head."""
+    m = re.match(r"([A-Za-z_][A-Za-z0-9_]*)\s", text)
+    return bool(m and m.group(1) in DECL_KEYWORDS) or bool(_RULE_START.match(text))
 
 
 def _expected(exc: pp.ParseBaseException) -> str:

@@ -1,0 +1,97 @@
+"""The public API: compile, run, input validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edatalog
+from edatalog.errors import EdlError, EdlWarning
+
+ROOT = Path(__file__).resolve().parents[2]
+SOFTMAX = ROOT / "programs" / "softmax.edl"
+
+
+def test_run_returns_outputs_as_numpy() -> None:
+    prog = edatalog.compile(SOFTMAX, dims={"N": 3, "C": 5})
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    out = prog.run({"x": x})
+    assert set(out) == {"y"}
+    y = out["y"]
+    assert y.dtype == np.float32 and y.shape == (3, 5)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(y, e / e.sum(axis=1, keepdims=True), rtol=1e-6)
+
+
+def test_absent_cells_read_as_zero_and_masks_are_available() -> None:
+    prog = edatalog.compile_string("dim N = 4.\ninput x[N] : f64.\ny[i] = x[i] * 2.0 where i != 1.")
+    x = np.arange(1.0, 5.0)
+    assert prog.run({"x": x})["y"].tolist() == [2.0, 0.0, 6.0, 8.0]
+    val = prog.evaluate({"x": x})["y"]
+    assert val.present is not None and val.present.tolist() == [True, False, True, True]
+
+
+def test_missing_input_points_at_its_declaration() -> None:
+    prog = edatalog.compile(SOFTMAX, dims={"N": 3, "C": 5})
+    with pytest.raises(EdlError, match="missing value for input 'x'") as info:
+        prog.run({})
+    assert str(info.value).startswith(f"{SOFTMAX}:5:7: error:")
+
+
+def test_wrong_shape_names_the_dims() -> None:
+    prog = edatalog.compile(SOFTMAX, dims={"N": 3, "C": 5})
+    with pytest.raises(EdlError, match=r"shape \(3, 5\) \(\[N=3, C=5\] : f32\), but the value has shape \(5, 3\)"):
+        prog.run({"x": np.zeros((5, 3), np.float32)})
+
+
+def test_unknown_input_name_suggests_the_closest() -> None:
+    prog = edatalog.compile(SOFTMAX, dims={"N": 3, "C": 5})
+    with pytest.raises(EdlError, match="'xx' is not an input") as info:
+        prog.run({"x": np.zeros((3, 5)), "xx": 1})
+    assert "did you mean 'x'?" in str(info.value)
+
+
+def test_values_are_converted_to_the_declared_dtype_when_safe() -> None:
+    prog = edatalog.compile(SOFTMAX, dims={"N": 2, "C": 2})
+    assert prog.run({"x": [[1, 2], [3, 4]]})["y"].dtype == np.float32  # ints and f64 convert to f32
+    ints = edatalog.compile_string("input n[2] : i32.\ny[i] = n[i] + 1.")
+    with pytest.raises(EdlError, match="declared i32, but the value has dtype float64"):
+        ints.run({"n": np.zeros(2)})
+
+
+def test_random_inputs_cover_every_input_and_param() -> None:
+    prog = edatalog.compile(ROOT / "programs" / "mlp.edl", dims={"B": 2, "D": 4, "F": 8})
+    values = prog.random_inputs(seed=3)
+    assert set(values) == {"x", "w1", "b1", "w2", "b2"}
+    assert all(v.dtype == np.float32 for v in values.values())
+    again = prog.random_inputs(seed=3)
+    assert all(np.array_equal(values[k], again[k]) for k in values)
+
+
+def test_float64_programs_stay_float64() -> None:
+    prog = edatalog.compile_string("input x[3] : f64.\ny[i] = x[i] / 3.0.")
+    x = np.array([1.0, 2.0, 3.0])
+    y = prog.run({"x": x})["y"]
+    assert y.dtype == np.float64 and y.tolist() == (x / 3.0).tolist()
+
+
+def test_half_precision_computes_in_f32_and_rounds() -> None:
+    prog = edatalog.compile_string("input x[4] : bf16.\ns[] += x[i] * x[i].")
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    s = prog.run({"x": x.astype(np.float32)})["s"]
+    assert str(s.dtype) == "bfloat16" and float(s) == 30.0
+
+
+def test_unused_param_warns() -> None:
+    with pytest.warns(EdlWarning, match="param 'w' is never used"):
+        prog = edatalog.compile_string("input x[2] : f32.\nparam w[2] : f32.\ny[i] = x[i].")
+    assert [w.severity for w in prog.warnings] == ["warning"]
+
+
+def test_program_text_form_is_the_graph() -> None:
+    prog = edatalog.compile(SOFTMAX)
+    assert str(prog) == str(prog.graph)
+    assert "m[n] max= x[n,c]" in str(prog)
+    assert repr(prog).startswith("<edatalog.Program")

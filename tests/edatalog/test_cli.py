@@ -1,0 +1,118 @@
+"""The `edl` command line, run in-process and once as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edatalog.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+ATTN = str(ROOT / "programs" / "attention.edl")
+SMALL = ["--dim", "B=1", "--dim", "S=6", "--dim", "D=16", "--dim", "H=2"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_prints_a_table_of_relations(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "check", ATTN, *SMALL)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["relation", "kind", "shape", "dtype", "rules", "flops", "support"]
+    sc = next(line for line in lines if line.startswith("sc "))
+    assert "[B=1, H=2, S=6, S=6]" in sc and sc.endswith("t <= s")
+    assert "ok, 9 rules" in out
+
+
+def test_check_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "check", ATTN, *SMALL, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["ok"]
+    rels = {r["name"]: r for r in data["relations"]}
+    assert rels["y"]["output"] and rels["y"]["shape"] == [1, 6, 16]
+    assert rels["sc"]["support"] == "t <= s"
+    assert data["total_flops"] > 0
+
+
+def test_compile_prints_the_graph_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "g.json"
+    code, out, _ = _run(capsys, "compile", ATTN, *SMALL, "-o", str(target))
+    assert code == 0
+    assert "sc[b,h,s,t] += q[b,s,h,e] * k[b,t,h,e] / sqrt(E) where t <= s" in out
+    from edatalog.ir.graph import Graph
+
+    g = Graph.from_json(target.read_text())
+    assert g.outputs == ("y",)
+    code, out, _ = _run(capsys, "compile", ATTN, *SMALL, "--json")
+    assert Graph.from_json(out) == g
+
+
+def test_run_with_random_inputs_saves_outputs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "out.npz"
+    code, out, _ = _run(capsys, "run", ATTN, *SMALL, "--random", "0", "-o", str(target))
+    assert code == 0
+    assert out.splitlines()[0].split() == ["output", "shape", "dtype", "norm", "mean", "absent", "finite"]
+    with np.load(target) as saved:
+        assert saved["y"].shape == (1, 6, 16)
+
+
+def test_run_with_inputs_file_matches_the_api(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import edatalog
+
+    prog = edatalog.compile(ATTN, dims={"B": 1, "S": 6, "D": 16, "H": 2})
+    values = prog.random_inputs(7)
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "in.safetensors"
+    save_file(values, str(src))
+    code, out, _ = _run(capsys, "run", ATTN, *SMALL, "--inputs", str(src), "--json")
+    assert code == 0
+    norm = json.loads(out)["outputs"]["y"]["norm"]
+    assert norm == pytest.approx(float(np.linalg.norm(prog.run(values)["y"].astype(np.float64))), rel=1e-6)
+
+
+def test_user_mistakes_are_diagnostics_not_tracebacks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.edl"
+    bad.write_text("input x[4] : f32.\ny[i] = xx[i].\n")
+    code, out, err = _run(capsys, "check", str(bad))
+    assert code == 1 and out == ""
+    assert err.startswith(f"{bad}:2:8: error: undefined relation 'xx'")
+    assert "Traceback" not in err
+    for argv in (
+        ["run", ATTN, "--dim", "S=x", "--random", "0"],
+        ["run", ATTN, "--dim", "Q=3", "--random", "0"],
+        ["run", ATTN],
+        ["run", ATTN, *SMALL, "--inputs", str(tmp_path / "missing.npz")],
+        ["check", str(tmp_path / "nope.edl")],
+    ):
+        code, _, err = _run(capsys, *argv)
+        assert code == 1, argv
+        assert "error:" in err and "Traceback" not in err, argv
+
+
+def test_help_teaches(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--random SEED" in out and "examples:" in out and "--dim K=V" in out
+
+
+def test_edl_entry_point_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "edatalog.cli", "check", str(ROOT / "programs" / "softmax.edl")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ok, 4 rules" in proc.stdout
