@@ -22,7 +22,7 @@ ALLOWED = {
 
 def _imports(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
-    names = []
+    names: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.extend(a.name for a in node.names)

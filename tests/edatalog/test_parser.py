@@ -45,7 +45,7 @@ def test_declarations() -> None:
     dims, consts, inp, par, out = prog.statements
     assert isinstance(dims, ast.DimDecl) and [b.name for b in dims.items] == ["B", "S", "E"]
     assert isinstance(consts, ast.ConstDecl)
-    assert [b.expr for b in consts.items if isinstance(b.expr, ast.Num)][0].value == 1e-5
+    assert next(b.expr for b in consts.items if isinstance(b.expr, ast.Num)).value == 1e-5
     assert isinstance(inp, ast.RelationDecl) and (inp.kind, inp.name, inp.dtype, len(inp.shape)) == (
         "input",
         "x",
@@ -69,7 +69,7 @@ def test_atoms_composites_literals_and_extents() -> None:
     assert head.relation == "q" and len(head.positions) == 3
     comp = head.positions[2]
     assert comp.composite and [c.literal for c in comp.components] == [0, None]
-    wq = [a for a in ast.walk(rule.body) if isinstance(a, ast.Atom) and a.relation == "wq"][0]
+    wq = next(a for a in ast.walk(rule.body) if isinstance(a, ast.Atom) and a.relation == "wq")
     h, e = wq.positions[0].components
     assert (h.var, e.var) == ("h", "e")
     assert h.extent is not None and h.extent.span.text == "H"
