@@ -165,6 +165,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 role,
                 _shape(rel),
                 rel.dtype,
+                f"{_human(rel.nbytes)}B",
                 str(len(nodes)) if nodes else "",
                 _human(flops) if nodes else "",
                 support,
@@ -178,6 +179,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "shape": list(rel.shape),
                 "symbols": list(rel.symbols),
                 "dtype": rel.dtype,
+                "bytes": rel.nbytes,
                 "rules": len(nodes),
                 "flops": flops,
                 "support": None if rel.support.is_true else str(rel.support),
@@ -190,13 +192,25 @@ def cmd_check(args: argparse.Namespace) -> int:
             "ok": True,
             "warnings": [w.render() for w in prog.warnings],
             "relations": data,
+            "nodes": [
+                {
+                    "name": n.name,
+                    "rule": str(n),
+                    "origin": n.origin,
+                    "points": costs[n.name].points,
+                    "flops": costs[n.name].flops,
+                    "bytes_in": costs[n.name].bytes_in,
+                    "bytes_out": costs[n.name].bytes_out,
+                }
+                for n in graph.nodes
+            ],
             "total_flops": total,
             "fingerprint": graph.fingerprint(),
         }
         print(json.dumps(out, indent=1))
         return 0
     _print_warnings(prog)
-    print(_table(["relation", "kind", "shape", "dtype", "rules", "flops", "support"], rows, right=(4, 5)))
+    print(_table(["relation", "kind", "shape", "dtype", "size", "rules", "flops", "support"], rows, right=(4, 5, 6)))
     n_warn = len(prog.warnings)
     print(
         f"\n{args.file}: ok, {len(graph.nodes)} rules, {_human(total)} FLOPs"

@@ -37,18 +37,18 @@ def compile_program(
 
 
 def _default_float(checked: Checked) -> str:
-    floats = [d.dtype for d in checked.scope.decls.values() if dtypes.kind(d.dtype) == "float"]
-    best = "f32"
-    for f in floats:
-        if f == "f64":
-            return "f64"
-    return floats[0] if floats and all(f == floats[0] for f in floats) else best
+    """The float type of rules that read no float relation: the declared floats promoted, else f32."""
+    out: str | None = None
+    for d in checked.scope.decls.values():
+        if dtypes.kind(d.dtype) == "float":
+            out = d.dtype if out is None else dtypes.promote(out, d.dtype)
+    return out or "f32"
 
 
 def _axis_names(names: list[str | None]) -> tuple[str, ...]:
     out: list[str] = []
     for k, n in enumerate(names):
-        out.append(n if n is not None and n not in out and not n.startswith("a") else f"a{k}")
+        out.append(n if n is not None and n not in out else f"a{k}")
     # A generated name could collide with a kept one; fall back to positional names then.
     return tuple(out) if len(set(out)) == len(out) else tuple(f"a{k}" for k in range(len(out)))
 

@@ -27,7 +27,7 @@ def test_check_prints_a_table_of_relations(capsys: pytest.CaptureFixture[str]) -
     code, out, _ = _run(capsys, "check", ATTN, *SMALL)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["relation", "kind", "shape", "dtype", "rules", "flops", "support"]
+    assert lines[0].split() == ["relation", "kind", "shape", "dtype", "size", "rules", "flops", "support"]
     sc = next(line for line in lines if line.startswith("sc "))
     assert "[B=1, H=2, S=6, S=6]" in sc and sc.endswith("t <= s")
     assert "ok, 9 rules" in out
@@ -40,7 +40,8 @@ def test_check_json(capsys: pytest.CaptureFixture[str]) -> None:
     rels = {r["name"]: r for r in data["relations"]}
     assert rels["y"]["output"] and rels["y"]["shape"] == [1, 6, 16]
     assert rels["sc"]["support"] == "t <= s"
-    assert data["total_flops"] > 0
+    assert data["total_flops"] == sum(n["flops"] for n in data["nodes"]) > 0
+    assert rels["x"]["bytes"] == 1 * 6 * 16 * 4
 
 
 def test_compile_prints_the_graph_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
