@@ -11,7 +11,8 @@ import numpy as np
 def _erf(a: np.ndarray) -> np.ndarray:
     import torch  # numpy has no erf; torch's matches what GPU backends compute
 
-    return torch.special.erf(torch.from_numpy(np.ascontiguousarray(a))).numpy()
+    # ascontiguousarray makes a 0-d array 1-d; reshape so a scalar stays a scalar.
+    return torch.special.erf(torch.from_numpy(np.ascontiguousarray(a))).numpy().reshape(a.shape)
 
 
 def _sigmoid(a: np.ndarray) -> np.ndarray:

@@ -86,6 +86,8 @@ def _build_graph(checked: Checked, ext: Extents, source_name: str) -> Graph:
             node = dataclasses.replace(lw.node, dtype=dtype)
             node = dataclasses.replace(node, guard=effective_guard(node, relations))
             piece, ok = head_support(node, axis_names)
+            # A support is exact only if its own projection is and so are the supports it reads.
+            ok = ok and all(relations[acc.relation].support_exact for acc in node.inputs)
             support, exact = support | piece, exact and ok
             rel_nodes.append(node)
         shape = tuple(ext.axis[(rel, k)][0] for k in range(arity))
