@@ -40,8 +40,11 @@ class Value:
     present: np.ndarray | None = None
 
 
-def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, Value]:
-    """Every relation of the graph, given its inputs and params (already in their declared dtypes)."""
+def evaluate(
+    graph: Graph, inputs: Mapping[str, np.ndarray], on_node: Callable[[JoinAgg], None] | None = None
+) -> dict[str, Value]:
+    """Every relation of the graph, given its inputs and params (already in their declared dtypes).
+    ``on_node`` is called after each node, for progress displays."""
     env: dict[str, Value] = {name: Value(np.asarray(arr)) for name, arr in inputs.items()}
     pending: dict[str, _Accumulator] = {}
     remaining = {r.name: len(graph.producers(r.name)) for r in graph.relations if r.kind == "derived"}
@@ -52,6 +55,8 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, Value]
             remaining[node.out] -= 1
             if remaining[node.out] == 0:
                 env[node.out] = pending.pop(node.out).finish()
+            if on_node is not None:
+                on_node(node)
     return env
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from edatalog.backend.reference import Value, evaluate
 from edatalog.errors import Diagnostic, EdlError, EdlWarning, Note, Span, did_you_mean
 from edatalog.ir import dtypes
-from edatalog.ir.graph import Graph, Relation
+from edatalog.ir.graph import Graph, JoinAgg, Relation
 from edatalog.lang import ast
 from edatalog.lang.parser import parse, parse_file
 from edatalog.rules import compile_program
@@ -83,9 +83,10 @@ class Program:
             out[name] = _convert(values[name], rel, span)
         return out
 
-    def evaluate(self, values: Mapping[str, Any]) -> dict[str, Value]:
-        """Every relation's cells and presence masks, by the reference evaluator."""
-        return evaluate(self.graph, self.prepare(values))
+    def evaluate(self, values: Mapping[str, Any], on_node: Callable[[JoinAgg], None] | None = None) -> dict[str, Value]:
+        """Every relation's cells and presence masks, by the reference evaluator.
+        ``on_node(node)`` is called as each rule finishes, for progress displays."""
+        return evaluate(self.graph, self.prepare(values), on_node)
 
     def run(self, values: Mapping[str, Any], *, backend: str = "reference") -> dict[str, np.ndarray]:
         """The outputs as numpy arrays (absent cells read as 0)."""

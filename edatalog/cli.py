@@ -234,6 +234,39 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """A progress display on stderr for long steps, shown only on a terminal (never in pipes,
+    logs or --json output)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("{task.description:<15}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
+
+    def __enter__(self) -> _Progress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(None, None, None)
+
+    def task(self, name: str, total: float) -> Any:
+        return self.bar.add_task(name, total=max(total, 1))
+
+    def advance(self, task: Any, amount: float) -> None:
+        self.bar.advance(task, amount)
+
+
 def _load_inputs(path: str) -> dict[str, np.ndarray]:
     p = Path(path)
     if not p.exists():
@@ -269,13 +302,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.inputs is None and args.random is None:
         raise EdlError("no input values", help="pass --inputs FILE (.npz or .safetensors) or --random SEED")
     values: dict[str, Any] = {}
-    if args.random is not None:
-        values.update(prog.random_inputs(args.random))
-    if args.inputs is not None:
-        values.update(_load_inputs(args.inputs))
-    start = time.perf_counter()
-    env = prog.evaluate(values)
-    seconds = time.perf_counter() - start
+    with _Progress() as progress:
+        if args.random is not None:
+            total = sum(r.nbytes for r in prog.inputs)
+            task = progress.task("random weights", total)
+            values.update(prog.random_inputs(args.random, on_value=lambda _name, n: progress.advance(task, n)))
+        if args.inputs is not None:
+            values.update(_load_inputs(args.inputs))
+        graph = prog.graph
+        total_flops = sum(c.flops for c in graph.costs.values())
+        task = progress.task("evaluating", total_flops)
+        start = time.perf_counter()
+        env = prog.evaluate(values, on_node=lambda n: progress.advance(task, graph.costs[n.name].flops))
+        seconds = time.perf_counter() - start
     outputs = {name: env[name].data for name in prog.outputs}
     if args.output:
         _save_outputs(args.output, outputs)
