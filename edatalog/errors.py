@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -80,11 +81,29 @@ class Span:
         line, col = self.source.line_col(self.start)
         text = self.source.line_text(line)
         end_line, end_col = self.source.line_col(max(self.start, self.end - 1))
-        width = max(1, (end_col if end_line == line else len(text)) - col + 1) if self.end > self.start else 1
-        # Reproduce tabs in the caret line so the caret stays aligned in any terminal.
-        pad = "".join("\t" if ch == "\t" else " " for ch in text[: col - 1])
+        stop = (end_col if end_line == line else len(text)) if self.end > self.start else col
+        width = max(1, sum(_cells(ch) for ch in text[col - 1 : stop]))
+        # Reproduce tabs in the caret line so the caret stays aligned in any terminal; wide
+        # characters take two columns, combining marks none.
+        pad = "".join("\t" if ch == "\t" else " " * _cells(ch) for ch in text[: col - 1])
+        shown = "".join(_visible(ch) for ch in text.removesuffix("\r"))
         gutter = f"{line:>5} | "
-        return f"{gutter}{text}\n{' ' * (len(gutter) - 2)}| {pad}^{'~' * (width - 1)}"
+        return f"{gutter}{shown}\n{' ' * (len(gutter) - 2)}| {pad}^{'~' * (width - 1)}"
+
+
+def _visible(ch: str) -> str:
+    """``ch`` as shown in a snippet: characters that are invisible or that a terminal would act
+    on (controls, format characters, line separators, lone surrogates) become U+FFFD."""
+    return ch if ch == "\t" or ch.isprintable() else "\ufffd"
+
+
+def _cells(ch: str) -> int:
+    """Terminal columns ``ch`` takes in a snippet line."""
+    if ch == "\t" or not ch.isprintable():
+        return 1
+    if unicodedata.combining(ch):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in "WF" else 1
 
 
 @dataclass(frozen=True)
@@ -107,17 +126,23 @@ class Diagnostic:
 
     def render(self) -> str:
         head = f"{self.span}: " if self.span is not None else ""
-        lines = [f"{head}{self.severity}: {self.message}"]
+        lines = [_printable(f"{head}{self.severity}: {self.message}")]
         if self.span is not None:
             lines.append(self.span.snippet())
         if self.help:
-            lines.append(f"  help: {self.help}")
+            lines.append(_printable(f"  help: {self.help}"))
         for note in self.notes:
             where = f"{note.span}: " if note.span is not None else ""
-            lines.append(f"  note: {where}{note.message}")
+            lines.append(_printable(f"  note: {where}{note.message}"))
             if note.span is not None:
                 lines.append(note.span.snippet())
         return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """Message text with invisible or unprintable characters written as ``U+XXXX``: a message that
+    quotes a NUL, a no-break space or a lone surrogate stays readable and printable."""
+    return "".join(ch if ch.isprintable() or ch in "\t\n" else f"U+{ord(ch):04X}" for ch in text)
 
 
 class EdlError(Exception):

@@ -84,7 +84,9 @@ def _check_head(rule: ast.Rule, scope: Scope) -> None:
             f"cannot assign to {decl.kind} '{name}'",
             rule.head.name_span,
             help=f"{decl.kind}s are given when the program runs; write the result to a new relation",
-            notes=[Note(f"'{name}' is declared as {decl.kind} here", decl.span)],
+            notes=[
+                Note(f"'{name}' is declared as {'an' if decl.kind == 'input' else 'a'} {decl.kind} here", decl.span)
+            ],
         )
     if name in scope.dims or name in scope.consts:
         what = "dim" if name in scope.dims else "const"
@@ -104,21 +106,23 @@ def _check_rule(
                     atom.name_span,
                     help=f"use {atom.relation} without brackets",
                 )
-            pool = [*scope.decls, *heads]
+            pool = sorted({*scope.decls, *heads} - {rule.head.relation})
+            known = f"; known relations: {', '.join(pool[:8])}{', ...' if len(pool) > 8 else ''}" if pool else ""
             raise EdlError(
                 f"undefined relation '{atom.relation}'",
                 atom.name_span,
-                help=did_you_mean(atom.relation, pool, "relations")
-                or f"declare it (input {atom.relation}[...] : f32.) or define it with a rule",
+                help=did_you_mean(atom.relation, pool)
+                or f"declare it ('input {atom.relation}[...] : f32.') or define it with a rule{known}",
             )
     for atom in (rule.head, *atoms):
         want, where = arity[atom.relation]
         if len(atom.positions) != want:
+            how = "is declared with" if atom.relation in scope.decls else "gets"
             raise EdlError(
                 f"wrong number of indices for '{atom.relation}': it has {want} ax{'i' if want == 1 else 'e'}s, "
                 f"but {len(atom.positions)} {'is' if len(atom.positions) == 1 else 'are'} given",
                 atom.span,
-                notes=[Note(f"'{atom.relation}' gets {want} ax{'i' if want == 1 else 'e'}s here", where)],
+                notes=[Note(f"'{atom.relation}' {how} {want} ax{'i' if want == 1 else 'e'}s here", where)],
             )
     first: dict[str, Span] = {}
     for atom in (rule.head, *atoms):
@@ -138,8 +142,13 @@ def _check_rule(
     names = _check_expr(rule.body, info, scope, cond=False)
     for g in rule.guards:
         if not isinstance(g, ast.Compare):
+            both = isinstance(g, ast.Binary) and g.op == "and"
             raise EdlError(
-                "a guard must be a comparison such as 't <= s'", g.span, help="separate several guards with commas"
+                "a guard must be a comparison such as 't <= s'",
+                g.span,
+                help="write several guards separated by commas: 'where t <= s, s < N'"
+                if both
+                else "compare index expressions with < <= > >= == or !=, e.g. 'where i + 1 < N'",
             )
         names |= _check_expr(g, info, scope, cond=True)
     _check_binding(info, names)
@@ -158,7 +167,8 @@ def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[st
                 f"undefined name '{e.ident}'",
                 e.span,
                 help=did_you_mean(e.ident, pool)
-                or "an index variable must appear in an index position of the rule; dims and consts must be declared",
+                or f"declare it ('const {e.ident} = 1.0.' or 'dim {e.ident} = 8.'), "
+                "or use it as an index of a relation in this rule",
             )
     elif isinstance(e, ast.Num | ast.Atom):
         pass
@@ -167,7 +177,8 @@ def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[st
             raise EdlError(
                 f"comparison '{e.op}' outside where(...)",
                 e.span,
-                help="comparisons select values in where(cond, a, b); to filter cells use a guard: 'rule where i < j.'",
+                help=f"to choose between two values write where({' '.join(e.span.text.split())}, a, b); "
+                "to keep only some cells, put a guard on index variables after the body: '... where i < j.'",
             )
         used |= _check_expr(e.lhs, info, scope, False) | _check_expr(e.rhs, info, scope, False)
     elif (isinstance(e, ast.Unary) and e.op == "not") or (isinstance(e, ast.Binary) and e.op in ("and", "or")):
@@ -252,10 +263,13 @@ def _outputs(scope: Scope, by_head: dict[str, list[RuleInfo]]) -> list[str]:
     for name, span in scope.outputs:
         if name not in by_head and name not in scope.decls:
             pool = [*by_head, *scope.decls]
+            close = did_you_mean(name, pool)
             raise EdlError(
                 f"output '{name}' is never defined",
                 span,
-                help=did_you_mean(name, pool, "relations") or f"add a rule for '{name}'",
+                help=close
+                or f"add a rule that defines '{name}', or list a relation the program defines"
+                + (f" ({', '.join(sorted(by_head))})" if by_head else ""),
             )
     if scope.outputs:
         return [n for n, _ in scope.outputs]

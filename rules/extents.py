@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from edatalog.errors import EdlError, Note, Span
 from edatalog.lang import ast
 from edatalog.rules.check import Checked, RuleInfo
-from edatalog.rules.scope import dim_symbol, eval_dim
+from edatalog.rules.scope import MAX_EXTENT, dim_symbol, eval_dim
 from edatalog.rules.symbols import Symbols
 
 Key = Hashable  # ("var", rule, name) | ("axis", relation, k) | ("lit", rule, atom, pos, comp)
@@ -71,39 +71,47 @@ class _Solver:
     def get(self, k: Key) -> _Class:
         return self.cls[self.find(k)]
 
-    def assign(self, k: Key, value: int, symbol: str, origin: Origin, what: str) -> bool:
+    def assign(self, k: Key, value: int, symbol: str, origin: Origin, what: str, at: Span | None = None) -> bool:
         c = self.get(k)
         if c.value is None:
             c.value, c.symbol, c.origin = value, symbol, origin
             return True
         if c.value != value:
-            raise _mismatch(what, c, value, symbol, origin)
+            raise _mismatch(what, c, value, symbol, origin, at)
         return False
 
-    def union(self, a: Key, b: Key, what: str) -> None:
+    def union(self, a: Key, b: Key, what: str, at: Span | None = None, help: str | None = None) -> None:
+        """Join the classes of ``a`` and ``b``; a conflict is reported at ``at``, with the extent
+        of ``a`` named first."""
         ra, rb = self.find(a), self.find(b)
         if ra == rb:
             return
         ca, cb = self.cls[ra], self.cls[rb]
         if ca.value is not None and cb.value is not None and ca.value != cb.value:
             assert cb.symbol is not None and cb.origin is not None
-            raise _mismatch(what, ca, cb.value, cb.symbol, cb.origin)
+            raise _mismatch(what, ca, cb.value, cb.symbol, cb.origin, at, help)
         self.parent[rb] = ra
         if ca.value is None:
             ca.value, ca.symbol, ca.origin = cb.value, cb.symbol, cb.origin
         ca.factors = ca.factors or cb.factors
 
 
-def _mismatch(what: str, c: _Class, value: int, symbol: str, origin: Origin) -> EdlError:
+def _mismatch(
+    what: str, c: _Class, value: int, symbol: str, origin: Origin, at: Span | None, help: str | None = None
+) -> EdlError:
+    """``c`` holds the extent known so far; ``value`` is the conflicting one, met at ``at``."""
     assert c.origin is not None
     first = f"{c.symbol} = {c.value}" if c.symbol != str(c.value) else str(c.value)
     second = f"{symbol} = {value}" if symbol != str(value) else str(value)
-    span = origin.span or c.origin.span
-    notes = [Note(f"extent {second} comes from {origin.what}", origin.span)]
-    notes.append(Note(f"extent {first} comes from {c.origin.what}", c.origin.span))
+    span = at or origin.span or c.origin.span
+    notes = [
+        Note(f"extent {first} comes from {c.origin.what}", c.origin.span),
+        Note(f"extent {second} comes from {origin.what}", origin.span),
+    ]
     return EdlError(
         f"extent mismatch for {what}: {first} from {c.origin.what}, but {second} from {origin.what}",
         span,
+        help=help or "an index has one extent in a rule: use it only at axes of the same size, or use another index",
         notes=notes,
     )
 
@@ -121,14 +129,16 @@ def infer_extents(checked: Checked) -> Extents:
     for name, decl in scope.decls.items():
         for k, (value, expr) in enumerate(zip(decl.shape, decl.decl.shape, strict=True)):
             axis_key = ("axis", name, k)
-            origin = Origin(f"axis {k} of {name}, declared {decl.symbols[k]}", expr.span)
+            origin = Origin(f"axis {k} of {name}", expr.span)
             s.assign(axis_key, value, decl.symbols[k], origin, f"axis {k} of {name}")
             fs = _factors(expr)
             if len(fs) > 1:
                 s.get(axis_key).factors = tuple((eval_dim(f, scope, f"the shape of {name}"), dim_symbol(f)) for f in fs)
-    # Uses of indices at axes, annotations and composites.
+    # Uses of indices at axes, annotations and composites.  The head comes after the body, so
+    # that a conflict with the head's axis (set by another rule) is reported at the head.
     for info in checked.rules:
-        for a_no, atom in enumerate((info.head, *info.atoms)):
+        atoms = list(enumerate((info.head, *info.atoms)))
+        for a_no, atom in atoms[1:] + atoms[:1]:
             for k, pos in enumerate(atom.positions):
                 axis = ("axis", atom.relation, k)
                 s.find(axis)
@@ -142,9 +152,16 @@ def infer_extents(checked: Checked) -> Extents:
                     if comp.extent is not None:
                         value = eval_dim(comp.extent, scope, f"the extent of {comp}")
                         sym = s.symbols.simplify(dim_symbol(comp.extent))
-                        s.assign(key, value, sym, Origin(f"the annotation {comp}", comp.extent.span), _name(comp))
+                        origin = Origin(f"the annotation {comp}", comp.extent.span)
+                        s.assign(key, value, sym, origin, _name(comp), at=comp.span)
                 if len(pos.components) == 1:
-                    s.union(axis, keys[0], f"index '{pos.components[0]}' at axis {k} of {atom.relation}")
+                    what = f"{_name(pos.components[0])} at axis {k} of {atom.relation}"
+                    head = (
+                        f"every rule for '{atom.relation}' must give its axis {k} the same extent"
+                        if a_no == 0
+                        else None
+                    )
+                    s.union(keys[0], axis, what, at=pos.span, help=head)
                 else:
                     s.products.append(_Product(axis, tuple(keys), pos.span, atom, k))
     while True:
@@ -201,27 +218,28 @@ def _composite_error(p: _Product, axis: _Class, parts: list[_Class]) -> EdlError
     known = 1
     for c in parts:
         known *= c.value or 1
-    notes = (
-        [
-            Note(
-                f"axis {p.axis_no} of {p.atom.relation} has extent {axis.value} from {axis.origin.what}",
-                axis.origin.span,
-            )
-        ]
-        if axis.origin
-        else []
-    )
+    axis_name = f"axis {p.axis_no} of {p.atom.relation}"
+    axis_ext = f"{axis.symbol} = {axis.value}" if axis.symbol not in (None, str(axis.value)) else str(axis.value)
+    notes = []
+    if axis.origin is not None:
+        declared = axis.origin.what == axis_name
+        text = (
+            f"{axis_name} is declared {axis_ext}" if declared else f"{axis_name} is {axis_ext} from {axis.origin.what}"
+        )
+        notes.append(Note(text, axis.origin.span))
     for comp_c, comp in zip(parts, p.parts, strict=True):
         if comp_c.origin is not None and comp_c.origin.span is not None and comp_c.origin.span != p.span:
             notes.append(
                 Note(f"{_key_text(comp)} has extent {comp_c.value} from {comp_c.origin.what}", comp_c.origin.span)
             )
+    if all(c.value is not None for c in parts):
+        message = f"{_pos_text(p)} spans {sizes} = {known}, but {axis_name} has extent {axis_ext}"
+    else:
+        message = f"the known parts of {_pos_text(p)} span {sizes}, and {known} does not divide {axis_ext}"
     return EdlError(
-        f"composite size mismatch: {_pos_text(p)} spans {sizes}"
-        + (f" = {known}" if all(c.value is not None for c in parts) else "")
-        + f", which does not fit axis {p.axis_no} of {p.atom.relation} (extent {axis.value})",
+        f"composite size mismatch: {message}",
         p.span,
-        help="the parts of a composite multiply to the axis extent, first part major",
+        help="the extents of the parts of a composite multiply to the extent of its axis, first part major",
         notes=notes,
     )
 
@@ -282,11 +300,22 @@ def _collect(checked: Checked, s: _Solver) -> Extents:
         for v in info.vars:
             c = s.get(("var", info.index, v))
             if c.value is None:
+                var_key = ("var", info.index, v)
+                in_composite = [p for p in s.products if var_key in p.parts]
+                notes = [
+                    Note(
+                        f"'{v}' is a part of {_pos_text(p)}, which splits axis {p.axis_no} of {p.atom.relation}; "
+                        "the extents of all parts but one must be known",
+                        p.span,
+                    )
+                    for p in in_composite[:1]
+                ]
                 raise EdlError(
                     f"cannot infer the extent of index '{v}'",
                     info.first[v],
                     help=f"give it where it first appears, e.g. {v}:N with N a dim; "
                     "extents come from the declared shapes of the relations an index is used with",
+                    notes=notes,
                 )
             ext.var[(info.index, v)] = (c.value, c.symbol or str(c.value))
         for a_no, atom in enumerate((info.head, *info.atoms)):
@@ -297,6 +326,12 @@ def _collect(checked: Checked, s: _Solver) -> Extents:
                         f"cannot infer the extent of axis {k} of '{atom.relation}'",
                         pos.span,
                         help="give the extent with an annotation such as 0:N",
+                    )
+                if axis.value > MAX_EXTENT:
+                    raise EdlError(
+                        f"axis {k} of '{atom.relation}' is too large: it has extent {axis.value}",
+                        pos.span,
+                        help=f"extents must fit a 64-bit index (at most 2^63 - 1 = {MAX_EXTENT})",
                     )
                 ext.axis[(atom.relation, k)] = (axis.value, axis.symbol or str(axis.value))
                 for c_no, comp in enumerate(pos.components):

@@ -12,6 +12,8 @@ from edatalog.ir.scalar import BINARY, FOLD, FUNCTIONS
 from edatalog.lang import ast
 
 BUILTIN_CONSTS = {"pi": math.pi, "inf": math.inf}
+MAX_EXTENT = 2**63 - 1  # the largest extent an int64 index can address
+MAX_DEPTH = 200  # expressions nested deeper would exhaust Python's stack in later passes
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,12 @@ class _Declared:
             raise EdlError(f"'{name}' is a built-in function and cannot be declared", span, help="choose another name")
         prev = self.first.get(name)
         if prev is not None:
+            article = "an" if prev[0][0] in "aeiou" else "a"
             raise EdlError(
                 f"duplicate declaration of '{name}'",
                 span,
                 help="each name is declared once; rename one of them",
-                notes=[Note(f"'{name}' was first declared here as a {prev[0]}", prev[1])],
+                notes=[Note(f"'{name}' was first declared here, as {article} {prev[0]}", prev[1])],
             )
         self.first[name] = (what, span)
 
@@ -97,6 +100,7 @@ def build_scope(
     dims: Mapping[str, int] | None = None,
     consts: Mapping[str, float] | None = None,
 ) -> Scope:
+    _check_depth(program)
     scope = Scope()
     declared = _Declared()
     dim_exprs: dict[str, ast.Binding] = {}
@@ -128,8 +132,8 @@ def build_scope(
         else:
             scope.rules.append(stmt)
 
-    _check_overrides("dim", dims or {}, dim_exprs)
-    _check_overrides("const", consts or {}, const_exprs)
+    _check_overrides("dim", dims or {}, dim_exprs, _first_decl(program, ast.DimDecl))
+    _check_overrides("const", consts or {}, const_exprs, _first_decl(program, ast.ConstDecl))
     _DimEvaluator(dim_exprs, dict(dims or {}), scope).run()
     _ConstEvaluator(const_exprs, dict(consts or {}), scope).run()
     for d in rel_decls:
@@ -138,16 +142,65 @@ def build_scope(
     return scope
 
 
-def _check_overrides(what: str, given: Mapping[str, object], declared: Mapping[str, ast.Binding]) -> None:
+def _expressions(program: ast.Program) -> list[ast.Expr]:
+    """The top-level expressions of every statement, extents in index positions included."""
+    out: list[ast.Expr] = []
+    for stmt in program.statements:
+        if isinstance(stmt, (ast.DimDecl, ast.ConstDecl)):
+            out.extend(b.expr for b in stmt.items)
+        elif isinstance(stmt, ast.RelationDecl):
+            out.extend(stmt.shape)
+        elif isinstance(stmt, ast.Rule):
+            out.extend((stmt.head, stmt.body, *stmt.guards))
+    return out
+
+
+def _check_depth(program: ast.Program) -> None:
+    """Reject expressions nested so deeply that the recursive passes would overflow the stack:
+    ``a + b + ... + z`` nests one level per term."""
+    for root in _expressions(program):
+        stack: list[tuple[ast.Expr, int]] = [(root, 1)]
+        while stack:
+            e, depth = stack.pop()
+            if depth > MAX_DEPTH:
+                raise EdlError(
+                    f"expression nested too deeply (more than {MAX_DEPTH} levels)",
+                    root.span,
+                    help="split it into several rules; a sum of many terms nests one level per term",
+                )
+            if isinstance(e, ast.Call):
+                stack.extend((a, depth + 1) for a in e.args)
+            elif isinstance(e, ast.Unary):
+                stack.append((e.arg, depth + 1))
+            elif isinstance(e, (ast.Binary, ast.Compare)):
+                stack.extend(((e.lhs, depth + 1), (e.rhs, depth + 1)))
+            elif isinstance(e, ast.Atom):
+                stack.extend((c.extent, depth + 1) for p in e.positions for c in p.components if c.extent is not None)
+
+
+def _first_decl(program: ast.Program, kind: type[ast.DimDecl | ast.ConstDecl]) -> Span | None:
+    """The first ``dim`` (or ``const``) declaration: where an override would have to be declared."""
+    decl = next((s for s in program.statements if isinstance(s, kind)), None)
+    return None if decl is None else decl.span
+
+
+def _check_overrides(
+    what: str, given: Mapping[str, object], declared: Mapping[str, ast.Binding], where: Span | None
+) -> None:
     for name, value in given.items():
         if name not in declared:
             raise EdlError(
                 f"unknown {what} '{name}' in the overrides",
+                where,
                 help=did_you_mean(name, declared, f"{what}s") or f"the program declares no {what}s",
+                notes=[Note(f"overrides can only change the {what}s the program declares")] if where else [],
             )
         ok = isinstance(value, int) and not isinstance(value, bool) if what == "dim" else _is_number(value)
-        if not ok or (what == "dim" and isinstance(value, int) and value <= 0):
-            kind = "a positive integer" if what == "dim" else "a number"
+        if not ok or (what == "dim" and isinstance(value, int) and not 0 < value <= MAX_EXTENT):
+            kind = "a number"
+            if what == "dim":
+                big = isinstance(value, int) and value > MAX_EXTENT
+                kind = f"at most 2^63 - 1 = {MAX_EXTENT}" if big else "a positive integer"
             raise EdlError(f"override of {what} '{name}' must be {kind}, not {value!r}", declared[name].name_span)
 
 
@@ -164,7 +217,14 @@ class _DimEvaluator:
 
     def run(self) -> None:
         for name in self.exprs:
-            self.value(name)
+            try:
+                self.value(name)
+            except RecursionError:
+                raise EdlError(
+                    f"dim {name} is defined through too long a chain of other dims",
+                    self.exprs[name].name_span,
+                    help="define it from fewer intermediate dims",
+                ) from None
 
     def value(self, name: str) -> int:
         if name in self.scope.dims:
@@ -176,7 +236,11 @@ class _DimEvaluator:
             return v
         if name in self.active:
             cycle = " -> ".join([*self.active[self.active.index(name) :], name])
-            raise EdlError(f"dim '{name}' is defined in terms of itself: {cycle}", b.name_span)
+            raise EdlError(
+                f"dim '{name}' is defined in terms of itself: {cycle}",
+                b.name_span,
+                help="give one of them a value that does not depend on the others",
+            )
         self.active.append(name)
         v = eval_dim(b.expr, self.scope, f"dim {name}", lookup=self)
         self.active.pop()
@@ -187,8 +251,16 @@ class _DimEvaluator:
 def eval_dim(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | None = None) -> int:
     """Evaluate a dim expression (+ - * / of integers and dims) to a positive integer."""
     v = _dim_value(expr, scope, what, lookup)
+    sym = dim_symbol(expr)
+    shown = f"{sym} = {v}" if sym != str(v) else str(v)
     if v <= 0:
-        raise EdlError(f"{what} must be positive, but {dim_symbol(expr)} = {v}", expr.span)
+        raise EdlError(f"{what} must be positive, but it is {shown}", expr.span)
+    if v > MAX_EXTENT:
+        raise EdlError(
+            f"{what} is too large: {shown}",
+            expr.span,
+            help=f"extents must fit a 64-bit index (at most 2^63 - 1 = {MAX_EXTENT})",
+        )
     return v
 
 
@@ -203,7 +275,13 @@ def _dim_value(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | 
         if expr.ident in scope.dims:
             return scope.dims[expr.ident].value
         if expr.ident in scope.consts or expr.ident in BUILTIN_CONSTS:
-            raise EdlError(f"'{expr.ident}' is a const; {what} may use only dims and integers", expr.span)
+            raise EdlError(
+                f"'{expr.ident}' is a const; {what} may use only dims and integers",
+                expr.span,
+                help=f"declare '{expr.ident}' as a dim ('dim {expr.ident} = ...') to use it in shapes"
+                if expr.ident not in BUILTIN_CONSTS
+                else None,
+            )
         raise EdlError(
             f"undefined dim '{expr.ident}'",
             expr.span,
@@ -221,7 +299,8 @@ def _dim_value(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | 
         if expr.op == "*":
             return a * b
         if b == 0:
-            raise EdlError(f"division by zero in {what}: {dim_symbol(expr.rhs)} = 0", expr.span)
+            rhs = dim_symbol(expr.rhs)
+            raise EdlError(f"division by zero in {what}" + (f": {rhs} = 0" if rhs != "0" else ""), expr.span)
         if a % b:
             raise EdlError(
                 f"{what} is not a whole number: {dim_symbol(expr)} = {a} / {b}",
@@ -239,18 +318,34 @@ class _ConstEvaluator:
 
     def run(self) -> None:
         for name in self.exprs:
-            self.value(name)
+            try:
+                self.value(name)
+            except RecursionError:
+                raise EdlError(
+                    f"const {name} is defined through too long a chain of other consts",
+                    self.exprs[name].name_span,
+                    help="define it from fewer intermediate consts",
+                ) from None
 
     def value(self, name: str) -> float:
         if name in self.scope.consts:
             return self.scope.consts[name].value
         b = self.exprs[name]
         if name in self.overrides:
-            v = float(self.overrides[name])
+            try:
+                v = float(self.overrides[name])
+            except OverflowError:
+                raise EdlError(
+                    f"override of const '{name}' is too large for a floating-point value", b.name_span
+                ) from None
         else:
             if name in self.active:
                 cycle = " -> ".join([*self.active[self.active.index(name) :], name])
-                raise EdlError(f"const '{name}' is defined in terms of itself: {cycle}", b.name_span)
+                raise EdlError(
+                    f"const '{name}' is defined in terms of itself: {cycle}",
+                    b.name_span,
+                    help="give one of them a value that does not depend on the others",
+                )
             self.active.append(name)
             raw = self.eval(b.expr, name)
             self.active.pop()
@@ -261,16 +356,21 @@ class _ConstEvaluator:
         return v
 
     def eval(self, e: ast.Expr, owner: str) -> float | bool:
+        # Consts compute in floating point: integer powers such as 10 ^ 4000 must not become
+        # huge Python integers.
         if isinstance(e, ast.Num):
-            return e.value
+            try:
+                return float(e.value)
+            except OverflowError:
+                raise EdlError(f"number {e.text} is too large for a floating-point value", e.span) from None
         if isinstance(e, ast.Name):
             if e.ident in self.exprs:
                 return self.value(e.ident)
             if e.ident in self.scope.dims:
-                return self.scope.dims[e.ident].value
+                return float(self.scope.dims[e.ident].value)
             if e.ident in BUILTIN_CONSTS:
                 return BUILTIN_CONSTS[e.ident]
-            pool = [*self.exprs, *self.scope.dims, *BUILTIN_CONSTS]
+            pool = [n for n in (*self.exprs, *self.scope.dims, *BUILTIN_CONSTS) if n not in self.active]
             raise EdlError(
                 f"undefined name '{e.ident}' in const {owner}", e.span, help=did_you_mean(e.ident, pool, "names")
             )
@@ -295,6 +395,16 @@ class _ConstEvaluator:
                 if len(e.args) != FUNCTIONS[e.fn]:
                     raise EdlError(f"{e.fn}() takes {FUNCTIONS[e.fn]} argument(s), not {len(e.args)}", e.span)
                 return FOLD[e.fn](*(self.eval(a, owner) for a in e.args))
-        except (ArithmeticError, ValueError) as exc:
-            raise EdlError(f"cannot evaluate const {owner}: {exc}", e.span) from None
+        except ZeroDivisionError:
+            raise EdlError(f"cannot evaluate const {owner}: division by zero", e.span) from None
+        except OverflowError:
+            raise EdlError(
+                f"cannot evaluate const {owner}: the result is too large for a floating-point value", e.span
+            ) from None
+        except (ArithmeticError, ValueError):
+            raise EdlError(
+                f"cannot evaluate const {owner}: an argument is outside the function's domain",
+                e.span,
+                help="e.g. sqrt and log need arguments that are not negative",
+            ) from None
         raise EdlError(f"unexpected expression in const {owner}", e.span)

@@ -280,7 +280,12 @@ def _climb(text: str, loc: int, toks: pp.ParseResults) -> ast.Expr:
             span = lhs.span.to(rhs.span)
             if prec == _PREC["<"]:
                 if nxt < len(items) and _PREC[items[nxt]] == prec:
-                    raise pp.ParseFatalException(text, rhs.span.end - base, "comparisons do not chain; join them with 'and'")
+                    raise pp.ParseFatalException(
+                        text,
+                        rhs.span.end - base,
+                        "comparisons do not chain; join them with 'and' in where(), "
+                        "or write separate guards: 'where a < b, b < c'",
+                    )
                 lhs = ast.Compare(op, lhs, rhs, span)
             else:
                 lhs = ast.Binary(op, lhs, rhs, span)
@@ -401,12 +406,13 @@ def _is_rule_head(text: str, m: re.Match[str] | None) -> bool:
 def _syntax_error(source: Source, chunk: Chunk, text: str, exc: pp.ParseBaseException, kind: str) -> EdlError:
     loc = min(exc.loc, len(text))
     # Skip whitespace so the caret lands on the offending token, not before it.
-    while loc < len(text) and text[loc].isspace():
+    while loc < len(text) and text[loc] in " \t\r\n":
         loc += 1
-    found_m = re.match(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|[=<>!+*]=|\S", text[loc:])
+    found_m = re.match(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|[=<>!+*]=|[^ \t\r\n]", text[loc:])
     found = found_m.group(0) if found_m else None
     expected = _expected(exc)
-    if type(exc) is pp.ParseFatalException:  # a message of our own, e.g. from _climb
+    if isinstance(exc, pp.ParseFatalException) and not exc.msg.startswith("Expected") and exc.msg not in ("", "None"):
+        # A message of our own, e.g. from _climb (pyparsing may re-raise it as a ParseSyntaxException).
         start = chunk.start + loc
         return EdlError(exc.msg, source.span(start, start + (len(found) if found else 1)))
     start = chunk.start + loc
@@ -437,7 +443,12 @@ def _syntax_error(source: Source, chunk: Chunk, text: str, exc: pp.ParseBaseExce
         help_text = "a statement ends with '.' followed by whitespace; write decimals as 1.0, not 1."
     if found == "==" and expected.startswith("an aggregation operator"):
         help_text = "'==' compares two values; a rule defines its head with '=' (or +=, *=, max=, min=)"
+    if found is not None and len(found) == 1 and not (found.isascii() and (found.isalnum() or found in _PUNCTUATION)):
+        help_text = f"'{found}' is not part of the language; the operators are + - * / ^ < <= > >= == != and or not"
     return EdlError(message, span, help=help_text)
+
+
+_PUNCTUATION = "_[](),.:=+-*/^<>!#"
 
 
 _RULE_START = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\s*\[[^\n]*(?:\+=|\*=|max=|min=|(?<![=<>!])=(?!=))")
