@@ -259,6 +259,9 @@ def _split_declared(s: _Solver) -> bool:
             continue
         if any(c.value is not None and c.value != f[0] for c, f in zip(parts, axis.factors, strict=True)):
             continue
+        literals = [c.literal for c in p.atom.positions[p.axis_no].components]
+        if any(lit is not None and lit >= f[0] for lit, f in zip(literals, axis.factors, strict=True)):
+            continue  # the split cannot be meant: a literal part would fall outside its factor
         for key, c, (value, sym) in zip(p.parts, parts, axis.factors, strict=True):
             if c.value is None:
                 origin = Origin(

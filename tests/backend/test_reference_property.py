@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 import edatalog
 from edatalog.backend.reference import Value
-from edatalog.errors import EdlError, EdlWarning
+from edatalog.errors import EdlWarning
 from edatalog.ir.graph import Graph
 from tests.strategies import GeneratedProgram, programs
 
@@ -163,15 +163,10 @@ def test_oracle_agrees_on_a_fixed_chain(seed: int) -> None:
 # Bugs outside the evaluator, found by the properties above; the generator works around them.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=EdlError,
-    reason="rules/extents.py: declared-product split is guessed before head-literal defaults",
-)
 def test_head_literal_default_before_declared_split() -> None:
     """``r[0, i]`` gives axis 0 of ``r`` the default extent 1, so ``i`` in the second rule has extent
-    1 and ``(i, 15)`` spans 16.  The compiler first splits the declared ``M*N`` axis among the two
-    unknown parts of ``(i, 15)`` (4 and 4) and then rejects 15 as out of range."""
+    1 and ``(i, 15)`` spans 16.  Splitting the declared ``M*N`` axis among the two unknown parts of
+    ``(i, 15)`` (4 and 4) would put the literal 15 out of range, so that split is not taken."""
     prog = _compile("dim N = 4, M = 4.\ninput w[M*N] : f64.\nr[0, i] = w[i].\ns[i] = r[i, (i, 15)].\n")
     env = prog.evaluate({"w": np.arange(16.0)})
     np.testing.assert_array_equal(env["s"].data, [15.0])
