@@ -56,7 +56,7 @@ def lower_rule(
     root = lowerer.lower(rule.body)
     expr = builder.build(root)
 
-    dtype = _rule_dtype(rule.body, [rel_dtype[a.relation] for a in accesses], set(info.vars), scope, default_float)
+    dtype = _rule_dtype(rule, [rel_dtype[a.relation] for a in accesses], set(info.vars), scope, default_float)
     guard = Guard.true()
     for g in rule.guards:
         assert isinstance(g, ast.Compare)
@@ -96,11 +96,12 @@ class _ExprLowerer:
         return b.add(Op(e.fn, tuple(self.lower(a) for a in e.args)))
 
 
-def _rule_dtype(body: ast.Expr, atom_dtypes: list[str], rule_vars: set[str], scope: Scope, default_float: str) -> str:
+def _rule_dtype(rule: ast.Rule, atom_dtypes: list[str], rule_vars: set[str], scope: Scope, default_float: str) -> str:
     """Atoms set the type; numbers are weak.  Division, powers, transcendental functions and
-    fractional numbers need floats; index values and dims need at least integers."""
-    need = "bool"
-    for e in ast.walk(body):
+    fractional numbers need floats; index values, dims, arithmetic and sums need at least
+    integers (so booleans add up to counts, as in numpy's ``sum``)."""
+    need = "int" if rule.aggop in ("+=", "*=") else "bool"
+    for e in ast.walk(rule.body):
         if isinstance(e, ast.Num):
             need = _max_kind(need, "float" if isinstance(e.value, float) else "int")
         elif isinstance(e, ast.Name):
@@ -108,6 +109,8 @@ def _rule_dtype(body: ast.Expr, atom_dtypes: list[str], rule_vars: set[str], sco
             need = _max_kind(need, "int" if is_int else "float")
         elif (isinstance(e, ast.Binary) and e.op in ("/", "^")) or (isinstance(e, ast.Call) and e.fn not in _INTEGRAL):
             need = "float"
+        elif (isinstance(e, ast.Binary) and e.op in "+-*") or (isinstance(e, ast.Unary) and e.op == "-"):
+            need = _max_kind(need, "int")
     if not atom_dtypes:
         return {"bool": "bool", "int": "i64", "float": default_float}[need]
     dt = atom_dtypes[0]

@@ -95,3 +95,14 @@ def test_program_text_form_is_the_graph() -> None:
     assert str(prog) == str(prog.graph)
     assert "m[n] max= x[n,c]" in str(prog)
     assert repr(prog).startswith("<edatalog.Program")
+
+
+def test_boolean_arithmetic_and_sums_are_integers() -> None:
+    prog = edatalog.compile_string(
+        "dim N = 3.\ninput m[N] : bool.\nc[] += m[i].\nd[i] = m[i] - m[i].\nn[i] = -m[i].\na[] max= m[i].\n"
+        "output c, d, n, a."
+    )
+    out = prog.run({"m": np.array([True, False, True])})
+    assert out["c"].dtype == np.int64 and int(out["c"]) == 2
+    assert out["d"].tolist() == [0, 0, 0] and out["n"].tolist() == [-1, 0, -1]
+    assert out["a"].dtype == np.bool_ and bool(out["a"])
