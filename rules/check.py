@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edatalog.errors import Diagnostic, EdlError, Note, Span, did_you_mean
-from edatalog.ir.scalar import FUNCTIONS
 from edatalog.lang import ast
-from edatalog.rules.scope import BUILTIN_CONSTS, Scope
+from edatalog.lang.parser import KEYWORDS
+from edatalog.rules.scope import BUILTIN_CONSTS, Scope, check_call
 
 
 @dataclass
@@ -159,6 +159,12 @@ def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[st
     """Validate an expression; returns the index variables it uses by name."""
     used: set[str] = set()
     if isinstance(e, ast.Name):
+        if e.ident in KEYWORDS:
+            raise EdlError(
+                f"'{e.ident}' is a reserved word, not a value",
+                e.span,
+                help="where(cond, a, b) selects between values; 'where' after the body starts the guards",
+            )
         if e.ident in info.first:
             used.add(e.ident)
         elif e.ident not in scope.dims and e.ident not in scope.consts and e.ident not in BUILTIN_CONSTS:
@@ -194,12 +200,7 @@ def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[st
     elif isinstance(e, ast.Binary):
         used |= _check_expr(e.lhs, info, scope, False) | _check_expr(e.rhs, info, scope, False)
     elif isinstance(e, ast.Call):
-        if e.fn not in FUNCTIONS:
-            raise EdlError(f"unknown function '{e.fn}'", e.fn_span, help=did_you_mean(e.fn, FUNCTIONS, "functions"))
-        if len(e.args) != FUNCTIONS[e.fn]:
-            n = FUNCTIONS[e.fn]
-            given = f"{len(e.args)} {'is' if len(e.args) == 1 else 'are'} given"
-            raise EdlError(f"{e.fn}() takes {n} argument{'s' if n > 1 else ''}, but {given}", e.span)
+        check_call(e)
         for pos, a in enumerate(e.args):
             used |= _check_expr(a, info, scope, cond=e.fn == "where" and pos == 0)
     return used

@@ -52,6 +52,7 @@ class Scope:
     decls: dict[str, RelDecl] = field(default_factory=dict)
     outputs: list[tuple[str, Span]] = field(default_factory=list)
     rules: list[ast.Rule] = field(default_factory=list)
+    const_names: set[str] = field(default_factory=set)  # declared, even before they are evaluated
 
     def names(self) -> list[str]:
         return [*self.dims, *self.consts, *self.decls]
@@ -115,6 +116,7 @@ def build_scope(
             for b in stmt.items:
                 declared.add(b.name, "const", b.name_span)
                 const_exprs[b.name] = b
+                scope.const_names.add(b.name)
         elif isinstance(stmt, ast.RelationDecl):
             declared.add(stmt.name, stmt.kind, stmt.name_span)
             rel_decls.append(stmt)
@@ -274,7 +276,7 @@ def _dim_value(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | 
             return lookup.value(expr.ident)
         if expr.ident in scope.dims:
             return scope.dims[expr.ident].value
-        if expr.ident in scope.consts or expr.ident in BUILTIN_CONSTS:
+        if expr.ident in scope.const_names or expr.ident in BUILTIN_CONSTS:
             raise EdlError(
                 f"'{expr.ident}' is a const; {what} may use only dims and integers",
                 expr.span,
@@ -282,11 +284,9 @@ def _dim_value(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | 
                 if expr.ident not in BUILTIN_CONSTS
                 else None,
             )
-        raise EdlError(
-            f"undefined dim '{expr.ident}'",
-            expr.span,
-            help=did_you_mean(expr.ident, list(scope.dims) + (list(lookup.exprs) if lookup else []), "dims"),
-        )
+        defining = set(lookup.active) if lookup else set()  # never suggest the dim being defined
+        pool = [d for d in [*scope.dims, *(lookup.exprs if lookup else ())] if d not in defining]
+        raise EdlError(f"undefined dim '{expr.ident}'", expr.span, help=did_you_mean(expr.ident, pool, "dims"))
     if isinstance(expr, ast.Unary) and expr.op == "-":
         return -_dim_value(expr.arg, scope, what, lookup)
     if isinstance(expr, ast.Binary) and expr.op in "+-*/":
@@ -309,6 +309,16 @@ def _dim_value(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | 
             )
         return a // b
     raise EdlError(f"{what} may use only + - * / on integers and dims", expr.span)
+
+
+def check_call(e: ast.Call) -> None:
+    """A call names a built-in function and passes it the right number of arguments."""
+    if e.fn not in FUNCTIONS:
+        raise EdlError(f"unknown function '{e.fn}'", e.fn_span, help=did_you_mean(e.fn, FUNCTIONS, "functions"))
+    n = FUNCTIONS[e.fn]
+    if len(e.args) != n:
+        given = f"{len(e.args)} {'is' if len(e.args) == 1 else 'are'} given"
+        raise EdlError(f"{e.fn}() takes {n} argument{'s' if n > 1 else ''}, but {given}", e.span)
 
 
 class _ConstEvaluator:
@@ -380,20 +390,18 @@ class _ConstEvaluator:
                 e.span,
                 help="consts are numbers fixed before the program runs",
             )
+        if isinstance(e, ast.Unary | ast.Binary) and e.op in ("and", "or", "not"):
+            help_text = "consts are numbers; conditions belong in rule bodies"
+            raise EdlError(f"const {owner} cannot use '{e.op}'", e.span, help=help_text)
         try:
             if isinstance(e, ast.Unary):
-                return FOLD["neg" if e.op == "-" else "not"](self.eval(e.arg, owner))
+                return FOLD["neg"](self.eval(e.arg, owner))
             if isinstance(e, ast.Binary):
                 return FOLD[BINARY[e.op]](self.eval(e.lhs, owner), self.eval(e.rhs, owner))
             if isinstance(e, ast.Compare):
                 raise EdlError(f"const {owner} cannot be a comparison", e.span)
             if isinstance(e, ast.Call):
-                if e.fn not in FUNCTIONS:
-                    raise EdlError(
-                        f"unknown function '{e.fn}'", e.fn_span, help=did_you_mean(e.fn, FUNCTIONS, "functions")
-                    )
-                if len(e.args) != FUNCTIONS[e.fn]:
-                    raise EdlError(f"{e.fn}() takes {FUNCTIONS[e.fn]} argument(s), not {len(e.args)}", e.span)
+                check_call(e)
                 return FOLD[e.fn](*(self.eval(a, owner) for a in e.args))
         except ZeroDivisionError:
             raise EdlError(f"cannot evaluate const {owner}: division by zero", e.span) from None

@@ -1,7 +1,8 @@
 """Element types of relations: names, sizes, numpy equivalents and promotion.
 
-Promotion follows numpy with two additions: ``bf16`` (through ``ml_dtypes``) and the rule that
-``f16`` with ``bf16`` gives ``f32``.  Numbers written in a program are *weak*: they never widen an
+Promotion follows PyTorch rather than numpy: the wider type of a kind wins, an integer with a
+float gives that float (``i32`` with ``f16`` is ``f16``), and ``f16`` with ``bf16`` gives ``f32``.
+``bf16`` arrays use ``ml_dtypes``.  Numbers written in a program are *weak*: they never widen an
 operand, so ``x * 0.5`` keeps ``x`` in ``f32``.
 """
 

@@ -437,8 +437,13 @@ def _syntax_error(source: Source, chunk: Chunk, text: str, exc: pp.ParseBaseExce
     help_text = None
     if found is not None and "\n" in code[end:] and kind == "rule" and end > 0 and code[end - 1] in "])0123456789":
         help_text = "did you forget the '.' that ends the previous statement?"
-    if found in KEYWORDS and "name" in (expected or ""):
+    if found in KEYWORDS and ("name" in (expected or "") or "index" in (expected or "") or expected == "']'"):
         help_text = f"'{found}' is a reserved word; choose another name"
+    if found in ("+", "-", "*", "/") and expected in ("']'", "')'"):
+        help_text = (
+            "an index position holds an index variable, an integer or a composite (i, j); index "
+            "arithmetic such as 'i + 1' is not supported: shift with a composite or select with a guard"
+        )
     if found == "." and kind == "rule":
         help_text = "a statement ends with '.' followed by whitespace; write decimals as 1.0, not 1."
     if found == "==" and expected.startswith("an aggregation operator"):
