@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from edatalog.errors import EdlError, Note, Span, did_you_mean
 from edatalog.ir.scalar import BINARY, FOLD, FUNCTIONS
 from edatalog.lang import ast
+
+T = TypeVar("T")
 
 BUILTIN_CONSTS = {"pi": math.pi, "inf": math.inf}
 MAX_EXTENT = 2**63 - 1  # the largest extent an int64 index can address
@@ -210,12 +213,16 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-class _DimEvaluator:
-    """Evaluates dims in dependency order, so ``E = D / H`` follows an override of ``D``."""
+class _Bindings(Generic[T]):
+    """Evaluates named bindings (dims or consts) on demand, in dependency order, so ``E = D / H``
+    follows an override of ``D``; reports cycles and over-long chains."""
 
-    def __init__(self, exprs: dict[str, ast.Binding], overrides: dict[str, int], scope: Scope) -> None:
+    what = ""
+
+    def __init__(self, exprs: dict[str, ast.Binding], overrides: Mapping[str, object], scope: Scope) -> None:
         self.exprs, self.overrides, self.scope = exprs, overrides, scope
         self.active: list[str] = []
+        self.done: dict[str, T] = {}
 
     def run(self) -> None:
         for name in self.exprs:
@@ -223,31 +230,56 @@ class _DimEvaluator:
                 self.value(name)
             except RecursionError:
                 raise EdlError(
-                    f"dim {name} is defined through too long a chain of other dims",
+                    f"{self.what} {name} is defined through too long a chain of other {self.what}s",
                     self.exprs[name].name_span,
-                    help="define it from fewer intermediate dims",
+                    help=f"define it from fewer intermediate {self.what}s",
                 ) from None
 
-    def value(self, name: str) -> int:
-        if name in self.scope.dims:
-            return self.scope.dims[name].value
+    def value(self, name: str) -> T:
+        if name in self.done:
+            return self.done[name]
         b = self.exprs[name]
-        if name in self.overrides:
-            v = self.overrides[name]
-            self.scope.dims[name] = DimInfo(name, v, b.name_span)
-            return v
-        if name in self.active:
-            cycle = " -> ".join([*self.active[self.active.index(name) :], name])
-            raise EdlError(
-                f"dim '{name}' is defined in terms of itself: {cycle}",
-                b.name_span,
-                help="give one of them a value that does not depend on the others",
-            )
-        self.active.append(name)
-        v = eval_dim(b.expr, self.scope, f"dim {name}", lookup=self)
-        self.active.pop()
-        self.scope.dims[name] = DimInfo(name, v, b.name_span, b.expr)
+        overridden = name in self.overrides
+        if overridden:
+            v = self.from_override(name, b)
+        else:
+            if name in self.active:
+                cycle = " -> ".join([*self.active[self.active.index(name) :], name])
+                raise EdlError(
+                    f"{self.what} '{name}' is defined in terms of itself: {cycle}",
+                    b.name_span,
+                    help="give one of them a value that does not depend on the others",
+                )
+            self.active.append(name)
+            v = self.compute(name, b)
+            self.active.pop()
+        self.done[name] = v
+        self.record(name, v, b, overridden)
         return v
+
+    def from_override(self, name: str, b: ast.Binding) -> T:
+        raise NotImplementedError
+
+    def compute(self, name: str, b: ast.Binding) -> T:
+        raise NotImplementedError
+
+    def record(self, name: str, value: T, b: ast.Binding, overridden: bool) -> None:
+        raise NotImplementedError
+
+
+class _DimEvaluator(_Bindings[int]):
+    what = "dim"
+
+    def from_override(self, name: str, b: ast.Binding) -> int:
+        value = self.overrides[name]
+        assert isinstance(value, int)  # checked by _check_overrides
+        return value
+
+    def compute(self, name: str, b: ast.Binding) -> int:
+        return eval_dim(b.expr, self.scope, f"dim {name}", lookup=self)
+
+    def record(self, name: str, value: int, b: ast.Binding, overridden: bool) -> None:
+        self.scope.dims[name] = DimInfo(name, value, b.name_span, None if overridden else b.expr)
 
 
 def eval_dim(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | None = None) -> int:
@@ -321,49 +353,23 @@ def check_call(e: ast.Call) -> None:
         raise EdlError(f"{e.fn}() takes {n} argument{'s' if n > 1 else ''}, but {given}", e.span)
 
 
-class _ConstEvaluator:
-    def __init__(self, exprs: dict[str, ast.Binding], overrides: dict[str, float], scope: Scope) -> None:
-        self.exprs, self.overrides, self.scope = exprs, overrides, scope
-        self.active: list[str] = []
+class _ConstEvaluator(_Bindings[float]):
+    what = "const"
 
-    def run(self) -> None:
-        for name in self.exprs:
-            try:
-                self.value(name)
-            except RecursionError:
-                raise EdlError(
-                    f"const {name} is defined through too long a chain of other consts",
-                    self.exprs[name].name_span,
-                    help="define it from fewer intermediate consts",
-                ) from None
+    def from_override(self, name: str, b: ast.Binding) -> float:
+        try:
+            return float(self.overrides[name])  # type: ignore[arg-type]  # a number: _check_overrides
+        except OverflowError:
+            raise EdlError(f"override of const '{name}' is too large for a floating-point value", b.name_span) from None
 
-    def value(self, name: str) -> float:
-        if name in self.scope.consts:
-            return self.scope.consts[name].value
-        b = self.exprs[name]
-        if name in self.overrides:
-            try:
-                v = float(self.overrides[name])
-            except OverflowError:
-                raise EdlError(
-                    f"override of const '{name}' is too large for a floating-point value", b.name_span
-                ) from None
-        else:
-            if name in self.active:
-                cycle = " -> ".join([*self.active[self.active.index(name) :], name])
-                raise EdlError(
-                    f"const '{name}' is defined in terms of itself: {cycle}",
-                    b.name_span,
-                    help="give one of them a value that does not depend on the others",
-                )
-            self.active.append(name)
-            raw = self.eval(b.expr, name)
-            self.active.pop()
-            if isinstance(raw, complex):
-                raise EdlError(f"const {name} is not a real number", b.expr.span)
-            v = float(raw)
-        self.scope.consts[name] = ConstInfo(name, v, b.name_span)
-        return v
+    def compute(self, name: str, b: ast.Binding) -> float:
+        raw = self.eval(b.expr, name)
+        if isinstance(raw, complex):
+            raise EdlError(f"const {name} is not a real number", b.expr.span)
+        return float(raw)
+
+    def record(self, name: str, value: float, b: ast.Binding, overridden: bool) -> None:
+        self.scope.consts[name] = ConstInfo(name, value, b.name_span)
 
     def eval(self, e: ast.Expr, owner: str) -> float | bool:
         # Consts compute in floating point: integer powers such as 10 ^ 4000 must not become
