@@ -15,14 +15,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-from edatalog.ir import dtypes
+from edatalog.ir import affine, dtypes, scalar, serialize
 from edatalog.ir.affine import Affine, Guard
+from edatalog.ir.cost import NodeCost, graph_costs
+from edatalog.ir.printer import render_graph
 from edatalog.ir.scalar import ScalarExpr
-
-if TYPE_CHECKING:
-    from edatalog.ir.cost import NodeCost
 
 AGG_NAMES = {"=": None, "+=": "sum", "*=": "prod", "max=": "max", "min=": "min"}
 
@@ -217,8 +215,7 @@ class Graph:
 
     @cached_property
     def costs(self) -> dict[str, NodeCost]:
-        from edatalog.ir.cost import graph_costs  # cost analysis reads the graph it describes
-
+        """FLOPs and bytes of every node, over the points and cells that exist."""
         return graph_costs(self)
 
     # -- invariants ------------------------------------------------------------------------------
@@ -287,29 +284,42 @@ class Graph:
     # -- text -------------------------------------------------------------------------------------
 
     def __str__(self) -> str:
-        from edatalog.ir.printer import render_graph
-
         return render_graph(self)
 
     # -- JSON -------------------------------------------------------------------------------------
 
     def to_json(self) -> str:
-        from edatalog.ir.serialize import dumps
-
-        return dumps(self)
+        return serialize.dumps(self)
 
     @staticmethod
     def from_json(text: str) -> Graph:
-        from edatalog.ir.serialize import loads
-
-        graph = loads(text)
+        graph = serialize.loads(text, IR_CLASSES)
         if not isinstance(graph, Graph):
             raise ValueError("JSON does not hold a join-agg graph")
         return graph
 
     def fingerprint(self) -> str:
         """A hash of what the graph computes (source locations excluded)."""
-        from edatalog.ir.serialize import encode
-
-        blob = json.dumps(encode(self, with_origins=False), sort_keys=True, separators=(",", ":"))
+        blob = json.dumps(serialize.encode(self, with_origins=False), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# Every class a graph is made of: what ``Graph.from_json`` may build, and nothing else.
+IR_CLASSES: tuple[type, ...] = (
+    affine.Affine,
+    affine.Constraint,
+    affine.Conj,
+    affine.Guard,
+    scalar.ScalarExpr,
+    scalar.Load,
+    scalar.Const,
+    scalar.IndexValue,
+    scalar.Op,
+    Index,
+    Part,
+    AxisMap,
+    Access,
+    JoinAgg,
+    Relation,
+    Graph,
+)

@@ -1,7 +1,7 @@
 """JSON form of the IR: every frozen dataclass as an object tagged with its class name.
 
 Tuples become lists and come back as tuples; non-finite floats are spelled out, since JSON has
-no ``inf``.  Only the IR classes listed here can be decoded: loading a file never runs code.
+no ``inf``.  Only the classes the caller lists can be decoded: loading a file never runs code.
 """
 
 from __future__ import annotations
@@ -9,33 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from edatalog.ir import affine, graph, scalar
-
-FORMAT = 1
-
-_CLASSES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        affine.Affine,
-        affine.Constraint,
-        affine.Conj,
-        affine.Guard,
-        scalar.ScalarExpr,
-        scalar.Load,
-        scalar.Const,
-        scalar.IndexValue,
-        scalar.Op,
-        graph.Index,
-        graph.Part,
-        graph.AxisMap,
-        graph.Access,
-        graph.JoinAgg,
-        graph.Relation,
-        graph.Graph,
-    )
-}
+FORMAT = 1  # bump when the JSON layout changes
 
 
 def encode(obj: Any, *, with_origins: bool = True) -> Any:
@@ -53,17 +30,17 @@ def encode(obj: Any, *, with_origins: bool = True) -> Any:
     return obj
 
 
-def decode(data: Any) -> Any:
+def decode(data: Any, classes: Mapping[str, type]) -> Any:
     if isinstance(data, list):
-        return tuple(decode(x) for x in data)
+        return tuple(decode(x, classes) for x in data)
     if isinstance(data, dict):
         if "$float" in data:
             return float(data["$float"])
         name = data.get("$type")
-        cls = _CLASSES.get(name) if isinstance(name, str) else None
+        cls = classes.get(name) if isinstance(name, str) else None
         if cls is None:
             raise ValueError(f"unknown IR object type {name!r}")
-        return cls(**{k: decode(v) for k, v in data.items() if k != "$type"})
+        return cls(**{k: decode(v, classes) for k, v in data.items() if k != "$type"})
     return data
 
 
@@ -71,8 +48,9 @@ def dumps(obj: Any) -> str:
     return json.dumps({"format": FORMAT, "ir": encode(obj)}, indent=1)
 
 
-def loads(text: str) -> Any:
+def loads(text: str, classes: Iterable[type]) -> Any:
+    """Decode text written by :func:`dumps`; only instances of ``classes`` are built."""
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT or "ir" not in data:
         raise ValueError(f"not an edatalog IR file of format {FORMAT}")
-    return decode(data["ir"])
+    return decode(data["ir"], {c.__name__: c for c in classes})
