@@ -411,12 +411,12 @@ def _syntax_error(source: Source, chunk: Chunk, text: str, exc: pp.ParseBaseExce
     found_m = re.match(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|[=<>!+*]=|[^ \t\r\n]", text[loc:])
     found = found_m.group(0) if found_m else None
     expected = _expected(exc)
-    if isinstance(exc, pp.ParseFatalException) and not exc.msg.startswith("Expected") and exc.msg not in ("", "None"):
-        # A message of our own, e.g. from _climb (pyparsing may re-raise it as a ParseSyntaxException).
-        start = chunk.start + loc
-        return EdlError(exc.msg, source.span(start, start + (len(found) if found else 1)))
     start = chunk.start + loc
     span = source.span(start, start + (len(found) if found else 1))
+    own = exc.msg or ""
+    if isinstance(exc, pp.ParseFatalException) and not own.startswith("Expected") and own not in ("", "None"):
+        # A message of our own, e.g. from _climb (pyparsing may re-raise it as a ParseSyntaxException).
+        return EdlError(own, span)
     if found is None:
         message = f"expected {expected}, found the end of the statement" if expected else "unexpected end of statement"
     else:
