@@ -93,7 +93,8 @@ def _build_graph(checked: Checked, ext: Extents, source_name: str) -> Graph:
         shape = tuple(ext.axis[(rel, k)][0] for k in range(arity))
         symbols = tuple(ext.axis[(rel, k)][1] for k in range(arity))
         if group[0].rule.aggop == "=" and len(rel_nodes) > 1:
-            check_disjoint(rel, rel_nodes, [info.head.span for info in group])
+            reads_exact = all(relations[acc.relation].support_exact for n in rel_nodes for acc in n.inputs)
+            checked.warnings.extend(check_disjoint(rel, rel_nodes, [info.head.span for info in group], reads_exact))
         relations[rel] = Relation(
             rel,
             "derived",

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine, Constraint, Guard
 from edatalog.ir.graph import Access, AxisMap, Index, JoinAgg, Part
-from edatalog.ir.scalar import BINARY, COMPARISONS, Const, ExprBuilder, IndexValue, Load, Op
+from edatalog.ir.scalar import BINARY, COMPARISONS, Const, ExprBuilder, IndexValue, Load, Op, ScalarExpr
 from edatalog.lang import ast
 from edatalog.rules.check import RuleInfo
 from edatalog.rules.extents import Extents
@@ -57,6 +59,7 @@ def lower_rule(
     expr = builder.build(root)
 
     dtype = _rule_dtype(rule, [rel_dtype[a.relation] for a in accesses], set(info.vars), scope, default_float)
+    _check_numbers(expr, dtype, rule)
     guard = Guard.true()
     for g in rule.guards:
         assert isinstance(g, ast.Compare)
@@ -94,6 +97,30 @@ class _ExprLowerer:
             return b.add(Op(COMPARISONS[e.op], (self.lower(e.lhs), self.lower(e.rhs))))
         assert isinstance(e, ast.Call)
         return b.add(Op(e.fn, tuple(self.lower(a) for a in e.args)))
+
+
+def _check_numbers(expr: ScalarExpr, dtype: str, rule: ast.Rule) -> None:
+    """Every number of the body (as written or folded) must be representable in the rule's type."""
+    np_dtype = dtypes.to_numpy(dtypes.compute_dtype(dtype))
+    for node in expr.nodes:
+        if not isinstance(node, Const) or isinstance(node.value, bool):
+            continue
+        v = node.value
+        if np_dtype.kind in "iu" and isinstance(v, int):
+            info = np.iinfo(np_dtype)
+            if not info.min <= v <= info.max:
+                raise EdlError(
+                    f"the number {v} does not fit the rule's type {dtype} ({info.min} .. {info.max})",
+                    rule.body.span,
+                    help="use a smaller number, or read a wider relation",
+                )
+        elif isinstance(v, int):
+            try:
+                float(v)
+            except OverflowError:
+                raise EdlError(
+                    "a number in this rule is too large for a floating-point value", rule.body.span
+                ) from None
 
 
 def _rule_dtype(rule: ast.Rule, atom_dtypes: list[str], rule_vars: set[str], scope: Scope, default_float: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import z3
 
-from edatalog.errors import EdlError, Note
+from edatalog.errors import Diagnostic, EdlError, Note, Span
 from edatalog.ir.affine import Affine, Constraint, Guard
 from edatalog.ir.graph import JoinAgg, Relation
 
@@ -37,24 +37,63 @@ def head_support(node: JoinAgg, axis_names: Sequence[str]) -> tuple[Guard, bool]
     return shadow.rename(dict(zip(tmp, axis_names, strict=True))), exact
 
 
-def check_disjoint(rel: str, nodes: Sequence[JoinAgg], spans: Sequence[object]) -> None:
-    """``=`` rules for one relation must define disjoint cells; report a cell two of them share."""
+def check_disjoint(rel: str, nodes: Sequence[JoinAgg], spans: Sequence[Span], exact: bool) -> list[Diagnostic]:
+    """``=`` rules for one relation must define disjoint cells: raise with a cell two of them share.
+
+    When the guards over-approximate (``exact`` is False: a support read is approximate) a shared
+    cell may not really exist, so it is reported as a warning; so is a check z3 cannot decide."""
+    ctx = z3.Context()  # one context for all pairs of this relation
+    warnings: list[Diagnostic] = []
     for i in range(len(nodes)):
         for j in range(i + 1, len(nodes)):
-            cell = _shared_cell(nodes[i], nodes[j])
-            if cell is not None:
-                where = ", ".join(str(c) for c in cell)
-                raise EdlError(
-                    f"overlapping definitions: two '=' rules both define {rel}[{where}]",
-                    spans[j],  # type: ignore[arg-type]
-                    help="'=' rules for one relation must cover disjoint cells; add guards or use literal "
-                    "index positions to separate them, or use += to add contributions",
-                    notes=[Note("the other rule is here", spans[i])],  # type: ignore[arg-type]
+            if _literally_disjoint(nodes[i], nodes[j]):
+                continue
+            found, cell = _shared_cell(nodes[i], nodes[j], ctx)
+            notes = (Note("the other rule is here", spans[i]),)
+            if found is None:
+                warnings.append(
+                    Diagnostic(
+                        "warning",
+                        f"could not prove that these '=' rules for {rel} define disjoint cells",
+                        spans[j],
+                        notes=notes,
+                    )
                 )
+            elif found:
+                where = ", ".join(str(c) for c in cell)
+                message = f"overlapping definitions: two '=' rules both define {rel}[{where}]"
+                help_text = (
+                    "'=' rules for one relation must cover disjoint cells; add guards or use literal "
+                    "index positions to separate them, or use += to add contributions"
+                )
+                if not exact:
+                    warnings.append(
+                        Diagnostic(
+                            "warning",
+                            f"{message}, unless an approximate support hides it",
+                            spans[j],
+                            help_text,
+                            tuple(notes),
+                        )
+                    )
+                else:
+                    raise EdlError(message, spans[j], help=help_text, notes=notes)
+    return warnings
 
 
-def _shared_cell(a: JoinAgg, b: JoinAgg) -> tuple[int, ...] | None:
-    ctx = z3.Context()
+def _literally_disjoint(a: JoinAgg, b: JoinAgg) -> bool:
+    """Head positions with different literals at the same place (``r[0, i]`` and ``r[1, i]``)."""
+    for axa, axb in zip(a.out_axes, b.out_axes, strict=True):
+        if [p.extent for p in axa.parts] != [p.extent for p in axb.parts]:
+            continue
+        for pa, pb in zip(axa.parts, axb.parts, strict=True):
+            if pa.const is not None and pb.const is not None and pa.const != pb.const:
+                return True
+    return False
+
+
+def _shared_cell(a: JoinAgg, b: JoinAgg, ctx: z3.Context) -> tuple[bool | None, tuple[int, ...]]:
+    """Whether some cell is written by both rules (None: undecided), and one such cell."""
     solver = z3.Solver(ctx=ctx)
     solver.set("timeout", 5000)
     va = {i.name: z3.Int(f"a.{i.name}", ctx) for i in a.indices}
@@ -65,11 +104,14 @@ def _shared_cell(a: JoinAgg, b: JoinAgg) -> tuple[int, ...] | None:
         solver.add(_z3_guard(node.guard, vs, ctx))
     for axa, axb in zip(a.out_axes, b.out_axes, strict=True):
         solver.add(_z3_affine(axa.affine(), va, ctx) == _z3_affine(axb.affine(), vb, ctx))
-    if solver.check() != z3.sat:
-        return None
+    verdict = solver.check()
+    if verdict == z3.unknown:
+        return None, ()
+    if verdict != z3.sat:
+        return False, ()
     model = solver.model()
     values = {k: model.eval(v, model_completion=True).as_long() for k, v in va.items()}
-    return tuple(int(ax.affine().evaluate(values)) for ax in a.out_axes)
+    return True, tuple(int(ax.affine().evaluate(values)) for ax in a.out_axes)
 
 
 def _z3_affine(e: Affine, vs: Mapping[str, z3.ArithRef], ctx: z3.Context) -> z3.ArithRef:

@@ -245,25 +245,46 @@ class Guard:
         return out
 
     def count(self, box: Box) -> int:
-        """The exact number of points of the box that satisfy the guard."""
-        involved = sorted(self.vars)
-        free = math.prod(box[v] for v in box if v not in self.vars)
+        """The exact number of points of the box that satisfy the guard.
+
+        Raises OverflowError when that would take too long (a huge box or many overlapping
+        pieces); :meth:`count_bound` never does."""
         if self.is_false:
             return 0
         if self.is_true:
             return math.prod(box.values())
+        involved = sorted(self.vars)
+        free = math.prod(box[v] for v in box if v not in self.vars)
+        shape = tuple(box[v] for v in involved)
+        if math.prod(shape) <= _ENUM_LIMIT:  # small enough to look at every point
+            return free * int(np.count_nonzero(np.broadcast_to(self.mask(involved, box), shape)))
         return free * _count_union([c.constraints for c in self.conjs], involved, box)
+
+    def count_bound(self, box: Box) -> tuple[int, bool]:
+        """The exact count and True, or, when it cannot be had cheaply, the size of the box and
+        False (an upper bound)."""
+        try:
+            return self.count(box), True
+        except OverflowError:
+            return math.prod(box.values()), False
 
     # -- symbolic reasoning ------------------------------------------------------------------
 
     def simplify(self, box: Box) -> Guard:
-        """Normalize, drop what the box implies, drop empty pieces, merge complementary ones."""
+        """Normalize, drop what the box implies, drop empty pieces, merge complementary ones, and
+        recognize a union that covers the whole box (``i != 1`` or ``i == 1``) as true."""
         conjs: list[Conj] = []
         for conj in self.conjs:
             simple = _simplify_conj(conj, box)
             if simple is not None:
                 conjs.append(simple)
-        return Guard(_merge(conjs, box))
+        merged = Guard(_merge(conjs, box))
+        if len(merged.conjs) > 1:
+            involved = sorted(merged.vars)
+            size = math.prod(box[v] for v in involved)
+            if size <= _COVER_LIMIT and merged.count({v: box[v] for v in involved}) == size:
+                return Guard.true()
+        return merged
 
     def project(self, keep: Iterable[str], box: Box) -> tuple[Guard, bool]:
         """The guard's shadow on the variables ``keep``: exists the others within the box.
@@ -417,17 +438,33 @@ def _merge_pair(a: Conj, b: Conj, box: Box) -> Conj | None:
 # -- counting -----------------------------------------------------------------------------------
 
 _ENUM_LIMIT = 1 << 22
+_COVER_LIMIT = 1 << 16  # simplify() checks coverage by counting only boxes this small
+
+
+_MAX_INTERSECTIONS = 4096
 
 
 def _count_union(conjs: list[tuple[Constraint, ...]], order: list[str], box: Box) -> int:
-    """Points of the box over ``order`` inside the union, by inclusion-exclusion over the pieces;
-    each intersection is counted by enumerating all variables but one, whose feasible set is an
-    interval."""
+    """Points of the box over ``order`` inside the union, by inclusion-exclusion over the pieces.
+    An empty intersection prunes all its supersets, so disjoint pieces (as ``!=`` makes) cost one
+    count each.  Each intersection is counted by enumerating all variables but one, whose
+    feasible set is an interval."""
     total = 0
-    for r in range(1, len(conjs) + 1):
-        for subset in itertools.combinations(conjs, r):
-            cons = tuple(c for piece in subset for c in piece)
-            total += (-1) ** (r + 1) * _count_conj(cons, order, box)
+    visited = 0
+
+    def visit(start: int, acc: tuple[Constraint, ...], size: int) -> None:
+        nonlocal total, visited
+        for k in range(start, len(conjs)):
+            piece = _simplify_conj(Conj(acc + conjs[k]), box)
+            if piece is None:
+                continue  # empty, and so is every intersection containing it
+            visited += 1
+            if visited > _MAX_INTERSECTIONS:
+                raise OverflowError("too many overlapping pieces to count exactly")
+            total += (-1) ** (size + 1) * _count_conj(piece.constraints, order, box)
+            visit(k + 1, acc + conjs[k], size + 1)
+
+    visit(0, (), 1)
     return total
 
 

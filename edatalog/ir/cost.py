@@ -41,14 +41,14 @@ def flops_per_point(node: JoinAgg) -> int:
 def _cells(guard: Guard, keep: tuple[str, ...], box: dict[str, int]) -> tuple[int, bool]:
     """Distinct values of ``keep`` over the supported points."""
     shadow, exact = guard.project(keep, box)
-    return shadow.count({k: box[k] for k in keep}), exact
+    cells, counted = shadow.count_bound({k: box[k] for k in keep})
+    return cells, exact and counted
 
 
 def node_cost(graph: Graph, node: JoinAgg) -> NodeCost:
     box = node.box
     dense = math.prod(box.values())
-    points = node.guard.count(box)
-    exact = True
+    points, exact = node.guard.count_bound(box)
     bytes_in = 0
     for acc in dict.fromkeys(node.inputs):  # the same access twice is read once
         cells, ok = _cells(node.guard, acc.indices, box)

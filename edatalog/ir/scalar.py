@@ -79,7 +79,7 @@ FOLD: dict[str, Callable[..., float | bool]] = {
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
     "div": lambda a, b: a / b,
-    "pow": lambda a, b: a**b,
+    "pow": lambda a, b: float(a) ** b,  # `^` is a float power: 10 ^ 400 must not build a huge int
     "max": max,
     "min": min,
     "and": lambda a, b: bool(a) and bool(b),
