@@ -24,7 +24,7 @@ import numpy as np
 
 from edatalog.backend.numpy_ops import apply_op, identity
 from edatalog.ir import dtypes
-from edatalog.ir.graph import Access, Graph, JoinAgg
+from edatalog.ir.graph import AGG_NAMES, Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.scalar import Const, IndexValue, Load, Op
 
 _LETTERS = string.ascii_letters
@@ -230,10 +230,8 @@ def _factorized(ops: _Operands, out_vars: list[str]) -> tuple[np.ndarray, np.nda
     value = _contract(arrays, ops, out_vars)
     if scale is not None:
         value = value * scale
-    present = None
-    if masks:
-        counts = _contract([m.astype(np.float64) for m in masks], ops, out_vars)
-        present = counts > 0
+    # A cell exists if some point has every mask set: a boolean einsum is exactly "or of ands".
+    present = _contract(masks, ops, out_vars) if masks else None
     return value.astype(ops.cdt, copy=False), present
 
 
@@ -250,10 +248,11 @@ def _contract(arrays: list[np.ndarray], ops: _Operands, out_vars: list[str]) -> 
         spanned.update(ops.order[k] for k in keep)
     out_sub = "".join(_LETTERS[ops.order.index(v)] for v in out_vars if v in spanned)
     result = np.einsum(",".join(subs) + "->" + out_sub, *squeezed, optimize=True)
-    # Aggregated indices that no factor depends on multiply the sum by their extent.
-    for v in ops.node.agg_indices:
-        if v not in spanned:
-            result = result * ops.box[v]
+    # Aggregated indices no operand spans multiply a sum by their extent (an "or" is unchanged).
+    if result.dtype != np.bool_:
+        for v in ops.node.agg_indices:
+            if v not in spanned:
+                result = result * ops.box[v]
     shape = [ops.box[v] if v in spanned else 1 for v in out_vars]
     return np.broadcast_to(result.reshape(shape), [ops.box[v] for v in out_vars])
 
@@ -295,20 +294,52 @@ def _split_product(ops: _Operands) -> tuple[np.ndarray | None, list[tuple[int, i
     return scale, factors
 
 
+_COMBINE: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _write_view(arr: np.ndarray, axes: tuple[AxisMap, ...], out_vars: list[str]) -> np.ndarray | None:
+    """A writable view of the contiguous ``arr`` through a head's axes, with its axes in the order
+    ``out_vars``; None when the head repeats an index (no strided view can express a diagonal
+    write)."""
+    parts = [p for ax in axes for p in ax.parts]
+    labels = [p.index for p in parts if p.index is not None]
+    if len(set(labels)) != len(labels):
+        return None
+    view = arr.reshape([p.extent for p in parts])
+    assert np.may_share_memory(view, arr), "reshape copied: the accumulator must be contiguous"
+    # The trailing Ellipsis keeps a 0-d result an array view rather than a scalar copy.
+    view = view[(*(p.const if p.index is None else slice(None) for p in parts), ...)]
+    return view.transpose([labels.index(v) for v in out_vars])
+
+
 class _Accumulator:
     """Combines the results of the rules for one relation with its aggregation operator."""
 
     def __init__(self, graph: Graph, name: str) -> None:
         self.rel = graph.relation(name)
         self.cdt = dtypes.to_numpy(dtypes.compute_dtype(self.rel.dtype))
-        agg = {"=": None, "+=": "sum", "*=": "prod", "max=": "max", "min=": "min"}[self.rel.aggop or "="]
-        self.agg = agg
-        fill = 0 if agg is None else identity(agg, self.cdt)
+        self.agg = AGG_NAMES[self.rel.aggop or "="]
+        fill = 0 if self.agg is None else identity(self.agg, self.cdt)
         self.data = np.full(self.rel.shape, fill, dtype=self.cdt)
         self.present = np.zeros(self.rel.shape, dtype=bool)
-        self.full = True
 
     def add(self, node: JoinAgg, value: np.ndarray, present: np.ndarray | None, out_vars: list[str]) -> None:
+        view = _write_view(self.data, node.out_axes, out_vars)
+        if view is not None:  # the common case: write in place through a strided view
+            where: np.ndarray | bool = True if present is None else np.broadcast_to(present, view.shape)
+            vals = np.broadcast_to(value, view.shape).astype(self.cdt, copy=False)
+            if self.agg is None:
+                np.copyto(view, vals, where=where)
+            else:
+                _COMBINE[self.agg](view, vals, out=view, where=where)
+            pview = _write_view(self.present, node.out_axes, out_vars)
+            assert pview is not None
+            np.logical_or(pview, where, out=pview)
+            return
+        self._scatter(node, value, present, out_vars)
+
+    def _scatter(self, node: JoinAgg, value: np.ndarray, present: np.ndarray | None, out_vars: list[str]) -> None:
+        """Write through flat cell numbers: for heads that repeat an index (``d[i, i]``)."""
         box = node.box
         coords = []
         for ax in node.out_axes:

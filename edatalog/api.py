@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ class Program:
         return self.source.name
 
     @property
-    def inputs(self) -> tuple[Relation, ...]:
+    def arguments(self) -> tuple[Relation, ...]:
         """Inputs and params: everything ``run`` must be given."""
         return tuple(r for r in self.graph.relations if r.kind in ("input", "param"))
 
@@ -64,7 +65,7 @@ class Program:
 
     def prepare(self, values: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check names, shapes and dtypes of the given inputs; convert them to the declared dtypes."""
-        expected = {r.name: r for r in self.inputs}
+        expected = {r.name: r for r in self.arguments}
         for name in values:
             if name not in expected:
                 raise EdlError(
@@ -95,17 +96,27 @@ class Program:
         env = self.evaluate(values)
         return {name: env[name].data for name in self.outputs}
 
-    def random_inputs(self, seed: int = 0, on_value: Callable[[str, int], None] | None = None) -> dict[str, np.ndarray]:
-        """Random values for every input and param, scaled like a freshly initialized model:
-        inputs ~ N(0, 1); matrix params ~ N(0, 1/fan_in) with fan_in the last axis (the PyTorch
-        ``Linear`` layout, out x in); vector params ~ 1 + N(0, 0.1²), like norm weights.
-        ``on_value(name, nbytes)`` is called after each value, for progress displays."""
-        rng = np.random.default_rng(seed)
+    def random_inputs(
+        self,
+        seed: int = 0,
+        names: Collection[str] | None = None,
+        on_value: Callable[[str, int], None] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Random values for the inputs and params (all, or those in ``names``), scaled like a
+        freshly initialized model: inputs ~ N(0, 1); matrix params ~ N(0, 1/fan_in) with fan_in the
+        last axis (the PyTorch ``Linear`` layout, out x in); vector params ~ 1 + N(0, 0.1²), like
+        norm weights.  Each value depends only on the seed and its name, so drawing a subset
+        gives the same values as drawing all.  ``on_value(name, nbytes)`` is called after each
+        value, for progress displays."""
+        if not isinstance(seed, int) or seed < 0:
+            raise EdlError(f"the random seed must be a non-negative integer, not {seed!r}")
         out = {}
-        for rel in self.inputs:
-            out[rel.name] = _random_value(rel, rng)
-            if on_value is not None:
-                on_value(rel.name, out[rel.name].nbytes)
+        for rel in self.arguments:
+            if names is None or rel.name in names:
+                rng = np.random.default_rng((seed, zlib.crc32(rel.name.encode())))
+                out[rel.name] = _random_value(rel, rng)
+                if on_value is not None:
+                    on_value(rel.name, out[rel.name].nbytes)
         return out
 
 

@@ -85,12 +85,22 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a program and summarize its outputs", epilog=_EPILOG_RUN, formatter_class=raw)
     common(r)
     r.add_argument("--inputs", metavar="PATH", help="input and param values: a .npz or .safetensors file")
-    r.add_argument("--random", metavar="SEED", type=int, help="random values for inputs not given by --inputs")
+    r.add_argument("--random", metavar="SEED", type=_seed, help="random values for inputs not given by --inputs")
     r.add_argument("-o", "--output", metavar="PATH", help="save the outputs to PATH (.npz or .safetensors)")
     return p
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"the seed must be a non-negative integer, not {text!r}")
+    return value
 
 
 def _overrides(items: Sequence[str], what: str) -> dict[str, Any]:
@@ -223,7 +233,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     prog = _compile(args)
     text = prog.graph.to_json()
     if args.output:
-        Path(args.output).write_text(text + "\n", encoding="utf-8")
+        try:
+            Path(args.output).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise EdlError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     if args.json:
         print(text)
     else:
@@ -267,48 +280,70 @@ class _Progress:
         self.bar.advance(task, amount)
 
 
-def _load_inputs(path: str) -> dict[str, np.ndarray]:
+_ARRAY_FILES = (".npz", ".safetensors")
+
+
+def _check_array_file(path: str, what: str, must_exist: bool) -> Path:
+    """Validate a --inputs or -o path before any work is done."""
     p = Path(path)
-    if not p.exists():
-        raise EdlError(f"no such inputs file: {path}")
+    if p.suffix not in _ARRAY_FILES:
+        raise EdlError(f"unsupported {what} file {path}", help="use a .npz or a .safetensors file")
+    if must_exist and not p.is_file():
+        raise EdlError(f"no such {what} file: {path}")
+    if not must_exist and not p.parent.is_dir():
+        raise EdlError(f"cannot write {path}: the directory {p.parent} does not exist")
+    return p
+
+
+def _load_inputs(path: str) -> dict[str, np.ndarray]:
+    p = _check_array_file(path, "inputs", must_exist=True)
     try:
         if p.suffix == ".npz":
             with np.load(p, allow_pickle=False) as npz:
                 return {k: npz[k] for k in npz.files}
-        if p.suffix == ".safetensors":
-            from safetensors.numpy import load_file
+        from safetensors.numpy import load_file
 
-            return dict(load_file(str(p)))
-    except (OSError, ValueError) as exc:
+        return dict(load_file(str(p)))
+    except Exception as exc:  # noqa: BLE001 - any failure to read is a bad file: report, never crash
         raise EdlError(f"cannot read inputs from {path}: {exc}") from None
-    raise EdlError(f"unsupported inputs file {path}", help="use a .npz or a .safetensors file")
 
 
 def _save_outputs(path: str, outputs: dict[str, np.ndarray]) -> None:
     p = Path(path)
-    if p.suffix == ".safetensors":
-        from safetensors.numpy import save_file
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.numpy import save_file
 
-        save_file({k: np.ascontiguousarray(v) for k, v in outputs.items()}, str(p))
-    elif p.suffix == ".npz":
+            save_file({k: np.ascontiguousarray(v) for k, v in outputs.items()}, str(p))
+            return
+        arrays = {}
+        for k, v in outputs.items():
+            if dtypes.from_numpy(v.dtype) == "bf16":  # npz has no bfloat16: f32 holds it exactly
+                print(f"note: {k} is bf16, saved to {path} as float32", file=sys.stderr)
+                v = v.astype(np.float32)
+            arrays[k] = v
         savez: Any = np.savez  # numpy's stub types **arrays as the allow_pickle flag
-        savez(p, **outputs)
-    else:
-        raise EdlError(f"unsupported output file {path}", help="use a .npz or a .safetensors file")
+        savez(p, **arrays)
+    except OSError as exc:
+        raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    prog = _compile(args)
     if args.inputs is None and args.random is None:
         raise EdlError("no input values", help="pass --inputs FILE (.npz or .safetensors) or --random SEED")
-    values: dict[str, Any] = {}
+    if args.output:
+        _check_array_file(args.output, "output", must_exist=False)
+    prog = _compile(args)
+    values: dict[str, Any] = _load_inputs(args.inputs) if args.inputs is not None else {}
     with _Progress() as progress:
-        if args.random is not None:
-            total = sum(r.nbytes for r in prog.inputs)
-            task = progress.task("random weights", total)
-            values.update(prog.random_inputs(args.random, on_value=lambda _name, n: progress.advance(task, n)))
-        if args.inputs is not None:
-            values.update(_load_inputs(args.inputs))
+        missing = [r for r in prog.arguments if r.name not in values]
+        if args.random is not None and missing:
+            task = progress.task("random weights", sum(r.nbytes for r in missing))
+            values.update(
+                prog.random_inputs(
+                    args.random, names={r.name for r in missing}, on_value=lambda _name, n: progress.advance(task, n)
+                )
+            )
         graph = prog.graph
         total_flops = sum(c.flops for c in graph.costs.values())
         task = progress.task("evaluating", total_flops)

@@ -229,34 +229,37 @@ def _check_binding(info: RuleInfo, named: set[str]) -> None:
 
 
 def _dependency_order(by_head: dict[str, list[RuleInfo]]) -> list[str]:
+    """Derived relations, each after the relations it reads (depth-first, with an explicit stack so
+    that long chains of rules never hit Python's recursion limit)."""
     deps = {rel: [a for info in group for a in info.atoms if a.relation in by_head] for rel, group in by_head.items()}
     order: list[str] = []
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
-    stack: list[tuple[str, ast.Atom | None]] = []
-
-    def visit(rel: str, via: ast.Atom | None) -> None:
-        if state.get(rel) == 2:
-            return
-        if state.get(rel) == 1:
-            names = [r for r, _ in stack]
-            cycle = [*names[names.index(rel) :], rel]
-            assert via is not None
-            raise EdlError(
-                f"dependency cycle: {' -> '.join(cycle)}",
-                via.span,
-                help="edatalog programs are not recursive: a relation cannot depend on itself; "
-                "use a new name for the updated value",
-            )
-        state[rel] = 1
-        stack.append((rel, via))
-        for atom in deps[rel]:
-            visit(atom.relation, atom)
-        stack.pop()
-        state[rel] = 2
-        order.append(rel)
-
-    for rel in by_head:
-        visit(rel, None)
+    state: dict[str, int] = {}  # 1 = on the path, 2 = done
+    for root in by_head:
+        if state.get(root) == 2:
+            continue
+        state[root] = 1
+        path: list[tuple[str, int]] = [(root, 0)]  # relation and the next dependency to visit
+        while path:
+            rel, k = path[-1]
+            if k == len(deps[rel]):
+                path.pop()
+                state[rel] = 2
+                order.append(rel)
+                continue
+            path[-1] = (rel, k + 1)
+            atom = deps[rel][k]
+            if state.get(atom.relation) == 1:
+                names = [r for r, _ in path]
+                cycle = [*names[names.index(atom.relation) :], atom.relation]
+                raise EdlError(
+                    f"dependency cycle: {' -> '.join(cycle)}",
+                    atom.span,
+                    help="edatalog programs are not recursive: a relation cannot depend on itself; "
+                    "use a new name for the updated value",
+                )
+            if state.get(atom.relation) is None:
+                state[atom.relation] = 1
+                path.append((atom.relation, 0))
     return order
 
 

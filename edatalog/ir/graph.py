@@ -202,8 +202,16 @@ class Graph:
     def node(self, name: str) -> JoinAgg:
         return next(n for n in self.nodes if n.name == name)
 
+    @cached_property
+    def _producers(self) -> dict[str, tuple[JoinAgg, ...]]:
+        out: dict[str, list[JoinAgg]] = {}
+        for n in self.nodes:
+            out.setdefault(n.out, []).append(n)
+        return {k: tuple(v) for k, v in out.items()}
+
     def producers(self, relation: str) -> tuple[JoinAgg, ...]:
-        return tuple(n for n in self.nodes if n.out == relation)
+        """The nodes (rules) that write ``relation``, in order."""
+        return self._producers.get(relation, ())
 
     @property
     def inputs(self) -> tuple[Relation, ...]:

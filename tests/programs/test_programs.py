@@ -36,7 +36,7 @@ def test_compiles_at_default_dims(name: str) -> None:
     prog = edatalog.compile(PROGRAMS / name)
     assert prog.warnings == ()
     assert prog.outputs
-    assert prog.inputs
+    assert prog.arguments
     assert all(n > 0 for n in prog.dims.values())
 
 

@@ -314,7 +314,7 @@ def measure_gpt2(case: Gpt2Case) -> Measured:
     # The params are the state dict, one to one: each '.' becomes '_'.
     state = block.state_dict()
     values = {key.replace(".", "_"): numpy_of(t) for key, t in state.items()}
-    assert set(values) == {r.name for r in prog.inputs if r.kind == "param"}
+    assert set(values) == {r.name for r in prog.arguments if r.kind == "param"}
     values["x"] = numpy_of(x)
     return check_block(prog, values, "h1", forward, attn_half, x, causal_mask(case.s))
 
@@ -333,7 +333,7 @@ def test_gpt2_block_defaults_are_gpt2_small() -> None:
     }
     assert prog.consts == {"eps": config.layer_norm_epsilon}
     assert config.activation_function == "gelu_new"
-    shapes = {r.name: r.shape for r in prog.inputs if r.kind == "param"}
+    shapes = {r.name: r.shape for r in prog.arguments if r.kind == "param"}
     with torch.device("meta"):  # shapes only
         block: Any = cast(Any, GPT2Block)(config, layer_idx=0)
     assert shapes == {key.replace(".", "_"): tuple(t.shape) for key, t in block.state_dict().items()}
