@@ -84,8 +84,6 @@ def apply_op(op: str, args: Sequence[np.ndarray], cdt: np.dtype) -> np.ndarray:
     if op in ("lt", "le", "gt", "ge", "eq", "ne"):
         return np.asarray(_BINARY[op](a, b))
     a, b = a.astype(cdt, copy=False), b.astype(cdt, copy=False)
-    if op == "div" and cdt.kind in "iub":
-        return np.asarray(np.true_divide(a, b))
     return np.asarray(_BINARY[op](a, b))
 
 

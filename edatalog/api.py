@@ -91,10 +91,14 @@ class Program:
 
     def run(self, values: Mapping[str, Any], *, backend: str = "reference") -> dict[str, np.ndarray]:
         """The outputs as numpy arrays (absent cells read as 0)."""
-        if backend not in ("reference", "numpy"):
+        if backend != "reference":
             raise EdlError(f"unknown backend '{backend}'", help="available backends: reference")
         env = self.evaluate(values)
-        return {name: env[name].data for name in self.outputs}
+        # An output that is an input or param would alias the caller's array: hand back a copy.
+        return {
+            name: env[name].data if self.graph.relation(name).kind == "derived" else env[name].data.copy()
+            for name in self.outputs
+        }
 
     def random_inputs(
         self,

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"edatalog {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def common(sp: argparse.ArgumentParser) -> None:
+    def common(sp: argparse.ArgumentParser, json_help: str) -> None:
         sp.add_argument("file", metavar="FILE", help="the .edl program")
         sp.add_argument(
             "--dim",
@@ -70,20 +70,20 @@ def _parser() -> argparse.ArgumentParser:
             help="override a dim (repeatable); derived dims such as E = D / H follow",
         )
         sp.add_argument("--const", action="append", default=[], metavar="K=V", help="override a const (repeatable)")
-        sp.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+        sp.add_argument("--json", action="store_true", help=json_help)
 
     raw = argparse.RawDescriptionHelpFormatter
     c = sub.add_parser(
         "check", help="report errors and warnings, and summarize relations", epilog=_EPILOG_CHECK, formatter_class=raw
     )
-    common(c)
+    common(c, "print the diagnostics and the summary as JSON")
     k = sub.add_parser(
         "compile", help="print the join-agg graph a program compiles to", epilog=_EPILOG_COMPILE, formatter_class=raw
     )
-    common(k)
+    common(k, "print the graph as JSON (the same as -o writes) instead of its text form")
     k.add_argument("-o", "--output", metavar="PATH", help="write the graph as JSON to PATH")
     r = sub.add_parser("run", help="run a program and summarize its outputs", epilog=_EPILOG_RUN, formatter_class=raw)
-    common(r)
+    common(r, "print the output summary as JSON instead of a table")
     r.add_argument("--inputs", metavar="PATH", help="input and param values: a .npz or .safetensors file")
     r.add_argument("--random", metavar="SEED", type=_seed, help="random values for inputs not given by --inputs")
     r.add_argument("-o", "--output", metavar="PATH", help="save the outputs to PATH (.npz or .safetensors)")
@@ -167,6 +167,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for rel in graph.relations:
         nodes = graph.producers(rel.name)
         flops = sum(costs[n.name].flops for n in nodes)
+        bound = "" if all(costs[n.name].exact for n in nodes) else "≤"
         role = rel.kind + (" (output)" if rel.name in graph.outputs else "")
         support = "" if rel.support.is_true else str(rel.support)
         rows.append(
@@ -177,7 +178,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 rel.dtype,
                 f"{_human(rel.nbytes)}B",
                 str(len(nodes)) if nodes else "",
-                _human(flops) if nodes else "",
+                bound + _human(flops) if nodes else "",
                 support,
             ]
         )
@@ -192,7 +193,9 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "bytes": rel.nbytes,
                 "rules": len(nodes),
                 "flops": flops,
+                "flops_exact": not bound,
                 "support": None if rel.support.is_true else str(rel.support),
+                "support_exact": rel.support_exact,
             }
         )
     total = sum(c.flops for c in costs.values())
@@ -209,6 +212,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                     "origin": n.origin,
                     "points": costs[n.name].points,
                     "flops": costs[n.name].flops,
+                    "exact": costs[n.name].exact,
                     "bytes_in": costs[n.name].bytes_in,
                     "bytes_out": costs[n.name].bytes_out,
                 }

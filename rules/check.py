@@ -294,4 +294,18 @@ def _unused(scope: Scope, infos: list[RuleInfo], outputs: list[str]) -> list[Dia
                     help="remove it, or read it in a rule",
                 )
             )
+    if scope.outputs:  # with no `output` statement, the relations nobody reads are the outputs
+        heads: dict[str, ast.Rule] = {}
+        for info in infos:
+            heads.setdefault(info.head.relation, info.rule)
+        for name, rule in heads.items():
+            if name not in read:
+                out.append(
+                    Diagnostic(
+                        "warning",
+                        f"relation '{name}' is computed but never used",
+                        rule.head.name_span,
+                        help="list it in an output statement, read it in a rule, or remove its rules",
+                    )
+                )
     return out

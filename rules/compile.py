@@ -85,6 +85,15 @@ def _build_graph(checked: Checked, ext: Extents, source_name: str) -> Graph:
         for lw in lowered:
             node = dataclasses.replace(lw.node, dtype=dtype)
             node = dataclasses.replace(node, guard=effective_guard(node, relations))
+            if node.guard.is_false:
+                checked.warnings.append(
+                    Diagnostic(
+                        "warning",
+                        "this rule never contributes: its guards and the cells it reads leave no point",
+                        lw.info.rule.span,
+                        help="check the guards against the extents, and where the relations it reads exist",
+                    )
+                )
             piece, ok = head_support(node, axis_names)
             # A support is exact only if its own projection is and so are the supports it reads.
             ok = ok and all(relations[acc.relation].support_exact for acc in node.inputs)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from edatalog.errors import EdlError, Note, Span
 from edatalog.lang import ast
-from edatalog.rules.check import Checked, RuleInfo
+from edatalog.rules.check import Checked
 from edatalog.rules.scope import MAX_EXTENT, dim_symbol, eval_dim
 from edatalog.rules.symbols import Symbols
 
@@ -355,8 +355,3 @@ def _collect(checked: Checked, s: _Solver) -> Extents:
                         )
                     ext.part[(info.index, a_no, k, c_no)] = c.value
     return ext
-
-
-def rule_atoms(info: RuleInfo) -> tuple[ast.Atom, ...]:
-    """Head first, then body atoms: the numbering used by :attr:`Extents.part`."""
-    return (info.head, *info.atoms)

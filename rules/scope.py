@@ -4,9 +4,12 @@ inputs and params; reports duplicates and undefined names."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+import numpy as np
 
 from edatalog.errors import EdlError, Note, Span, did_you_mean
 from edatalog.ir.scalar import BINARY, FOLD, FUNCTIONS
@@ -56,9 +59,6 @@ class Scope:
     outputs: list[tuple[str, Span]] = field(default_factory=list)
     rules: list[ast.Rule] = field(default_factory=list)
     const_names: set[str] = field(default_factory=set)  # declared, even before they are evaluated
-
-    def names(self) -> list[str]:
-        return [*self.dims, *self.consts, *self.decls]
 
 
 def dim_symbol(expr: ast.Expr, parent: int = 0) -> str:
@@ -137,10 +137,10 @@ def build_scope(
         else:
             scope.rules.append(stmt)
 
-    _check_overrides("dim", dims or {}, dim_exprs, _first_decl(program, ast.DimDecl))
-    _check_overrides("const", consts or {}, const_exprs, _first_decl(program, ast.ConstDecl))
-    _DimEvaluator(dim_exprs, dict(dims or {}), scope).run()
-    _ConstEvaluator(const_exprs, dict(consts or {}), scope).run()
+    dim_values = _check_overrides("dim", dims or {}, dim_exprs, _first_decl(program, ast.DimDecl))
+    const_values = _check_overrides("const", consts or {}, const_exprs, _first_decl(program, ast.ConstDecl))
+    _DimEvaluator(dim_exprs, dim_values, scope).run()
+    _ConstEvaluator(const_exprs, const_values, scope).run()
     for d in rel_decls:
         shape = tuple(eval_dim(e, scope, f"the shape of {d.name}") for e in d.shape)
         scope.decls[d.name] = RelDecl(d.name, d.kind, shape, tuple(dim_symbol(e) for e in d.shape), d.dtype, d)
@@ -191,7 +191,9 @@ def _first_decl(program: ast.Program, kind: type[ast.DimDecl | ast.ConstDecl]) -
 
 def _check_overrides(
     what: str, given: Mapping[str, object], declared: Mapping[str, ast.Binding], where: Span | None
-) -> None:
+) -> dict[str, object]:
+    """Check override names and values; numpy scalars are welcome and become Python numbers."""
+    out: dict[str, object] = {}
     for name, value in given.items():
         if name not in declared:
             raise EdlError(
@@ -200,17 +202,22 @@ def _check_overrides(
                 help=did_you_mean(name, declared, f"{what}s") or f"the program declares no {what}s",
                 notes=[Note(f"overrides can only change the {what}s the program declares")] if where else [],
             )
-        ok = isinstance(value, int) and not isinstance(value, bool) if what == "dim" else _is_number(value)
-        if not ok or (what == "dim" and isinstance(value, int) and not 0 < value <= MAX_EXTENT):
+        if isinstance(value, bool | np.bool_):
+            number: object = None
+        elif what == "dim":
+            number = int(value) if isinstance(value, numbers.Integral) else None
+        elif isinstance(value, int):
+            number = value  # a Python int may not fit a float: the const evaluator reports that
+        else:
+            number = float(value) if isinstance(value, numbers.Real) else None
+        if number is None or (what == "dim" and isinstance(number, int) and not 0 < number <= MAX_EXTENT):
             kind = "a number"
             if what == "dim":
-                big = isinstance(value, int) and value > MAX_EXTENT
+                big = isinstance(number, int) and number > MAX_EXTENT
                 kind = f"at most 2^63 - 1 = {MAX_EXTENT}" if big else "a positive integer"
             raise EdlError(f"override of {what} '{name}' must be {kind}, not {value!r}", declared[name].name_span)
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+        out[name] = number
+    return out
 
 
 class _Bindings(Generic[T]):
@@ -343,14 +350,23 @@ def _dim_value(expr: ast.Expr, scope: Scope, what: str, lookup: _DimEvaluator | 
     raise EdlError(f"{what} may use only + - * / on integers and dims", expr.span)
 
 
+_AGGREGATE_HELP = (
+    "aggregations are rules, not functions: 'y[i] += x[i, j].' sums over j, the index the head "
+    "leaves out (also *=, max=, min=)"
+)
+_AGGREGATE_NAMES = {"sum", "mean", "prod", "product", "amax", "amin", "argmax", "argmin", "count", "reduce"}
+
+
 def check_call(e: ast.Call) -> None:
     """A call names a built-in function and passes it the right number of arguments."""
     if e.fn not in FUNCTIONS:
-        raise EdlError(f"unknown function '{e.fn}'", e.fn_span, help=did_you_mean(e.fn, FUNCTIONS, "functions"))
+        help_text = _AGGREGATE_HELP if e.fn in _AGGREGATE_NAMES else did_you_mean(e.fn, FUNCTIONS, "functions")
+        raise EdlError(f"unknown function '{e.fn}'", e.fn_span, help=help_text)
     n = FUNCTIONS[e.fn]
     if len(e.args) != n:
         given = f"{len(e.args)} {'is' if len(e.args) == 1 else 'are'} given"
-        raise EdlError(f"{e.fn}() takes {n} argument{'s' if n > 1 else ''}, but {given}", e.span)
+        help_text = _AGGREGATE_HELP if e.fn in ("max", "min") and len(e.args) == 1 else None
+        raise EdlError(f"{e.fn}() takes {n} argument{'s' if n > 1 else ''}, but {given}", e.span, help=help_text)
 
 
 class _ConstEvaluator(_Bindings[float]):

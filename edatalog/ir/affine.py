@@ -308,11 +308,6 @@ class Guard:
                 conjs.append(Conj(tuple(cons)))
         return Guard(tuple(conjs)).simplify({v: n for v, n in box.items() if v in keep}), exact
 
-    def feasible(self, box: Box) -> bool:
-        """Rational feasibility inside the box (exact for unit coefficients)."""
-        projected, _ = self.project((), box)
-        return not projected.is_false
-
 
 def _eliminate(cons: list[Constraint], v: str) -> tuple[list[Constraint] | None, bool]:
     """Remove ``v`` from a conjunction.  Returns None if it becomes infeasible."""
@@ -431,7 +426,9 @@ def _merge_pair(a: Conj, b: Conj, box: Box) -> Conj | None:
     (ca,), (cb,) = only_a, only_b
     neg = ca.negated()
     if len(neg) == 1 and neg[0].normalized() == cb:
-        return _simplify_conj(Conj(tuple(sorted(sa & sb))), box) or Conj()
+        merged = _simplify_conj(Conj(tuple(sorted(sa & sb))), box)
+        assert merged is not None, "a union of two non-empty pieces cannot be empty"
+        return merged
     return None
 
 
@@ -469,8 +466,28 @@ def _count_union(conjs: list[tuple[Constraint, ...]], order: list[str], box: Box
 
 
 def _count_conj(cons: tuple[Constraint, ...], order: list[str], box: Box) -> int:
-    if not order:
-        return int(all(bool(c.holds({})) for c in cons))
+    """Points over ``order`` satisfying every constraint: a product over groups of variables that
+    share constraints (unconstrained variables count their whole extent)."""
+    groups: list[tuple[set[str], list[Constraint]]] = []
+    for c in cons:
+        vs = set(c.expr.vars)
+        joined = [g for g in groups if g[0] & vs]
+        merged = (vs.union(*(g[0] for g in joined)), [c, *(x for g in joined for x in g[1])])
+        groups = [g for g in groups if not g[0] & vs] + [merged]
+    total = 0 if any(not c.expr.vars and not bool(c.holds({})) for c in cons) else 1
+    constrained = set().union(*(g[0] for g in groups)) if groups else set()
+    for v in order:
+        if v not in constrained:
+            total *= box[v]
+    for vs, group in groups:
+        if vs:
+            total *= _count_group(tuple(group), sorted(vs), box)
+    return total
+
+
+def _count_group(cons: tuple[Constraint, ...], order: list[str], box: Box) -> int:
+    """Points of one group of connected constraints, by enumerating all variables but one (the
+    largest), whose feasible set for each outer point is an interval."""
     last = max(order, key=lambda v: box[v])
     outer = [v for v in order if v != last]
     n_outer = math.prod(box[v] for v in outer)

@@ -81,4 +81,4 @@ def flops_formula(node: JoinAgg, cost: NodeCost) -> str:
     text = "·".join(([str(coef)] if coef != 1 or not factors else []) + factors)
     if cost.points != cost.dense_points and cost.dense_points:
         text += f" × {cost.points / cost.dense_points:.3g}"
-    return text
+    return text if cost.exact else f"≤ {text}"  # an approximate support bounds the count

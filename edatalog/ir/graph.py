@@ -134,9 +134,6 @@ class JoinAgg:
         """'sum', 'prod', 'max', 'min', or None for ``=``."""
         return AGG_NAMES[self.aggop]
 
-    def index(self, name: str) -> Index:
-        return next(i for i in self.indices if i.name == name)
-
     def head(self) -> str:
         return f"{self.out}[{','.join(str(a) for a in self.out_axes)}]"
 
@@ -212,14 +209,6 @@ class Graph:
     def producers(self, relation: str) -> tuple[JoinAgg, ...]:
         """The nodes (rules) that write ``relation``, in order."""
         return self._producers.get(relation, ())
-
-    @property
-    def inputs(self) -> tuple[Relation, ...]:
-        return tuple(r for r in self.relations if r.kind == "input")
-
-    @property
-    def params(self) -> tuple[Relation, ...]:
-        return tuple(r for r in self.relations if r.kind == "param")
 
     @cached_property
     def costs(self) -> dict[str, NodeCost]:
@@ -301,9 +290,17 @@ class Graph:
 
     @staticmethod
     def from_json(text: str) -> Graph:
-        graph = serialize.loads(text, IR_CLASSES)
+        """The graph written by :meth:`to_json`, verified; ValueError for anything else."""
+        try:
+            graph = serialize.loads(text, IR_CLASSES)
+        except TypeError as exc:  # a field the class does not have, or one missing
+            raise ValueError(f"malformed IR: {exc}") from None
         if not isinstance(graph, Graph):
             raise ValueError("JSON does not hold a join-agg graph")
+        try:
+            graph.verify()
+        except VerifyError as exc:
+            raise ValueError(f"the graph in this JSON is inconsistent: {exc}") from None
         return graph
 
     def fingerprint(self) -> str:

@@ -178,9 +178,6 @@ class ScalarExpr:
     def flops_per_point(self) -> int:
         return sum(OPS[n.op].flops for k in self.varying() if isinstance(n := self.nodes[k], Op))
 
-    def loads(self) -> list[int]:
-        return [n.input for k in self.live() if isinstance(n := self.nodes[k], Load)]
-
     def index_values(self) -> list[str]:
         return [n.index for k in self.live() if isinstance(n := self.nodes[k], IndexValue)]
 

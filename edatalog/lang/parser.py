@@ -24,7 +24,6 @@ from edatalog.errors import EdlError, Note, Source, Span
 from edatalog.lang import ast
 
 DTYPES = ("f64", "f32", "f16", "bf16", "i64", "i32", "bool")
-AGGOPS = ("=", "+=", "*=", "max=", "min=")
 DECL_KEYWORDS = ("dim", "const", "input", "param", "output")
 KEYWORDS = frozenset((*DECL_KEYWORDS, "where", "and", "or", "not"))
 

@@ -160,7 +160,7 @@ def test_oracle_agrees_on_a_fixed_chain(seed: int) -> None:
     np.testing.assert_allclose(mn.data, [*expect, 0.0], rtol=1e-12)
 
 
-# Bugs outside the evaluator, found by the properties above; the generator works around them.
+# Regressions: compiler bugs the properties above found (both fixed).
 
 
 def test_head_literal_default_before_declared_split() -> None:
@@ -174,8 +174,8 @@ def test_head_literal_default_before_declared_split() -> None:
 
 def test_support_exact_accounts_for_inexact_reads() -> None:
     """``r``'s support is a projection through the composite head ``(j, i)`` that cannot be exact
-    (cell 3 is a hole), and it is marked inexact; ``s`` copies ``r`` but is marked exact although
-    its support ``k >= 2`` includes the never-derived cell 3."""
+    (cell 3 is a hole), so it is marked inexact; ``s`` copies ``r``, so its support ``k >= 2``, which
+    includes the never-derived cell 3, must be marked inexact too."""
     prog = _compile("dim N = 4.\ninput x[N] : f64.\nr[(j, i:2)] = x[j] where i < j.\ns[k] = r[k].\n")
     present = prog.evaluate({"x": np.ones(4)})["s"].present
     assert present is not None

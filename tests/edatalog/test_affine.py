@@ -85,3 +85,28 @@ def test_causal_count_is_exact_at_llama_scale() -> None:
     s, t = Affine.var("s"), Affine.var("t")
     n = 2048
     assert Guard.of([Constraint(s - t)]).count({"s": n, "t": n, "h": 32}) == 32 * n * (n + 1) // 2
+
+
+def test_disjoint_pieces_count_fast_and_exactly() -> None:
+    # Five `!=` guards make 32 disjoint pieces: inclusion-exclusion must prune, not try 2^32 subsets.
+    names = ("a", "b", "c", "d", "e")
+    g = Guard.true()
+    for v in names:
+        x = Affine.var(v)
+        g = g & (Guard.of([Constraint(x - 2)]) | Guard.of([Constraint(-x)]))
+    box = dict.fromkeys(names, 3000)  # too large to enumerate point by point
+    assert g.count(box) == 2999**5  # every variable avoids 1
+
+
+def test_count_bound_falls_back_to_the_box() -> None:
+    i, j, k = Affine.var("i"), Affine.var("j"), Affine.var("k")
+    g = Guard.of([Constraint(-(i + j + k) + 4000)])
+    box = {"i": 4096, "j": 4096, "k": 4096}
+    count, exact = g.count_bound(box)
+    assert (count, exact) == (4096**3, False)
+
+
+def test_covering_union_is_true() -> None:
+    i = Affine.var("i")
+    g = Guard.of([Constraint(i - 1, eq=True)]) | Guard.of([Constraint(i - 2)]) | Guard.of([Constraint(-i)])
+    assert g.simplify({"i": 6}).is_true

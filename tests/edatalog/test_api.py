@@ -78,10 +78,11 @@ def test_float64_programs_stay_float64() -> None:
 
 
 def test_half_precision_computes_in_f32_and_rounds() -> None:
-    prog = edatalog.compile_string("input x[4] : bf16.\ns[] += x[i] * x[i].")
-    x = np.array([1.0, 2.0, 3.0, 4.0])
-    s = prog.run({"x": x.astype(np.float32)})["s"]
-    assert str(s.dtype) == "bfloat16" and float(s) == 30.0
+    # Summed in bf16, 1000 ones would stall at 256 (256 + 1 rounds back to 256); in f32 they give
+    # 1000, which bf16 stores exactly.
+    prog = edatalog.compile_string("input x[1000] : bf16.\ns[] += x[i].")
+    s = prog.run({"x": np.ones(1000, np.float32)})["s"]
+    assert str(s.dtype) == "bfloat16" and float(s) == 1000.0
 
 
 def test_unused_param_warns() -> None:

@@ -117,3 +117,35 @@ def test_edl_entry_point_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "ok, 4 rules" in proc.stdout
+
+
+def test_run_draws_only_the_inputs_the_file_does_not_give(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import edatalog
+
+    prog = edatalog.compile(ATTN, dims={"B": 1, "S": 6, "D": 16, "H": 2})
+    x = np.full((1, 6, 16), 0.5, np.float32)
+    src = tmp_path / "x.npz"
+    np.savez(src, x=x)
+    code, out, _ = _run(capsys, "run", ATTN, *SMALL, "--inputs", str(src), "--random", "3", "--json")
+    assert code == 0
+    values = {**prog.random_inputs(3), "x": x}  # each value depends only on the seed and its name
+    expected = float(np.linalg.norm(prog.run(values)["y"].astype(np.float64)))
+    assert json.loads(out)["outputs"]["y"]["norm"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_bad_paths_and_seeds_fail_before_any_work(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for argv in (
+        ["run", ATTN, *SMALL, "--random", "0", "-o", str(tmp_path / "out.txt")],
+        ["run", ATTN, *SMALL, "--random", "0", "-o", str(tmp_path / "no" / "out.npz")],
+        ["compile", ATTN, "-o", str(tmp_path / "no" / "g.json")],
+    ):
+        code, out, err = _run(capsys, *argv)
+        assert code == 1 and out == "" and "error:" in err, argv
+    with pytest.raises(SystemExit) as info:
+        main(["run", ATTN, "--random", "-1"])
+    assert info.value.code == 2
+    assert "non-negative" in capsys.readouterr().err
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    code, _, err = _run(capsys, "run", ATTN, *SMALL, "--inputs", str(broken))
+    assert code == 1 and "cannot read inputs" in err
