@@ -186,3 +186,11 @@ def test_shipped_programs_parse(path: Path) -> None:
     prog = parse(path.read_text(), str(path))
     assert any(isinstance(s, ast.Rule) for s in prog.statements)
     assert any(isinstance(s, ast.OutputDecl) for s in prog.statements)
+
+
+def test_dtype_names_match_the_ir() -> None:
+    # The language and the IR keep their own copies (neither stage imports the other).
+    from edatalog.ir import dtypes
+    from edatalog.lang import parser
+
+    assert parser.DTYPES == dtypes.DTYPES
