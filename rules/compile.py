@@ -64,65 +64,76 @@ def _build_graph(checked: Checked, ext: Extents, source_name: str) -> Graph:
     rel_dtype = {n: r.dtype for n, r in relations.items()}
     default_float = _default_float(checked)
     nodes: list[JoinAgg] = []
-    for rel in checked.order:
-        group = checked.by_head[rel]
-        names = [rel] if len(group) == 1 else [f"{rel}#{k + 1}" for k in range(len(group))]
-        lowered = [
-            lower_rule(info, n, scope, ext, rel_dtype, default_float) for info, n in zip(group, names, strict=True)
-        ]
-        dtype = lowered[0].node.dtype
-        for lw in lowered[1:]:
-            dtype = dtypes.promote(dtype, lw.node.dtype)
-        rel_dtype[rel] = dtype
-        arity = checked.arity[rel]
-        head = group[0].head
-        axis_names = _axis_names(
-            [p.components[0].var if not p.composite and p.components[0].var else None for p in head.positions]
-        )
-        rel_nodes = []
-        support = Guard.false()
-        exact = True
-        for lw in lowered:
-            node = dataclasses.replace(lw.node, dtype=dtype)
-            node = dataclasses.replace(node, guard=effective_guard(node, relations))
-            if node.guard.is_false:
-                checked.warnings.append(
-                    Diagnostic(
-                        "warning",
-                        "this rule never contributes: its guards and the cells it reads leave no point",
-                        lw.info.rule.span,
-                        help="check the guards against the extents, and where the relations it reads exist",
-                    )
-                )
-            piece, ok = head_support(node, axis_names)
-            # A support is exact only if its own projection is and so are the supports it reads.
-            ok = ok and all(relations[acc.relation].support_exact for acc in node.inputs)
-            support, exact = support | piece, exact and ok
-            rel_nodes.append(node)
-        shape = tuple(ext.axis[(rel, k)][0] for k in range(arity))
-        symbols = tuple(ext.axis[(rel, k)][1] for k in range(arity))
-        if group[0].rule.aggop == "=" and len(rel_nodes) > 1:
-            reads_exact = all(relations[acc.relation].support_exact for n in rel_nodes for acc in n.inputs)
-            checked.warnings.extend(check_disjoint(rel, rel_nodes, [info.head.span for info in group], reads_exact))
-        relations[rel] = Relation(
-            rel,
-            "derived",
-            shape,
-            symbols,
-            dtype,
-            axis_names,
-            support.simplify(dict(zip(axis_names, shape, strict=True))),
-            exact,
-            group[0].rule.aggop,
-            origin=str(head.span),
-        )
+    for rel in checked.order:  # each relation after everything it reads
+        relations[rel], rel_nodes = _derive(rel, checked, ext, relations, rel_dtype, default_float)
+        rel_dtype[rel] = relations[rel].dtype
         nodes.extend(rel_nodes)
-    order = [*scope.decls, *checked.order]
     return Graph(
-        tuple(relations[n] for n in order),
+        tuple(relations[n] for n in [*scope.decls, *checked.order]),
         tuple(nodes),
         tuple(checked.outputs),
         tuple((k, v.value) for k, v in scope.dims.items()),
         tuple((k, v.value) for k, v in scope.consts.items()),
         source_name,
     )
+
+
+def _derive(
+    rel: str,
+    checked: Checked,
+    ext: Extents,
+    relations: Mapping[str, Relation],
+    rel_dtype: Mapping[str, str],
+    default_float: str,
+) -> tuple[Relation, list[JoinAgg]]:
+    """A derived relation and the nodes of its rules: dtype, effective guards, support."""
+    group = checked.by_head[rel]
+    names = [rel] if len(group) == 1 else [f"{rel}#{k + 1}" for k in range(len(group))]
+    lowered = [
+        lower_rule(info, n, checked.scope, ext, rel_dtype, default_float) for info, n in zip(group, names, strict=True)
+    ]
+    dtype = lowered[0].node.dtype
+    for lw in lowered[1:]:
+        dtype = dtypes.promote(dtype, lw.node.dtype)
+    head = group[0].head
+    axis_names = _axis_names(
+        [p.components[0].var if not p.composite and p.components[0].var else None for p in head.positions]
+    )
+    nodes = []
+    support = Guard.false()
+    exact = True
+    for lw in lowered:
+        node = dataclasses.replace(lw.node, dtype=dtype)
+        node = dataclasses.replace(node, guard=effective_guard(node, relations))
+        if node.guard.is_false:
+            checked.warnings.append(
+                Diagnostic(
+                    "warning",
+                    "this rule never contributes: its guards and the cells it reads leave no point",
+                    lw.info.rule.span,
+                    help="check the guards against the extents, and where the relations it reads exist",
+                )
+            )
+        piece, ok = head_support(node, axis_names)
+        # A support is exact only if its own projection is and so are the supports it reads.
+        reads_exact = all(relations[acc.relation].support_exact for acc in node.inputs)
+        support, exact = support | piece, exact and ok and reads_exact
+        nodes.append(node)
+    shape = tuple(ext.axis[(rel, k)][0] for k in range(checked.arity[rel]))
+    symbols = tuple(ext.axis[(rel, k)][1] for k in range(checked.arity[rel]))
+    if group[0].rule.aggop == "=" and len(nodes) > 1:
+        reads_exact = all(relations[acc.relation].support_exact for n in nodes for acc in n.inputs)
+        checked.warnings.extend(check_disjoint(rel, nodes, [info.head.span for info in group], reads_exact))
+    relation = Relation(
+        rel,
+        "derived",
+        shape,
+        symbols,
+        dtype,
+        axis_names,
+        support.simplify(dict(zip(axis_names, shape, strict=True))),
+        exact,
+        group[0].rule.aggop,
+        origin=str(head.span),
+    )
+    return relation, nodes

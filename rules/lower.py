@@ -3,6 +3,7 @@ guard is still the user's own; :mod:`edatalog.rules.support` adds what the relat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,7 @@ class Lowered:
 
 
 def lower_rule(
-    info: RuleInfo, name: str, scope: Scope, ext: Extents, rel_dtype: dict[str, str], default_float: str
+    info: RuleInfo, name: str, scope: Scope, ext: Extents, rel_dtype: Mapping[str, str], default_float: str
 ) -> Lowered:
     rule = info.rule
     indices = tuple(Index(v, *ext.var[(info.index, v)]) for v in info.vars)
