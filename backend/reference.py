@@ -17,13 +17,14 @@ Two paths compute a node:
 from __future__ import annotations
 
 import string
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from edatalog.backend.numpy_ops import apply_op, identity
 from edatalog.ir import dtypes
+from edatalog.ir.affine import Affine
 from edatalog.ir.graph import AGG_NAMES, Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.scalar import Const, IndexValue, Load, Op
 
@@ -51,7 +52,7 @@ def evaluate(
     with np.errstate(all="ignore"):  # IEEE semantics: overflow gives inf, 0/0 gives nan
         for node in graph.nodes:
             acc = pending.setdefault(node.out, _Accumulator(graph, node.out))
-            acc.add(node, *_evaluate_node(node, env))
+            acc.add(node, *evaluate_node(node, [env[a.relation] for a in node.inputs]))
             remaining[node.out] -= 1
             if remaining[node.out] == 0:
                 env[node.out] = pending.pop(node.out).finish()
@@ -85,6 +86,7 @@ class _Operands:
     cdt: np.dtype
     data: list[np.ndarray]
     present: list[np.ndarray | None]
+    offsets: Mapping[str, int]  # where each index of a block starts in the whole join space
 
     @property
     def box(self) -> dict[str, int]:
@@ -94,19 +96,25 @@ class _Operands:
         shape = [1] * len(self.order)
         k = self.order.index(name)
         shape[k] = self.box[name]
-        return np.arange(self.box[name], dtype=self.cdt).reshape(shape)
+        lo = self.offsets.get(name, 0)
+        return np.arange(lo, lo + self.box[name], dtype=self.cdt).reshape(shape)
+
+    def guard_mask(self) -> np.ndarray | bool:
+        guard = self.node.guard
+        if self.offsets and not guard.is_true:
+            guard = guard.substitute({v: Affine.var(v) + self.offsets.get(v, 0) for v in guard.vars})
+        return guard.mask(self.order, self.box)
 
 
-def _operands(node: JoinAgg, env: Mapping[str, Value]) -> _Operands:
+def _operands(node: JoinAgg, inputs: Sequence[Value], offsets: Mapping[str, int]) -> _Operands:
     order = [i.name for i in node.indices]
     cdt = dtypes.to_numpy(dtypes.compute_dtype(node.dtype))
     data, present = [], []
-    for acc in node.inputs:
-        val = env[acc.relation]
+    for acc, val in zip(node.inputs, inputs, strict=True):
         arr = _view(val.data, acc, order, node.box)
         data.append(arr.astype(cdt, copy=False))  # f16 and bf16 inputs widen to f32
         present.append(None if val.present is None else _view(val.present, acc, order, node.box))
-    return _Operands(node, order, cdt, data, present)
+    return _Operands(node, order, cdt, data, present, offsets)
 
 
 # -- scalar DAG ------------------------------------------------------------------------------------
@@ -167,9 +175,15 @@ def _and(masks: list[np.ndarray | bool | None]) -> np.ndarray | bool:
 # -- node evaluation -------------------------------------------------------------------------------
 
 
-def _evaluate_node(node: JoinAgg, env: Mapping[str, Value]) -> tuple[np.ndarray, np.ndarray | None, list[str]]:
-    """The node's result over its output indices (join order), its presence, and those indices."""
-    ops = _operands(node, env)
+def evaluate_node(
+    node: JoinAgg, inputs: Sequence[Value], offsets: Mapping[str, int] | None = None
+) -> tuple[np.ndarray, np.ndarray | None, list[str]]:
+    """The node's result over its output indices (join order), its presence, and those indices.
+
+    ``inputs`` hold each input's cells laid out as the node's access reads them: whole relations,
+    or, for a block of a plan, just the block's region with ``offsets`` giving where the block's
+    index ranges start (index values and guards see global positions)."""
+    ops = _operands(node, inputs, offsets or {})
     out_vars = [v for v in ops.order if v not in node.agg_indices]
     if node.agg == "sum" and node.agg_indices:
         result = _factorized(ops, out_vars)
@@ -183,7 +197,7 @@ def _broadcast_reduce(ops: _Operands) -> tuple[np.ndarray, np.ndarray | None]:
     node = ops.node
     full = tuple(ops.box[v] for v in ops.order)
     value = _eval_dag(ops, node.expr.root, {})
-    mask = _and([node.guard.mask(ops.order, ops.box), *ops.present])
+    mask = _and([ops.guard_mask(), *ops.present])
     axes = tuple(ops.order.index(v) for v in node.agg_indices)
     if not axes:
         present = None if mask is True else np.broadcast_to(mask, full)
@@ -222,7 +236,7 @@ def _factorized(ops: _Operands, out_vars: list[str]) -> tuple[np.ndarray, np.nda
             val = np.where(m, val, ops.cdt.type(0))
             masks.append(np.asarray(m))
         arrays.append(np.asarray(val))
-    guard = ops.node.guard.mask(ops.order, ops.box)
+    guard = ops.guard_mask()
     if guard is not True:
         g = np.asarray(guard)
         arrays.append(g.astype(ops.cdt))
@@ -312,6 +326,49 @@ def _write_view(arr: np.ndarray, axes: tuple[AxisMap, ...], out_vars: list[str])
     return view.transpose([labels.index(v) for v in out_vars])
 
 
+def write_cells(
+    data: np.ndarray,
+    present_cells: np.ndarray,
+    node: JoinAgg,
+    value: np.ndarray,
+    present: np.ndarray | None,
+    out_vars: list[str],
+    agg: str | None,
+) -> None:
+    """Fold a node's result (over ``out_vars``) into the cells of ``data`` its head addresses, with
+    ``agg`` (None: plain writes), and mark them present.  ``data`` is laid out as the head's axes
+    (a whole relation, or a block's region)."""
+    view = _write_view(data, node.out_axes, out_vars)
+    if view is not None:  # the common case: write in place through a strided view
+        where: np.ndarray | bool = True if present is None else np.broadcast_to(present, view.shape)
+        vals = np.broadcast_to(value, view.shape).astype(data.dtype, copy=False)
+        if agg is None:
+            np.copyto(view, vals, where=where)
+        else:
+            _COMBINE[agg](view, vals, out=view, where=where)
+        pview = _write_view(present_cells, node.out_axes, out_vars)
+        assert pview is not None
+        np.logical_or(pview, where, out=pview)
+        return
+    # Heads that repeat an index (d[i, i]): write through flat cell numbers.
+    box = node.box
+    coords = []
+    for ax in node.out_axes:
+        vals_of = {}
+        for k, v in enumerate(out_vars):
+            shape = [1] * len(out_vars)
+            shape[k] = box[v]
+            vals_of[v] = np.arange(box[v]).reshape(shape)
+        coords.append(np.broadcast_to(np.asarray(ax.affine().evaluate(vals_of)), value.shape))
+    flat = np.ravel_multi_index(tuple(coords), data.shape) if coords else np.zeros(value.shape, dtype=np.intp)
+    pres = np.ones(value.shape, dtype=bool) if present is None else np.broadcast_to(present, value.shape)
+    flat_data = data.reshape(-1)
+    cells = flat[pres]
+    vals = value[pres].astype(data.dtype, copy=False)
+    flat_data[cells] = vals if agg is None else _COMBINE[agg](flat_data[cells], vals)
+    present_cells.reshape(-1)[cells] = True
+
+
 class _Accumulator:
     """Combines the results of the rules for one relation with its aggregation operator."""
 
@@ -324,48 +381,7 @@ class _Accumulator:
         self.present = np.zeros(self.rel.shape, dtype=bool)
 
     def add(self, node: JoinAgg, value: np.ndarray, present: np.ndarray | None, out_vars: list[str]) -> None:
-        view = _write_view(self.data, node.out_axes, out_vars)
-        if view is not None:  # the common case: write in place through a strided view
-            where: np.ndarray | bool = True if present is None else np.broadcast_to(present, view.shape)
-            vals = np.broadcast_to(value, view.shape).astype(self.cdt, copy=False)
-            if self.agg is None:
-                np.copyto(view, vals, where=where)
-            else:
-                _COMBINE[self.agg](view, vals, out=view, where=where)
-            pview = _write_view(self.present, node.out_axes, out_vars)
-            assert pview is not None
-            np.logical_or(pview, where, out=pview)
-            return
-        self._scatter(node, value, present, out_vars)
-
-    def _scatter(self, node: JoinAgg, value: np.ndarray, present: np.ndarray | None, out_vars: list[str]) -> None:
-        """Write through flat cell numbers: for heads that repeat an index (``d[i, i]``)."""
-        box = node.box
-        coords = []
-        for ax in node.out_axes:
-            aff = ax.affine()
-            vals = {}
-            for k, v in enumerate(out_vars):
-                shape = [1] * len(out_vars)
-                shape[k] = box[v]
-                vals[v] = np.arange(box[v]).reshape(shape)
-            coords.append(np.broadcast_to(np.asarray(aff.evaluate(vals)), value.shape))
-        flat = np.ravel_multi_index(tuple(coords), self.rel.shape) if coords else np.zeros(value.shape, dtype=np.intp)
-        pres = np.ones(value.shape, dtype=bool) if present is None else np.broadcast_to(present, value.shape)
-        flat_data = self.data.reshape(-1)
-        cells = flat[pres]
-        vals = value[pres].astype(self.cdt, copy=False)
-        if self.agg is None:
-            flat_data[cells] = vals
-        elif self.agg == "sum":
-            flat_data[cells] = flat_data[cells] + vals
-        elif self.agg == "prod":
-            flat_data[cells] = flat_data[cells] * vals
-        elif self.agg == "max":
-            flat_data[cells] = np.maximum(flat_data[cells], vals)
-        else:
-            flat_data[cells] = np.minimum(flat_data[cells], vals)
-        self.present.reshape(-1)[cells] = True
+        write_cells(self.data, self.present, node, value, present, out_vars, self.agg)
 
     def finish(self) -> Value:
         out_dt = dtypes.to_numpy(self.rel.dtype)

@@ -8,6 +8,22 @@ print(prog.graph)
 
 from edatalog.api import Program, compile, compile_string
 from edatalog.errors import Diagnostic, EdlError, EdlWarning
+from edatalog.plans import Plan, load_plan
+from edatalog.plans import make_plan as plan
+from edatalog.solver.topology import Topology
+from edatalog.solver.topology import resolve as topology
 
-__all__ = ["Diagnostic", "EdlError", "EdlWarning", "Program", "compile", "compile_string"]
+__all__ = [
+    "Diagnostic",
+    "EdlError",
+    "EdlWarning",
+    "Plan",
+    "Program",
+    "Topology",
+    "compile",
+    "compile_string",
+    "load_plan",
+    "plan",
+    "topology",
+]
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ from edatalog.ir import dtypes
 from edatalog.ir.graph import Graph, JoinAgg, Relation
 from edatalog.lang import ast
 from edatalog.lang.parser import parse, parse_file
+from edatalog.plans import Plan
 from edatalog.rules import compile_program
 
 
@@ -89,10 +90,25 @@ class Program:
         ``on_node(node)`` is called as each rule finishes, for progress displays."""
         return evaluate(self.graph, self.prepare(values), on_node)
 
-    def run(self, values: Mapping[str, Any], *, backend: str = "reference") -> dict[str, np.ndarray]:
-        """The outputs as numpy arrays (absent cells read as 0)."""
+    def run(
+        self, values: Mapping[str, Any], *, plan: Plan | None = None, backend: str | None = None
+    ) -> dict[str, np.ndarray]:
+        """The outputs as numpy arrays (absent cells read as 0).
+
+        ``backend="reference"`` (the default) evaluates whole tensors; ``backend="sim"`` runs the
+        per-device programs synthesized for ``plan`` in the simulator."""
+        backend = backend or ("sim" if plan is not None else "reference")
+        if backend == "sim":
+            if plan is None:
+                raise EdlError("the sim backend runs a plan", help="pass plan=edatalog.plan(prog, ...)")
+            if plan.graph.fingerprint() != self.graph.fingerprint():
+                raise EdlError("this plan was made for another program", help="make a plan for this program")
+            outs = plan.execute(self.prepare(values))
+            return {name: outs[name].data for name in self.outputs}
         if backend != "reference":
-            raise EdlError(f"unknown backend '{backend}'", help="available backends: reference")
+            raise EdlError(f"unknown backend '{backend}'", help="available backends: reference, sim")
+        if plan is not None:
+            raise EdlError("the reference backend evaluates whole tensors", help="run a plan with backend='sim'")
         env = self.evaluate(values)
         # An output that is an input or param would alias the caller's array: hand back a copy.
         return {

@@ -16,7 +16,7 @@ ALLOWED = {
     "edatalog/ir": {"edatalog.errors", "edatalog.ir"},
     "rules": {"edatalog.errors", "edatalog.lang", "edatalog.ir", "edatalog.rules"},
     "solver": {"edatalog.errors", "edatalog.lang", "edatalog.ir", "edatalog.rules", "edatalog.solver"},
-    "backend": {"edatalog.errors", "edatalog.ir", "edatalog.backend"},
+    "backend": {"edatalog.errors", "edatalog.ir", "edatalog.solver", "edatalog.backend"},
 }
 
 

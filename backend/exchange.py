@@ -1,0 +1,409 @@
+"""Exchange synthesis: from a graph, a plan and a topology to per-device programs of tasks.
+
+Tasks:
+
+- ``Load``: an input or param block present on a device at the start;
+- ``Compute``: one join-agg on one block, reading only buffers on its device;
+- ``Send``: an exact sub-region of a buffer, cut out and sent to another device;
+- ``Combine``: partial results of an aggregation folded together with the node's aggop.
+
+Every consumer block pulls, for each relation it reads, the intersection of its need with every
+piece of that relation's final layout; a device never receives what it holds or already received.
+Partials (an aggregated index split across blocks, or several ``+=`` rules) are reduced on a
+schedule chosen from the topology: a reduce-scatter with direct sends inside a node, and a
+hierarchical one (inside nodes first, then across) when the partials span nodes.  Blocks that
+guards or supports leave empty are never computed or sent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edatalog.errors import EdlError
+from edatalog.ir import dtypes
+from edatalog.ir.affine import Affine
+from edatalog.ir.cost import flops_per_point
+from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.ir.regions import Region
+from edatalog.solver.plan import Plan, Tile
+from edatalog.solver.topology import Topology
+
+REDUCTIONS = ("auto", "direct", "hierarchical")
+
+
+@dataclass(eq=False)
+class Task:
+    id: int
+    device: int
+    deps: list[int]  # tasks that must finish first
+
+
+@dataclass(eq=False)
+class Load(Task):
+    relation: str
+    region: Region
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Compute(Task):
+    node: str
+    block: int
+    ranges: dict[str, tuple[int, int]]
+    reads: list[list[tuple[int, Region]]]  # per input of the node: (buffer, part of the need it covers)
+    out: Region
+    flops: int
+    nbytes: int  # bytes read and written
+
+
+@dataclass(eq=False)
+class Send(Task):
+    dst: int
+    source: int  # buffer (task id) on the sending device
+    relation: str
+    region: Region
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Combine(Task):
+    relation: str
+    region: Region
+    sources: list[int]  # buffers on this device, each covering ``region``
+    flops: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """Data a task leaves on a device: a region of one relation."""
+
+    task: int
+    device: int
+    relation: str
+    region: Region
+
+
+@dataclass(eq=False)
+class Entry:
+    """A piece of a relation's final layout: a region, and the buffer holding it on each device."""
+
+    region: Region
+    holders: dict[int, int]  # device -> buffer
+
+
+@dataclass(eq=False)
+class Schedule:
+    graph: Graph
+    plan: Plan
+    topology: Topology
+    tasks: list[Task] = field(default_factory=list)
+    buffers: dict[int, Buffer] = field(default_factory=dict)
+    layout: dict[str, list[Entry]] = field(default_factory=dict)
+    outputs: dict[str, list[Entry]] = field(default_factory=dict)  # where each output ends
+
+    def programs(self) -> dict[int, list[Task]]:
+        """Each device's tasks, in order (a send runs on its source device)."""
+        out: dict[int, list[Task]] = {d: [] for d in range(self.plan.n_devices)}
+        for t in self.tasks:
+            out[t.device].append(t)
+        return out
+
+    def of_compute(self, node: str) -> Iterator[Compute]:
+        """The compute tasks of one rule (one per computed block and device)."""
+        return (t for t in self.tasks if isinstance(t, Compute) and t.node == node)
+
+
+def synthesize(graph: Graph, plan: Plan, topology: Topology, reduction: str = "auto") -> Schedule:
+    """The per-device task programs that execute ``graph`` under ``plan`` on ``topology``."""
+    plan.verify(graph)
+    if topology.n < plan.n_devices:
+        raise EdlError(f"the plan uses {plan.n_devices} devices but {topology.name} has {topology.n}")
+    return _Synthesizer(graph, plan, topology, reduction).run()
+
+
+class _Synthesizer:
+    def __init__(self, graph: Graph, plan: Plan, topology: Topology, reduction: str) -> None:
+        assert reduction in REDUCTIONS
+        self.s = Schedule(graph, plan, topology)
+        self.graph, self.plan, self.topo, self.reduction = graph, plan, topology, reduction
+        self.received: dict[tuple[int, str], list[tuple[Region, int]]] = {}
+        self.egress = [0] * topology.n  # bytes each device has sent, to spread replicated sources
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _add(self, task: Task, relation: str | None = None, region: Region | None = None) -> int:
+        self.s.tasks.append(task)
+        if relation is not None and region is not None:
+            dev = task.dst if isinstance(task, Send) else task.device
+            self.s.buffers[task.id] = Buffer(task.id, dev, relation, region)
+        return task.id
+
+    def _itemsize(self, relation: str) -> int:
+        return dtypes.itemsize(self.graph.relation(relation).dtype)
+
+    # -- the pass ---------------------------------------------------------------------------------
+
+    def run(self) -> Schedule:
+        for p in self.plan.inputs:
+            self.s.layout[p.relation] = self._load(p.relation, p.tile)
+        remaining = {r.name: len(self.graph.producers(r.name)) for r in self.graph.relations if r.kind == "derived"}
+        contributions: dict[str, list[Entry]] = {}
+        for node in self.graph.nodes:
+            contributions.setdefault(node.out, []).extend(self._node(node))
+            remaining[node.out] -= 1
+            if remaining[node.out] == 0:
+                self.s.layout[node.out] = self._finalize(node.out, contributions.pop(node.out))
+        for p in self.plan.outputs:
+            self.s.outputs[p.relation] = self._place(p.relation, p.tile)
+        for name in self.graph.outputs:
+            self.s.outputs.setdefault(name, self.s.layout[name])
+        return self.s
+
+    def _load(self, relation: str, tile: Tile) -> list[Entry]:
+        rel = self.graph.relation(relation)
+        entries = []
+        for block in tile.blocks():
+            region = Region.of_box(rel.shape, tuple(block.ranges[a] for a in rel.axis_names))
+            holders = {}
+            for d in block.devices:
+                task = Load(len(self.s.tasks), d, [], relation, region, region.size * self._itemsize(relation))
+                holders[d] = self._add(task, relation, region)
+            entries.append(Entry(region, holders))
+        return entries
+
+    def _node(self, node: JoinAgg) -> list[Entry]:
+        tile = self.plan.node(node.name).tile
+        out_item = dtypes.itemsize(node.dtype)
+        entries = []
+        for block in tile.blocks():
+            ranges, points = _tighten(node, block.ranges)
+            if points == 0:
+                continue  # guards and supports leave this block empty: nothing to compute or send
+            out = Region.through(node.out_axes, ranges)
+            holders = {}
+            for d in block.devices:
+                deps: list[int] = []
+                reads = []
+                nbytes = out.size * out_item
+                for acc in node.inputs:
+                    need = Region.through(acc.axes, ranges)
+                    parts = self._fetch(acc.relation, need, d)
+                    reads.append([(buf, region) for buf, region in parts])
+                    deps.extend(self.s.buffers[buf].task for buf, _ in parts)
+                    nbytes += need.size * self._itemsize(acc.relation)
+                task = Compute(
+                    len(self.s.tasks),
+                    d,
+                    sorted(set(deps)),
+                    node.name,
+                    block.index,
+                    ranges,
+                    reads,
+                    out,
+                    points * flops_per_point(node),
+                    nbytes,
+                )
+                holders[d] = self._add(task, node.out, out)
+            entries.append(Entry(out, holders))
+        return entries
+
+    # -- moving data ---------------------------------------------------------------------------------
+
+    def _fetch(self, relation: str, need: Region, d: int) -> list[tuple[int, Region]]:
+        """Buffers on device ``d`` that cover ``need`` (where the relation has cells), sending the
+        missing parts from their holders."""
+        parts = []
+        for entry in self.s.layout[relation]:
+            part = entry.region.intersect(need)
+            if part.empty:
+                continue
+            if d in entry.holders:
+                parts.append((entry.holders[d], part))
+                continue
+            cached = next((buf for region, buf in self.received.get((d, relation), []) if region.contains(part)), None)
+            if cached is None:
+                cached = self._send(relation, part, entry.holders, d)
+                self.received.setdefault((d, relation), []).append((part, cached))
+            parts.append((cached, part))
+        return parts
+
+    def _source(self, holders: Mapping[int, int], d: int) -> int:
+        """The holder to send from: the same node first, then the least busy sender."""
+        node = self.topo.devices[d].node
+        return min(holders, key=lambda s: (self.topo.devices[s].node != node, self.egress[s], s))
+
+    def _send(self, relation: str, region: Region, holders: Mapping[int, int], d: int) -> int:
+        src = self._source(holders, d)
+        buf = holders[src]
+        nbytes = region.size * self._itemsize(relation)
+        self.egress[src] += nbytes
+        task = Send(len(self.s.tasks), src, [self.s.buffers[buf].task], d, buf, relation, region, nbytes)
+        return self._add(task, relation, region)
+
+    def _place(self, relation: str, tile: Tile) -> list[Entry]:
+        """Make an output end where the plan wants it (e.g. replicated on every device)."""
+        rel = self.graph.relation(relation)
+        entries: dict[bytes, Entry] = {}  # one entry per region, with every device holding it
+        for block in tile.blocks():
+            region = Region.of_box(rel.shape, tuple(block.ranges[a] for a in rel.axis_names))
+            for d in block.devices:
+                for buf, part in self._fetch(relation, region, d):
+                    entries.setdefault(part.key(), Entry(part, {})).holders[d] = buf
+        return list(entries.values())
+
+    # -- partial results ------------------------------------------------------------------------------
+
+    def _finalize(self, relation: str, contributions: list[Entry]) -> list[Entry]:
+        """The final layout of a relation: contributions as they are where they do not overlap,
+        reduced where several cover the same cells."""
+        rel = self.graph.relation(relation)
+        if rel.aggop == "=" or len(contributions) <= 1:
+            return contributions
+        layout = []
+        for region, members in _cell_groups([c.region for c in contributions]):
+            if len(members) == 1:
+                layout.append(Entry(region, contributions[members[0]].holders))
+            else:
+                layout.extend(self._reduce(relation, region, [contributions[m] for m in members]))
+        return layout
+
+    def _reduce(self, relation: str, region: Region, parts: list[Entry]) -> list[Entry]:
+        # One source per contribution (its first holder), then one per device: partials that
+        # share a device are combined there first.
+        by_device: dict[int, list[int]] = {}
+        for p in parts:
+            d = min(p.holders)
+            by_device.setdefault(d, []).append(p.holders[d])
+        sources = {d: self._combine(relation, region, d, bufs) for d, bufs in by_device.items()}
+        if len(sources) == 1:
+            ((d, buf),) = sources.items()
+            return [Entry(region, {d: buf})]
+        groups = self._node_groups(list(sources))
+        if len(groups) > 1 and self._hierarchy():
+            return self._hierarchical(relation, region, sources, groups)
+        return self._reduce_scatter(relation, region, sources)
+
+    def _hierarchy(self) -> bool:
+        """Reduce inside nodes first?  Always when asked; with "auto", when links between nodes
+        are slower than links inside them."""
+        if self.reduction != "auto":
+            return self.reduction == "hierarchical"
+        inter = self.topo.inter
+        return inter is not None and inter.bandwidth < self.topo.intra.bandwidth
+
+    def _node_groups(self, devices: list[int]) -> list[list[int]]:
+        groups: dict[int, list[int]] = {}
+        for d in sorted(devices):
+            groups.setdefault(self.topo.devices[d].node, []).append(d)
+        return list(groups.values())
+
+    def _reduce_scatter(self, relation: str, region: Region, sources: dict[int, int]) -> list[Entry]:
+        """Split the region among the devices holding partials; each owner receives the others'
+        partials of its piece directly and combines them."""
+        owners = sorted(sources)
+        out = []
+        for owner, piece in zip(owners, _split(region, len(owners)), strict=False):
+            bufs = [sources[owner]]
+            for src in owners:
+                if src != owner:
+                    bufs.append(self._send(relation, piece, {src: sources[src]}, owner))
+            out.append(Entry(piece, {owner: self._combine(relation, piece, owner, bufs)}))
+        return out
+
+    def _hierarchical(
+        self, relation: str, region: Region, sources: dict[int, int], groups: list[list[int]]
+    ) -> list[Entry]:
+        """Reduce inside each node first, then across nodes: only one partial of each piece crosses
+        the slow links per node."""
+        width = max(len(g) for g in groups)
+        pieces = _split(region, width)
+        out = []
+        for k, piece in enumerate(pieces):
+            leaders: dict[int, int] = {}  # node-level owner of this piece -> its combined buffer
+            for g in groups:
+                inner = {d: sources[d] for d in g}
+                leader = g[k % len(g)]
+                bufs = [inner[leader]]
+                bufs.extend(self._send(relation, piece, {d: inner[d]}, leader) for d in g if d != leader)
+                leaders[leader] = self._combine(relation, piece, leader, bufs)
+            out.extend(self._reduce_scatter(relation, piece, leaders))
+        return out
+
+    def _combine(self, relation: str, region: Region, device: int, bufs: list[int]) -> int:
+        if len(bufs) == 1 and self.s.buffers[bufs[0]].region.same(region):
+            return bufs[0]
+        item = self._itemsize(relation)
+        task = Combine(
+            len(self.s.tasks),
+            device,
+            sorted({self.s.buffers[b].task for b in bufs}),
+            relation,
+            region,
+            list(bufs),
+            region.size * (len(bufs) - 1),
+            region.size * item * (len(bufs) + 1),
+        )
+        return self._add(task, relation, region)
+
+
+def _tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Shrink a block's ranges to where its effective guard has points; and count the points."""
+    out = dict(ranges)
+    dense = math.prod(hi - lo for lo, hi in ranges.values())
+    guard = node.guard
+    if guard.is_true:
+        return out, dense
+    order = sorted(guard.vars)
+    shift = {v: Affine.var(v) + ranges[v][0] for v in order}
+    box = {v: ranges[v][1] - ranges[v][0] for v in order}
+    mask = np.broadcast_to(guard.substitute(shift).mask(order, box), tuple(box[v] for v in order))
+    inside = int(np.count_nonzero(mask))
+    if inside == 0:
+        return out, 0
+    for k, v in enumerate(order):
+        hit = np.flatnonzero(mask.any(axis=tuple(j for j in range(len(order)) if j != k)))
+        out[v] = (ranges[v][0] + int(hit[0]), ranges[v][0] + int(hit[-1]) + 1)
+    others = math.prod(hi - lo for v, (lo, hi) in ranges.items() if v not in box)
+    return out, inside * others
+
+
+def _cell_groups(regions: list[Region]) -> list[tuple[Region, list[int]]]:
+    """Partition the union of ``regions`` into products of per-axis atoms, each with the regions
+    that cover it."""
+    rank = len(regions[0].axes)
+    atoms_per_axis = []
+    for k in range(rank):
+        coords = np.unique(np.concatenate([r.axes[k] for r in regions]))
+        member = np.stack([np.isin(coords, r.axes[k], assume_unique=True) for r in regions])  # regions x coords
+        atoms: dict[bytes, list[int]] = {}
+        for j in range(len(coords)):
+            atoms.setdefault(member[:, j].tobytes(), []).append(j)
+        atoms_per_axis.append([(coords[js], member[:, js[0]]) for js in atoms.values()])
+    groups = []
+    for combo in itertools.product(*atoms_per_axis):
+        covering = np.ones(len(regions), dtype=bool)
+        for _, m in combo:
+            covering &= m
+        if covering.any():
+            groups.append((Region(tuple(c for c, _ in combo)), [int(i) for i in np.flatnonzero(covering)]))
+    return groups
+
+
+def _split(region: Region, parts: int) -> list[Region]:
+    """Up to ``parts`` pieces of ``region``, cut along its longest axis as evenly as can be."""
+    if not region.axes:
+        return [region]
+    k = max(range(len(region.axes)), key=lambda j: len(region.axes[j]))
+    coords = region.axes[k]
+    pieces = []
+    for chunk in np.array_split(coords, min(parts, len(coords))):
+        axes = list(region.axes)
+        axes[k] = chunk
+        pieces.append(Region(tuple(axes)))
+    return pieces

@@ -1,0 +1,149 @@
+"""The ``edl`` command line: check, compile and run ``.edl`` programs; plan them on many devices,
+query and draw the plans.
+
+Human-readable tables by default, ``--json`` for machines.  User mistakes print as diagnostics
+(``file:line:col: error: ...``) and exit with status 1; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from edatalog import __version__
+from edatalog.cli import plans, programs
+from edatalog.cli.common import seed
+from edatalog.errors import EdlError
+
+_RAW = argparse.RawDescriptionHelpFormatter
+
+
+def _program_args(sp: argparse.ArgumentParser, json_help: str) -> None:
+    sp.add_argument("file", metavar="FILE", help="the .edl program")
+    sp.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="override a dim (repeatable); derived dims such as E = D / H follow",
+    )
+    sp.add_argument("--const", action="append", default=[], metavar="K=V", help="override a const (repeatable)")
+    sp.add_argument("--json", action="store_true", help=json_help)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="edl",
+        description="edatalog: tensor programs as Datalog rules over tensor relations.\n\n"
+        "Write a model as rules in an .edl file; edl checks it, shows the join-agg graph it\n"
+        "compiles to, runs it, and plans it on many devices.  The language reference is\n"
+        "docs/language.md; plans and machines are described in docs/plans.md.",
+        formatter_class=_RAW,
+        epilog="run 'edl COMMAND --help' for the options and examples of each command",
+    )
+    p.add_argument("--version", action="version", version=f"edatalog {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    c = sub.add_parser(
+        "check",
+        help="report errors and warnings, and summarize relations",
+        epilog=programs.EPILOG_CHECK,
+        formatter_class=_RAW,
+    )
+    _program_args(c, "print the diagnostics and the summary as JSON")
+
+    k = sub.add_parser(
+        "compile",
+        help="print the join-agg graph a program compiles to",
+        epilog=programs.EPILOG_COMPILE,
+        formatter_class=_RAW,
+    )
+    _program_args(k, "print the graph as JSON (the same as -o writes) instead of its text form")
+    k.add_argument("-o", "--output", metavar="PATH", help="write the graph as JSON to PATH")
+
+    r = sub.add_parser(
+        "run", help="run a program and summarize its outputs", epilog=programs.EPILOG_RUN, formatter_class=_RAW
+    )
+    _program_args(r, "print the output summary as JSON instead of a table")
+    r.add_argument("--inputs", metavar="PATH", help="input and param values: a .npz or .safetensors file")
+    r.add_argument("--random", metavar="SEED", type=seed, help="random values for inputs not given by --inputs")
+    r.add_argument("-o", "--output", metavar="PATH", help="save the outputs to PATH (.npz or .safetensors)")
+    r.add_argument("--plan", metavar="PLAN", help="run this plan (a file from 'edl plan -o') on the simulated devices")
+    r.add_argument(
+        "--backend", choices=("reference", "sim"), help="reference: whole tensors (default); sim: the plan's devices"
+    )
+    r.add_argument("--trace", metavar="PATH", help="with --plan: write the predicted timeline as Chrome trace JSON")
+
+    pl = sub.add_parser(
+        "plan", help="plan a program on a machine and predict its cost", epilog=plans.EPILOG_PLAN, formatter_class=_RAW
+    )
+    _program_args(pl, "print the summary and the plan as JSON")
+    pl.add_argument(
+        "--topology",
+        "-t",
+        metavar="T",
+        default="a100x4",
+        help="a preset (a100x8, h100x4, 2x4, ...) or a .toml/.json file (default a100x4)",
+    )
+    pl.add_argument(
+        "--strategy",
+        "-s",
+        metavar="S",
+        default="megatron",
+        help="replicate, data, megatron or random (default megatron)",
+    )
+    pl.add_argument("--seed", type=seed, default=0, help="seed of the random strategy")
+    pl.add_argument(
+        "--reduction",
+        choices=("auto", "direct", "hierarchical"),
+        default="auto",
+        help="how partial results are combined (default: from the topology)",
+    )
+    pl.add_argument("-o", "--output", metavar="PATH", help="save the plan (with its machine and program) to PATH")
+    pl.add_argument("--trace", metavar="PATH", help="write the predicted timeline as Chrome trace JSON")
+
+    q = sub.add_parser(
+        "query",
+        help="where is everything: blocks, devices, links, time",
+        epilog=plans.EPILOG_QUERY,
+        formatter_class=_RAW,
+    )
+    q.add_argument("plan", metavar="PLAN", help="a plan file from 'edl plan -o'")
+    q.add_argument("relation", metavar="RELATION", nargs="?", help="show where this relation's blocks are")
+    q.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+
+    sh = sub.add_parser(
+        "show",
+        help="draw a plan: each relation's blocks coloured by device",
+        epilog=plans.EPILOG_SHOW,
+        formatter_class=_RAW,
+    )
+    sh.add_argument("plan", metavar="PLAN", help="a plan file from 'edl plan -o'")
+    sh.add_argument("relations", metavar="RELATION", nargs="*", help="the relations to draw (default: all)")
+    sh.add_argument("-o", "--output", metavar="PATH", required=True, help="the picture to write (.png, .svg or .pdf)")
+    return p
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "check": programs.cmd_check,
+    "compile": programs.cmd_compile,
+    "run": programs.cmd_run,
+    "plan": plans.cmd_plan,
+    "query": plans.cmd_query,
+    "show": plans.cmd_show,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except EdlError as err:
+        print(err, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,160 @@
+"""Helpers shared by the `edl` commands: overrides, tables, progress, array files."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edatalog.errors import EdlError
+from edatalog.ir import dtypes
+
+
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"the seed must be a non-negative integer, not {text!r}")
+    return value
+
+
+def overrides(items: Sequence[str], what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        name, text = name.strip(), text.strip()
+        if not eq or not name.isidentifier() or not text:
+            raise EdlError(f"bad --{what} '{item}': expected NAME=VALUE, e.g. --{what} S=16")
+        try:
+            out[name] = int(text) if what == "dim" else float(text)
+        except ValueError:
+            kind = "an integer" if what == "dim" else "a number"
+            raise EdlError(f"bad --{what} '{item}': the value must be {kind}") from None
+    return out
+
+
+def compile_args(args: argparse.Namespace) -> Any:
+    import warnings
+
+    from edatalog.api import compile as compile_program
+
+    with warnings.catch_warnings():  # the CLI prints warnings itself, as diagnostics
+        warnings.simplefilter("ignore")
+        return compile_program(args.file, dims=overrides(args.dim, "dim"), consts=overrides(args.const, "const"))
+
+
+def print_warnings(prog: Any) -> None:
+    for w in prog.warnings:
+        print(w.render(), file=sys.stderr)
+
+
+def human(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}E"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def shape_text(rel: Any) -> str:
+    return "[" + ", ".join(s if s == str(n) else f"{s}={n}" for s, n in zip(rel.symbols, rel.shape, strict=True)) + "]"
+
+
+# -- commands -----------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A progress display on stderr for long steps, shown only on a terminal (never in pipes,
+    logs or --json output)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("{task.description:<15}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
+
+    def __enter__(self) -> Progress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(None, None, None)
+
+    def task(self, name: str, total: float) -> Any:
+        return self.bar.add_task(name, total=max(total, 1))
+
+    def advance(self, task: Any, amount: float) -> None:
+        self.bar.advance(task, amount)
+
+
+ARRAY_FILES = (".npz", ".safetensors")
+
+
+def check_array_file(path: str, what: str, must_exist: bool) -> Path:
+    """Validate a --inputs or -o path before any work is done."""
+    p = Path(path)
+    if p.suffix not in ARRAY_FILES:
+        raise EdlError(f"unsupported {what} file {path}", help="use a .npz or a .safetensors file")
+    if must_exist and not p.is_file():
+        raise EdlError(f"no such {what} file: {path}")
+    if not must_exist and not p.parent.is_dir():
+        raise EdlError(f"cannot write {path}: the directory {p.parent} does not exist")
+    return p
+
+
+def load_inputs(path: str) -> dict[str, np.ndarray]:
+    p = check_array_file(path, "inputs", must_exist=True)
+    try:
+        if p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as npz:
+                return {k: npz[k] for k in npz.files}
+        from safetensors.numpy import load_file
+
+        return dict(load_file(str(p)))
+    except Exception as exc:  # noqa: BLE001 - any failure to read is a bad file: report, never crash
+        raise EdlError(f"cannot read inputs from {path}: {exc}") from None
+
+
+def save_outputs(path: str, outputs: dict[str, np.ndarray]) -> None:
+    p = Path(path)
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.numpy import save_file
+
+            save_file({k: np.ascontiguousarray(v) for k, v in outputs.items()}, str(p))
+            return
+        arrays = {}
+        for k, v in outputs.items():
+            if dtypes.from_numpy(v.dtype) == "bf16":  # npz has no bfloat16: f32 holds it exactly
+                print(f"note: {k} is bf16, saved to {path} as float32", file=sys.stderr)
+                v = v.astype(np.float32)
+            arrays[k] = v
+        savez: Any = np.savez  # numpy's stub types **arrays as the allow_pickle flag
+        savez(p, **arrays)
+    except OSError as exc:
+        raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None

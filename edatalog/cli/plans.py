@@ -1,0 +1,248 @@
+"""`edl plan`, `edl query` and `edl show`: plans on machines, where everything is, pictures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from edatalog.cli.common import compile_args, human, print_warnings, table
+from edatalog.errors import EdlError, did_you_mean
+from edatalog.ir.regions import Region
+from edatalog.plans import Plan, load_plan, make_plan
+
+EPILOG_PLAN = """\
+A plan splits every rule's join space into blocks and gives each block a device; inputs and
+params get a home.  From the plan and the machine, edatalog synthesizes each device's program
+(computes, sends, partial reductions) and predicts its time with the machine's cost model.
+
+strategies: replicate (device 0 does everything), data (split the batch), megatron (tensor
+parallelism for transformers), random (seeded random uneven blocks, for testing)
+
+examples:
+  edl plan programs/llama_block.edl --topology a100x8 --strategy megatron
+  edl plan programs/llama_block.edl -t 2x4 --dim S=512 -o plan.json --trace trace.json
+  edl plan programs/attention.edl -t my-machine.toml --strategy data --json
+"""
+
+EPILOG_QUERY = """\
+examples:
+  edl query plan.json              # per device: FLOPs, memory, traffic; per link: bytes
+  edl query plan.json attn         # where the blocks of 'attn' are computed and where they live
+  edl query plan.json --json
+"""
+
+EPILOG_SHOW = """\
+Every relation is drawn over its last two axes (one axis: a strip), its blocks coloured by the
+device that holds them; hatched blocks are held by several devices.
+
+examples:
+  edl show plan.json -o plan.png
+  edl show plan.json sc p o -o attention.svg
+"""
+
+
+def _plan_summary_rows(plan: Plan) -> list[list[str]]:
+    r = plan.report
+    return [
+        [
+            str(d),
+            human(r.flops[d]),
+            f"{human(r.peak_memory[d])}B",
+            f"{human(r.sent[d])}B",
+            f"{human(r.received[d])}B",
+        ]
+        for d in range(plan.ir.n_devices)
+    ]
+
+
+def _print_summary(plan: Plan) -> None:
+    r = plan.report
+    print(table(["device", "flops", "peak memory", "sent", "received"], _plan_summary_rows(plan), right=(1, 2, 3, 4)))
+    links = sorted(r.bytes_per_link.items())
+    if links:
+        print()
+        rows = [[f"{a} -> {b}", plan.topology.link(a, b).name, f"{human(v)}B"] for (a, b), v in links]
+        print(table(["link", "kind", "bytes"], rows, right=(2,)))
+    print(
+        f"\npredicted {r.seconds * 1e3:.4g} ms on {plan.topology.name}, {human(r.bytes_moved)}B moved, "
+        f"peak memory {human(max(r.peak_memory.values()))}B"
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    prog = compile_args(args)
+    plan = make_plan(prog, args.topology, args.strategy, seed=args.seed, reduction=args.reduction)
+    if args.output:
+        plan.save(args.output)
+    if args.trace:
+        plan.trace(args.trace)
+    if args.json:
+        print(json.dumps({"summary": plan.summary(), "plan": json.loads(plan.ir.to_json())}, indent=1))
+        return 0
+    print_warnings(prog)
+    print(plan)
+    print(f"\n{plan.topology}\n")
+    _print_summary(plan)
+    for path, what in ((args.output, "plan"), (args.trace, "trace")):
+        if path:
+            print(f"wrote {what} {path}")
+    return 0
+
+
+def _relation_view(plan: Plan, name: str) -> dict[str, Any]:
+    graph = plan.graph
+    rel = graph.relation(name)
+    computed = []
+    for node in graph.producers(name):
+        blocks = {t.block: t for t in plan.schedule.of_compute(node.name)}
+        for block in plan.ir.node(node.name).tile.blocks():
+            task = blocks.get(block.index)
+            computed.append(
+                {
+                    "rule": node.name,
+                    "block": block.index,
+                    "ranges": {k: list(v) for k, v in block.ranges.items()},
+                    "devices": list(block.devices),
+                    "empty": task is None,
+                }
+            )
+    layout = plan.schedule.outputs.get(name) if name in graph.outputs else plan.schedule.layout.get(name)
+    lives = [{"region": _region_json(rel.axis_names, e.region), "devices": sorted(e.holders)} for e in layout or []]
+    return {"relation": name, "kind": rel.kind, "shape": list(rel.shape), "computed": computed, "lives": lives}
+
+
+def _region_json(names: tuple[str, ...], region: Region) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, coords in zip(names, region.axes, strict=True):
+        if len(coords) and coords[-1] - coords[0] + 1 == len(coords):
+            out[name] = [int(coords[0]), int(coords[-1]) + 1]
+        else:
+            out[name] = [int(c) for c in coords]
+    return out
+
+
+def _region_text(region: dict[str, Any]) -> str:
+    parts = []
+    for name, r in region.items():
+        parts.append(f"{name} {r[0]}:{r[1]}" if len(r) == 2 and r[1] > r[0] else f"{name} {len(r)} cells")
+    return ", ".join(parts) or "(scalar)"
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    if args.relation is not None:
+        names = [r.name for r in plan.graph.relations]
+        if args.relation not in names:
+            raise EdlError(
+                f"no relation '{args.relation}' in this plan's program",
+                help=did_you_mean(args.relation, names, "relations"),
+            )
+        view = _relation_view(plan, args.relation)
+        if args.json:
+            print(json.dumps(view, indent=1))
+            return 0
+        rel = plan.graph.relation(args.relation)
+        print(f"{rel.kind} {rel.name} {list(rel.shape)} : {rel.dtype}")
+        if view["computed"]:
+            print("\ncomputed as")
+            rows = [
+                [
+                    c["rule"],
+                    str(c["block"]),
+                    _region_text(c["ranges"]),
+                    ",".join(map(str, c["devices"])),
+                    "skipped (empty)" if c["empty"] else "",
+                ]
+                for c in view["computed"]
+            ]
+            print(table(["rule", "block", "ranges", "devices", ""], rows))
+        print("\nlives at" + (" (the end of the run)" if rel.name in plan.graph.outputs else ""))
+        rows = [[_region_text(e["region"]), ",".join(map(str, e["devices"]))] for e in view["lives"]]
+        print(table(["region", "devices"], rows))
+        return 0
+    summary = plan.summary()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(plan)
+    print()
+    _print_summary(plan)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    plan = load_plan(args.plan)
+    graph = plan.graph
+    names = args.relations or [r.name for r in graph.relations]
+    for name in names:
+        if name not in {r.name for r in graph.relations}:
+            raise EdlError(
+                f"no relation '{name}' in this plan's program",
+                help=did_you_mean(name, [r.name for r in graph.relations]),
+            )
+    cols = min(4, len(names))
+    rows = (len(names) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    colors = plt.get_cmap("tab10" if plan.ir.n_devices <= 10 else "tab20")
+    for ax in axes.ravel()[len(names) :]:
+        ax.axis("off")
+    for ax, name in zip(axes.ravel(), names, strict=False):
+        rel = graph.relation(name)
+        layout = plan.schedule.outputs.get(name) if name in graph.outputs else plan.schedule.layout.get(name, [])
+        h_axis, w_axis = (rel.rank - 2, rel.rank - 1) if rel.rank >= 2 else (None, rel.rank - 1 if rel.rank else None)
+        height = rel.shape[h_axis] if h_axis is not None else 1
+        width = rel.shape[w_axis] if w_axis is not None else 1
+        for entry in layout or []:
+            devices = sorted(entry.holders)
+            for y0, y1 in _runs(entry.region.axes[h_axis]) if h_axis is not None else [(0, 1)]:
+                for x0, x1 in _runs(entry.region.axes[w_axis]) if w_axis is not None else [(0, 1)]:
+                    ax.add_patch(
+                        Rectangle(
+                            (x0, y0),
+                            x1 - x0,
+                            y1 - y0,
+                            facecolor=colors(devices[0] % colors.N),
+                            edgecolor="black",
+                            linewidth=0.4,
+                            hatch="//" if len(devices) > 1 else None,
+                        )
+                    )
+        ax.set_xlim(0, width)
+        ax.set_ylim(height, 0)
+        axis_names = rel.axis_names
+        ax.set_title(f"{name} [{', '.join(rel.symbols)}]", fontsize=9)
+        ax.set_xlabel(axis_names[w_axis] if w_axis is not None else "", fontsize=8)
+        ax.set_ylabel(axis_names[h_axis] if h_axis is not None else "", fontsize=8)
+        ax.tick_params(labelsize=6)
+    handles = [Patch(facecolor=colors(d % colors.N), label=f"device {d}") for d in range(plan.ir.n_devices)]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="on several devices"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
+    fig.suptitle(f"{plan.ir.strategy} plan on {plan.topology.name}: where each relation lives", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    try:
+        fig.savefig(args.output, dpi=130)
+    except (OSError, ValueError) as exc:
+        raise EdlError(f"cannot write {args.output}: {exc}") from None
+    finally:
+        plt.close(fig)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _runs(coords: Any) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive coordinates, as [start, end) pairs."""
+    out: list[tuple[int, int]] = []
+    for c in coords:
+        c = int(c)
+        if out and out[-1][1] == c:
+            out[-1] = (out[-1][0], c + 1)
+        else:
+            out.append((c, c + 1))
+    return out

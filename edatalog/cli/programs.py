@@ -1,0 +1,237 @@
+"""`edl check`, `edl compile` and `edl run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edatalog.cli.common import (
+    Progress,
+    check_array_file,
+    compile_args,
+    human,
+    load_inputs,
+    print_warnings,
+    save_outputs,
+    shape_text,
+    table,
+)
+from edatalog.errors import EdlError
+from edatalog.ir import dtypes
+from edatalog.plans import load_plan
+
+EPILOG_CHECK = """\
+examples:
+  edl check programs/llama_block.edl
+  edl check programs/llama_block.edl --dim S=4096 --json
+"""
+
+EPILOG_COMPILE = """\
+Each rule becomes one join-agg: a join of relations on shared indices, a scalar function, and an
+aggregation over the indices the head does not keep.  Every line shows the rule as compiled (with
+its effective guard), what it aggregates, and its FLOPs over the cells that exist.
+
+examples:
+  edl compile programs/attention.edl
+  edl compile programs/llama_block.edl --json -o llama.json
+"""
+
+EPILOG_RUN = """\
+Inputs come from --inputs (a .npz or .safetensors file whose names match the program's inputs
+and params) and/or --random SEED (random values for everything --inputs does not give: inputs
+~ N(0,1), matrix params ~ N(0, 1/fan_in), vector params ~ 1 + N(0, 0.1²)).
+
+examples:
+  edl run programs/llama_block.edl --dim S=64 --dim D=256 --dim H=4 --dim KVH=2 --dim F=512 --random 0
+  edl run programs/mlp.edl --inputs weights.safetensors -o out.npz
+"""
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    prog = compile_args(args)
+    graph = prog.graph
+    costs = graph.costs
+    rows = []
+    data = []
+    for rel in graph.relations:
+        nodes = graph.producers(rel.name)
+        flops = sum(costs[n.name].flops for n in nodes)
+        bound = "" if all(costs[n.name].exact for n in nodes) else "≤"
+        role = rel.kind + (" (output)" if rel.name in graph.outputs else "")
+        support = "" if rel.support.is_true else str(rel.support)
+        rows.append(
+            [
+                rel.name,
+                role,
+                shape_text(rel),
+                rel.dtype,
+                f"{human(rel.nbytes)}B",
+                str(len(nodes)) if nodes else "",
+                bound + human(flops) if nodes else "",
+                support,
+            ]
+        )
+        data.append(
+            {
+                "name": rel.name,
+                "kind": rel.kind,
+                "output": rel.name in graph.outputs,
+                "shape": list(rel.shape),
+                "symbols": list(rel.symbols),
+                "dtype": rel.dtype,
+                "bytes": rel.nbytes,
+                "rules": len(nodes),
+                "flops": flops,
+                "flops_exact": not bound,
+                "support": None if rel.support.is_true else str(rel.support),
+                "support_exact": rel.support_exact,
+            }
+        )
+    total = sum(c.flops for c in costs.values())
+    if args.json:
+        out = {
+            "file": args.file,
+            "ok": True,
+            "warnings": [w.render() for w in prog.warnings],
+            "relations": data,
+            "nodes": [
+                {
+                    "name": n.name,
+                    "rule": str(n),
+                    "origin": n.origin,
+                    "points": costs[n.name].points,
+                    "flops": costs[n.name].flops,
+                    "exact": costs[n.name].exact,
+                    "bytes_in": costs[n.name].bytes_in,
+                    "bytes_out": costs[n.name].bytes_out,
+                }
+                for n in graph.nodes
+            ],
+            "total_flops": total,
+            "fingerprint": graph.fingerprint(),
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    print_warnings(prog)
+    print(table(["relation", "kind", "shape", "dtype", "size", "rules", "flops", "support"], rows, right=(4, 5, 6)))
+    n_warn = len(prog.warnings)
+    print(
+        f"\n{args.file}: ok, {len(graph.nodes)} rules, {human(total)} FLOPs"
+        + (f", {n_warn} warning{'s' if n_warn != 1 else ''}" if n_warn else "")
+    )
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    prog = compile_args(args)
+    text = prog.graph.to_json()
+    if args.output:
+        try:
+            Path(args.output).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise EdlError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    if args.json:
+        print(text)
+    else:
+        print_warnings(prog)
+        print(prog.graph)
+        if args.output:
+            print(f"\nwrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.inputs is None and args.random is None:
+        raise EdlError("no input values", help="pass --inputs FILE (.npz or .safetensors) or --random SEED")
+    if args.output:
+        check_array_file(args.output, "output", must_exist=False)
+    backend = args.backend or ("sim" if args.plan else "reference")
+    if backend == "sim" and not args.plan:
+        raise EdlError(
+            "the sim backend runs a plan", help="make one with 'edl plan FILE -o plan.json' and pass --plan plan.json"
+        )
+    if args.trace and not args.plan:
+        raise EdlError("--trace needs a plan: the timeline is the plan's", help="pass --plan plan.json")
+    if args.plan and backend == "reference":
+        raise EdlError("the reference backend evaluates whole tensors", help="run a plan with --backend sim")
+    prog = compile_args(args)
+    plan = load_plan(args.plan, prog) if args.plan else None
+    values: dict[str, Any] = load_inputs(args.inputs) if args.inputs is not None else {}
+    with Progress() as progress:
+        missing = [r for r in prog.arguments if r.name not in values]
+        if args.random is not None and missing:
+            task = progress.task("random weights", sum(r.nbytes for r in missing))
+            values.update(
+                prog.random_inputs(
+                    args.random, names={r.name for r in missing}, on_value=lambda _name, n: progress.advance(task, n)
+                )
+            )
+        graph = prog.graph
+        start = time.perf_counter()
+        if plan is not None:
+            env = plan.execute(prog.prepare(values))
+        else:
+            task = progress.task("evaluating", sum(c.flops for c in graph.costs.values()))
+            env = prog.evaluate(values, on_node=lambda n: progress.advance(task, graph.costs[n.name].flops))
+        seconds = time.perf_counter() - start
+    if plan is not None and args.trace:
+        plan.trace(args.trace)
+    outputs = {name: env[name].data for name in prog.outputs}
+    if args.output:
+        save_outputs(args.output, outputs)
+    summary = {}
+    for name in prog.outputs:
+        val = env[name]
+        arr = val.data.astype(np.float64)
+        summary[name] = {
+            "shape": list(arr.shape),
+            "dtype": dtypes.from_numpy(val.data.dtype),
+            "norm": float(np.linalg.norm(arr.ravel())),
+            "mean": float(arr.mean()) if arr.size else 0.0,
+            "finite": bool(np.isfinite(arr).all()),
+            "absent": 0 if val.present is None else int((~val.present).sum()),
+        }
+    if args.json:
+        extra = {"predicted_ms": plan.report.seconds * 1e3} if plan is not None else {}
+        print(
+            json.dumps(
+                {"file": args.file, "backend": backend, "seconds": seconds, "outputs": summary, **extra}, indent=1
+            )
+        )
+        return 0
+    print_warnings(prog)
+    rows = [
+        [
+            n,
+            str(s["shape"]),
+            str(s["dtype"]),
+            f"{s['norm']:.6g}",
+            f"{s['mean']:.6g}",
+            str(s["absent"]),
+            "yes" if s["finite"] else "NO",
+        ]
+        for n, s in summary.items()
+    ]
+    print(table(["output", "shape", "dtype", "norm", "mean", "absent", "finite"], rows, right=(3, 4, 5)))
+    if plan is not None:
+        r = plan.report
+        print(
+            f"\nran {len(plan.schedule.tasks)} tasks of the {plan.ir.strategy} plan on {plan.ir.n_devices} simulated "
+            f"devices in {seconds:.3f} s; predicted {r.seconds * 1e3:.4g} ms on {plan.topology.name}, "
+            f"{human(r.bytes_moved)}B moved"
+        )
+    else:
+        flops = sum(c.flops for c in prog.graph.costs.values())
+        rate = f", {human(flops / seconds)}FLOP/s" if seconds > 0 and math.isfinite(seconds) else ""
+        print(f"\nran {len(prog.graph.nodes)} rules in {seconds:.3f} s on the reference evaluator{rate}")
+    for path, what in ((args.output, "outputs"), (args.trace, "trace")):
+        if path:
+            print(f"wrote {what} {path}")
+    return 0

@@ -1,0 +1,96 @@
+"""Regions of relations: for each axis, the sorted set of coordinates a region covers.
+
+A region is a product of per-axis coordinate sets.  A block of a join space reads, through an
+access such as ``wq[(h,e),d]``, the coordinates ``h*E + e`` for its ranges of ``h`` and ``e`` (a
+strided set when ``e`` is split), so sets rather than intervals keep every need exact.
+Intersections are per axis; the data of a region is always in ascending coordinate order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from edatalog.ir.graph import AxisMap
+
+
+@dataclass(frozen=True, eq=False)
+class Region:
+    axes: tuple[np.ndarray, ...]  # sorted, unique int64 coordinates per axis
+
+    @staticmethod
+    def whole(shape: tuple[int, ...]) -> Region:
+        return Region(tuple(np.arange(n, dtype=np.int64) for n in shape))
+
+    @staticmethod
+    def of_box(shape: tuple[int, ...], ranges: tuple[tuple[int, int], ...]) -> Region:
+        return Region(tuple(np.arange(lo, hi, dtype=np.int64) for lo, hi in ranges))
+
+    @staticmethod
+    def through(axes: tuple[AxisMap, ...], ranges: Mapping[str, tuple[int, int]]) -> Region:
+        """The coordinates an access reaches when its indices run over ``ranges``."""
+        out = []
+        for ax in axes:
+            coords = np.zeros(1, dtype=np.int64)
+            stride = 1
+            for p in reversed(ax.parts):
+                if p.index is None:
+                    part = np.array([(p.const or 0) * stride], dtype=np.int64)
+                else:
+                    lo, hi = ranges[p.index]
+                    part = np.arange(lo, hi, dtype=np.int64) * stride
+                coords = (part[:, None] + coords[None, :]).ravel()
+                stride *= p.extent
+            out.append(np.unique(coords))
+        return Region(tuple(out))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(a) for a in self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def empty(self) -> bool:
+        return self.size == 0
+
+    def intersect(self, other: Region) -> Region:
+        return Region(
+            tuple(np.intersect1d(a, b, assume_unique=True) for a, b in zip(self.axes, other.axes, strict=True))
+        )
+
+    def contains(self, other: Region) -> bool:
+        return all(np.isin(b, a, assume_unique=True).all() for a, b in zip(self.axes, other.axes, strict=True))
+
+    def key(self) -> bytes:
+        """A hashable identity of the covered cells."""
+        return b"|".join(a.tobytes() for a in self.axes) + b"#" + bytes(len(self.axes))
+
+    def same(self, other: Region) -> bool:
+        return all(np.array_equal(a, b) for a, b in zip(self.axes, other.axes, strict=True))
+
+    def positions_in(self, outer: Region) -> tuple[np.ndarray, ...]:
+        """Where this region's coordinates sit inside ``outer``'s data (``self`` within ``outer``)."""
+        return tuple(np.searchsorted(o, a) for o, a in zip(outer.axes, self.axes, strict=True))
+
+    def cut(self, data: np.ndarray, sub: Region) -> np.ndarray:
+        """The part of ``data`` (laid out as this region) covering ``sub``, as a new array."""
+        if not self.axes:
+            return data.copy()
+        return data[np.ix_(*sub.positions_in(self))]
+
+    def __str__(self) -> str:
+        parts = []
+        for a in self.axes:
+            if len(a) == 0:
+                parts.append("{}")
+            elif a[-1] - a[0] + 1 == len(a):
+                parts.append(f"{a[0]}:{a[-1] + 1}")
+            else:
+                parts.append(f"{len(a)} of {a[0]}..{a[-1]}")
+        return "[" + ", ".join(parts) + "]"

@@ -1,0 +1,139 @@
+"""Planned programs: a plan, the program it is for and the machine, with everything users ask of
+them: the predicted time, traffic and memory, where each block lives, the synthesized per-device
+programs, traces, and saving and loading.
+
+This is part of the public facade (with :mod:`edatalog.api`): it ties the solver's plans to the
+backend's exchange synthesis and simulator.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edatalog.backend import sim
+from edatalog.backend.exchange import REDUCTIONS, Schedule, synthesize
+from edatalog.backend.reference import Value
+from edatalog.backend.timeline import Report, analyze, write_trace
+from edatalog.errors import EdlError
+from edatalog.ir.graph import Graph
+from edatalog.solver import strategies
+from edatalog.solver import topology as machines
+from edatalog.solver.plan import Plan as PlanIR
+from edatalog.solver.topology import Topology
+
+if TYPE_CHECKING:
+    from edatalog.api import Program
+
+
+class Plan:
+    """A plan for one program on one machine.  ``str(plan)`` shows every tile; ``summary()`` the
+    predicted cost; ``save()`` writes a self-contained JSON file (plan, machine and program)."""
+
+    def __init__(self, ir: PlanIR, graph: Graph, machine: Topology, reduction: str = "auto") -> None:
+        if reduction not in REDUCTIONS:
+            raise EdlError(f"unknown reduction '{reduction}'", help=f"reductions: {', '.join(REDUCTIONS)}")
+        ir.verify(graph)
+        if machine.n < ir.n_devices:
+            raise EdlError(f"the plan uses {ir.n_devices} devices but {machine.name} has {machine.n}")
+        self.ir, self.graph, self.topology, self.reduction = ir, graph, machine, reduction
+
+    def __str__(self) -> str:
+        return str(self.ir)
+
+    def __repr__(self) -> str:
+        return f"<edatalog.Plan {self.ir.strategy} on {self.topology.name}: {len(self.ir.nodes)} rules>"
+
+    @cached_property
+    def schedule(self) -> Schedule:
+        """The synthesized per-device programs (tasks: loads, computes, sends, combines)."""
+        return synthesize(self.graph, self.ir, self.topology, self.reduction)
+
+    @cached_property
+    def report(self) -> Report:
+        """Time, traffic and memory of the schedule under the machine's cost model."""
+        return analyze(self.schedule)
+
+    def summary(self) -> dict[str, Any]:
+        r = self.report
+        return {
+            "strategy": self.ir.strategy,
+            "topology": self.topology.name,
+            "devices": self.ir.n_devices,
+            "predicted_ms": r.seconds * 1e3,
+            "bytes_moved": r.bytes_moved,
+            "bytes_per_link": {f"{a}->{b}": v for (a, b), v in sorted(r.bytes_per_link.items())},
+            "peak_memory": dict(sorted(r.peak_memory.items())),
+            "flops": dict(sorted(r.flops.items())),
+            "sent": dict(sorted(r.sent.items())),
+            "received": dict(sorted(r.received.items())),
+        }
+
+    def trace(self, path: str) -> None:
+        """Write the predicted timeline as Chrome trace JSON (open it in ui.perfetto.dev)."""
+        try:
+            write_trace(path, self.schedule, self.report)
+        except OSError as exc:
+            raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+    def execute(self, values: dict[str, np.ndarray]) -> dict[str, Value]:
+        """Run the per-device programs in the simulator; returns the outputs, gathered."""
+        return sim.run(self.schedule, values)
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        data = json.loads(self.ir.to_json())
+        data["machine"] = self.topology.to_dict()
+        data["reduction"] = self.reduction
+        data["graph"] = json.loads(self.graph.to_json())
+        return json.dumps(data, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        try:
+            Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def make_plan(
+    prog: Program,
+    topology: str | Topology = "a100x4",
+    strategy: str = "megatron",
+    *,
+    seed: int = 0,
+    reduction: str = "auto",
+) -> Plan:
+    """Plan ``prog`` on a machine with a hand-written strategy (replicate, data, megatron, random)."""
+    machine = machines.resolve(topology)
+    ir = strategies.build(prog.graph, machine, strategy, seed=seed)
+    return Plan(ir, prog.graph, machine, reduction)
+
+
+def load_plan(path: str | Path, prog: Program | None = None) -> Plan:
+    """A plan saved by :meth:`Plan.save`.  With ``prog``, the plan must have been made for it;
+    without, the program saved in the file is used (as ``edl query`` does)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except OSError as exc:
+        raise EdlError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EdlError(f"{path} is not a plan file (not JSON: {exc})") from None
+    if not isinstance(data, dict) or "machine" not in data or "graph" not in data:
+        raise EdlError(f"{path} is not a plan file written by edatalog")
+    if prog is not None:
+        graph = prog.graph
+    else:
+        try:
+            graph = Graph.from_json(json.dumps(data["graph"]))
+        except ValueError as exc:
+            raise EdlError(f"{path}: the program saved in the plan is damaged: {exc}") from None
+    ir = PlanIR.from_json(text, graph, where=str(path))
+    machine = machines.from_dict(data["machine"])
+    return Plan(ir, graph, machine, str(data.get("reduction", "auto")))

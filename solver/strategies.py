@@ -1,0 +1,194 @@
+"""Hand-written plans: the baselines the solver must beat, and random plans for tests.
+
+- ``replicate``: device 0 computes everything.
+- ``data``: split the batch index (the first axis of the first input) across devices.
+- ``megatron``: Megatron-LM tensor parallelism for transformer programs: attention heads split
+  for q, k, v and attention (key/value heads replicated on the devices whose query heads share
+  them), the FFN dimension split (column-parallel ``w_gate``/``w_up``, row-parallel ``w_down``), the
+  output projection row-parallel, norms and residuals replicated; partial sums are reduced, and
+  outputs end replicated on every device.
+- ``random``: seeded random uneven partitions and random devices, replication included.
+
+Inputs and params are placed where their consumers' blocks need them (:func:`place_by_consumers`),
+so the baselines move only activations.
+"""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Mapping
+
+import numpy as np
+
+from edatalog.errors import EdlError
+from edatalog.ir.graph import Graph
+from edatalog.ir.regions import Region
+from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
+from edatalog.solver.topology import Topology
+
+STRATEGIES = ("replicate", "data", "megatron", "random")
+
+
+def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Plan:
+    n = topology.n
+    if strategy == "replicate":
+        tiles = {node.name: Tile.whole(node.box, [0]) for node in graph.nodes}
+        return _finish(graph, topology, strategy, tiles, outputs=False)
+    if strategy == "data":
+        return _finish(graph, topology, strategy, _data_tiles(graph, n), outputs=False)
+    if strategy == "megatron":
+        return _finish(graph, topology, strategy, _megatron_tiles(graph, n), outputs=True)
+    if strategy == "random":
+        return random_plan(graph, topology, seed)
+    raise EdlError(f"unknown strategy '{strategy}'", help=f"strategies: {', '.join(STRATEGIES)} (and auto, later)")
+
+
+def _finish(graph: Graph, topology: Topology, strategy: str, tiles: Mapping[str, Tile], outputs: bool) -> Plan:
+    nodes = tuple(NodePlan(node.name, tiles[node.name]) for node in graph.nodes)
+    inputs = tuple(
+        Placement(r.name, place_by_consumers(graph, tiles, r.name, topology.n))
+        for r in graph.relations
+        if r.kind != "derived"
+    )
+    every = list(range(topology.n))
+    outs = tuple(Placement(o, Tile.whole(graph.relation(o).box, every)) for o in graph.outputs) if outputs else ()
+    return Plan(graph.fingerprint(), topology.n, topology.name, strategy, nodes, inputs, outs)
+
+
+# -- data parallel ------------------------------------------------------------------------------
+
+
+def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
+    first = next((r for r in graph.relations if r.kind == "input" and r.shape), None)
+    if first is None:
+        raise EdlError("the data strategy needs an input with at least one axis to split")
+    batch = first.symbols[0]
+    tiles = {}
+    for node in graph.nodes:
+        splits = []
+        for idx in node.indices:
+            parts = n if idx.symbol == batch else 1
+            splits.append(Split.even(idx.name, idx.extent, parts))
+        tile_parts = max(s.parts for s in splits)
+        if tile_parts == 1:
+            tiles[node.name] = Tile.whole(node.box, range(n))  # no batch index: replicate
+        else:
+            tiles[node.name] = Tile(tuple(splits), tuple((k,) for k in range(tile_parts)))
+    return tiles
+
+
+# -- Megatron-LM tensor parallelism ---------------------------------------------------------------
+
+
+def _megatron_tiles(graph: Graph, n: int) -> dict[str, Tile]:
+    """Heads: the key/value head index (symbol KVH, else H) is split first; when it has fewer heads
+    than devices, the query heads that share a key/value head (symbol G) are split too."""
+    symbols = {i.symbol for node in graph.nodes for i in node.indices}
+    major = "KVH" if "KVH" in symbols else "H" if "H" in symbols else None
+    minor = "G" if "G" in symbols and major == "KVH" else None
+    extent = {i.symbol: i.extent for node in graph.nodes for i in node.indices}
+    if major is None and "F" not in symbols:
+        raise EdlError(
+            "the megatron strategy needs a transformer: head indices (dims H or KVH) or an FFN index (dim F)"
+        )
+    g_parts = min(n, extent[major]) if major else 1
+    r_parts = min(max(1, n // g_parts), extent[minor]) if minor else 1
+    tiles = {}
+    for node in graph.nodes:
+        by_symbol = {i.symbol: i for i in node.indices}
+        g = by_symbol.get(major) if major else None
+        r = by_symbol.get(minor) if minor else None
+        if g is not None:
+            parts = {g.name: g_parts, **({r.name: r_parts} if r is not None else {})}
+            splits = tuple(Split.even(i.name, i.extent, parts.get(i.name, 1)) for i in node.indices)
+            layout = Tile(splits, ())
+            devices: list[tuple[int, ...]] = []
+            for block in layout.blocks():
+                gi = _part_of(splits, g.name, block.ranges)
+                if r is not None:
+                    devices.append((gi * r_parts + _part_of(splits, r.name, block.ranges),))
+                else:  # key/value heads: on every device whose query heads use them
+                    devices.append(tuple(gi * r_parts + k for k in range(r_parts)))
+            tiles[node.name] = Tile(splits, tuple(devices))
+        elif "F" in by_symbol:
+            f = by_symbol["F"]
+            count = min(n, f.extent)
+            splits = tuple(Split.even(i.name, i.extent, count if i is f else 1) for i in node.indices)
+            tiles[node.name] = Tile(splits, tuple((k,) for k in range(count)))
+        else:
+            tiles[node.name] = Tile.whole(node.box, range(n))  # norms, residuals, softmax rows...
+    return tiles
+
+
+def _part_of(splits: tuple[Split, ...], index: str, ranges: Mapping[str, tuple[int, int]]) -> int:
+    split = next(s for s in splits if s.index == index)
+    return split.ranges.index(ranges[index])
+
+
+# -- random plans ---------------------------------------------------------------------------------
+
+
+def _random_split(rng: _random.Random, name: str, extent: int, most: int) -> Split:
+    parts = rng.randint(1, max(1, min(extent, most)))
+    cuts = sorted(rng.sample(range(1, extent), parts - 1)) if parts > 1 else []
+    return Split(name, (0, *cuts, extent))
+
+
+def _random_tile(rng: _random.Random, box: Mapping[str, int], n: int, most: int = 3) -> Tile:
+    splits = tuple(_random_split(rng, name, extent, most) for name, extent in box.items())
+    count = 1
+    for s in splits:
+        count *= s.parts
+    devices = []
+    for _ in range(count):
+        if n > 1 and rng.random() < 0.15:
+            devices.append(tuple(sorted(rng.sample(range(n), 2))))
+        else:
+            devices.append((rng.randrange(n),))
+    return Tile(splits, tuple(devices))
+
+
+def random_plan(graph: Graph, topology: Topology, seed: int) -> Plan:
+    """Random uneven partitions of every join space, inputs and (sometimes) outputs, on random
+    devices; some blocks replicated."""
+    rng = _random.Random(seed)
+    n = topology.n
+    nodes = tuple(NodePlan(node.name, _random_tile(rng, node.box, n)) for node in graph.nodes)
+    inputs = tuple(Placement(r.name, _random_tile(rng, r.box, n)) for r in graph.relations if r.kind != "derived")
+    outputs = tuple(
+        Placement(o, _random_tile(rng, graph.relation(o).box, n)) for o in graph.outputs if rng.random() < 0.3
+    )
+    return Plan(graph.fingerprint(), n, topology.name, "random", nodes, inputs, outputs)
+
+
+# -- placing inputs and params ----------------------------------------------------------------------
+
+
+def place_by_consumers(graph: Graph, tiles: Mapping[str, Tile], relation: str, n: int) -> Tile:
+    """Where an input or param should live so that no block has to fetch it: its axes are cut at
+    every boundary of what the consumer blocks read, and each piece lives on every device whose
+    blocks read it (device 0 for what nobody reads)."""
+    rel = graph.relation(relation)
+    needs: list[tuple[Region, tuple[int, ...]]] = []
+    for node in graph.nodes:
+        for acc in node.inputs:
+            if acc.relation == relation:
+                for block in tiles[node.name].blocks():
+                    needs.append((Region.through(acc.axes, block.ranges), block.devices))
+    cuts = []
+    for k, extent in enumerate(rel.shape):
+        bounds = {0, extent}
+        for region, _ in needs:
+            coords = region.axes[k]
+            if len(coords):
+                breaks = np.flatnonzero(np.diff(coords) != 1)
+                bounds.update(int(c) for c in coords[np.concatenate(([0], breaks + 1))])
+                bounds.update(int(c) + 1 for c in coords[np.concatenate((breaks, [len(coords) - 1]))])
+        cuts.append(Split(rel.axis_names[k], tuple(sorted(bounds))))
+    tile = Tile(tuple(cuts), ())
+    devices = []
+    for block in tile.blocks():
+        piece = Region.of_box(rel.shape, tuple(block.ranges[a] for a in rel.axis_names))
+        holders = sorted({d for region, ds in needs if not region.intersect(piece).empty for d in ds})
+        devices.append(tuple(holders) if holders else (0,))
+    return Tile(tuple(cuts), tuple(devices))

@@ -1,0 +1,290 @@
+"""Machines: devices (memory, peak FLOP/s, memory bandwidth) and the links between them.
+
+Devices sit in nodes.  Devices of one node talk over the node's links (NVLink/NVSwitch, PCIe);
+devices of different nodes over the inter-node links (InfiniBand).  Every link class is modelled
+per device port: a transfer from ``a`` to ``b`` uses ``a``'s egress and ``b``'s ingress port of
+that class, at the class's bandwidth, after its latency.
+
+Presets carry the device count in their name (``a100x8``, ``h200x4``, ``cpux2``, ``2x4``); custom
+machines are small TOML or JSON files (see ``docs/plans.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edatalog.errors import EdlError, did_you_mean
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    node: int
+    kind: str  # "A100-80GB", "H100", "CPU", ...
+    memory: int  # bytes
+    flops: float  # peak FLOP/s
+    bandwidth: float  # memory bandwidth, bytes/s
+
+    def __str__(self) -> str:
+        return f"{self.index}"
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str  # "nvlink", "pcie", "ib", ...
+    bandwidth: float  # bytes/s per direction per device
+    latency: float  # seconds
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    devices: tuple[Device, ...]
+    intra: Link  # between devices of one node
+    inter: Link | None = None  # between nodes; None for single-node machines
+    efficiency: float = 0.7  # fraction of peak FLOP/s and HBM bandwidth kernels reach
+    kernel_floor: float = 5e-6  # seconds: the least a kernel launch costs
+
+    @property
+    def n(self) -> int:
+        return len(self.devices)
+
+    @property
+    def nodes(self) -> tuple[tuple[int, ...], ...]:
+        """Device indices grouped by node."""
+        groups: dict[int, list[int]] = {}
+        for d in self.devices:
+            groups.setdefault(d.node, []).append(d.index)
+        return tuple(tuple(g) for _, g in sorted(groups.items()))
+
+    def link(self, a: int, b: int) -> Link:
+        if self.devices[a].node == self.devices[b].node or self.inter is None:
+            return self.intra
+        return self.inter
+
+    def verify(self) -> None:
+        assert self.devices, "a topology has at least one device"
+        assert [d.index for d in self.devices] == list(range(self.n)), "devices are numbered 0..n-1"
+        assert len(self.nodes) == 1 or self.inter is not None, "several nodes need inter-node links"
+
+    def __str__(self) -> str:
+        kinds = sorted({d.kind for d in self.devices})
+        per_node = "+".join(str(len(g)) for g in self.nodes)
+        links = f"{self.intra.name} {_rate(self.intra.bandwidth)}"
+        text = f"{self.name}: {self.n} x {'/'.join(kinds)} ({per_node} per node), {links}"
+        if self.inter is not None and len(self.nodes) > 1:
+            text += f", {self.inter.name} {_rate(self.inter.bandwidth)} between nodes"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        d0 = self.devices[0]
+        return {
+            "name": self.name,
+            "nodes": [len(g) for g in self.nodes],
+            "device": {"kind": d0.kind, "memory": d0.memory, "flops": d0.flops, "bandwidth": d0.bandwidth},
+            "links": {
+                "intra": {"name": self.intra.name, "bandwidth": self.intra.bandwidth, "latency": self.intra.latency},
+                **(
+                    {
+                        "inter": {
+                            "name": self.inter.name,
+                            "bandwidth": self.inter.bandwidth,
+                            "latency": self.inter.latency,
+                        }
+                    }
+                    if self.inter is not None
+                    else {}
+                ),
+            },
+            "efficiency": self.efficiency,
+            "kernel_floor": self.kernel_floor,
+        }
+
+
+def _rate(bps: float) -> str:
+    return f"{bps / 1e9:g} GB/s"
+
+
+# -- presets ------------------------------------------------------------------------------------
+
+_GPUS = {
+    # kind: (memory, bf16 dense FLOP/s, HBM bytes/s, NVLink bytes/s per direction per GPU)
+    "a100": ("A100-80GB", 80 * GIB, 312e12, 2.0e12, 300e9),
+    "h100": ("H100", 80 * GIB, 989e12, 3.35e12, 450e9),
+    "h200": ("H200", 141 * 10**9, 989e12, 4.8e12, 450e9),
+}
+NVLINK_LATENCY = 3e-6
+PCIE4 = Link("pcie4", 25e9, 5e-6)
+INFINIBAND = Link("ib", 25e9, 10e-6)
+PRESETS_HELP = "a100xN, h100xN, h200xN, pcie4xN, cpuxN (N = 1..8), or 2x4"
+
+
+def _uniform(name: str, n: int, kind: str, memory: int, flops: float, bw: float, intra: Link) -> Topology:
+    return Topology(name, tuple(Device(i, 0, kind, memory, flops, bw) for i in range(n)), intra)
+
+
+def preset(name: str) -> Topology:
+    """A named machine: ``a100x8``, ``h200x4``, ``pcie4x2``, ``cpux4``, ``2x4``."""
+    if name == "2x4":
+        kind, mem, flops, bw, nvlink = _GPUS["a100"]
+        devices = tuple(Device(i, i // 4, kind, mem, flops, bw) for i in range(8))
+        return Topology(name, devices, Link("nvlink", nvlink, NVLINK_LATENCY), INFINIBAND)
+    m = re.fullmatch(r"(a100|h100|h200|pcie4|cpu)x(\d+)", name)
+    if m is None or not 1 <= int(m.group(2)) <= 8:
+        raise EdlError(f"unknown topology '{name}'", help=f"presets: {PRESETS_HELP}; or a .toml/.json file")
+    family, n = m.group(1), int(m.group(2))
+    if family in _GPUS:
+        kind, mem, flops, bw, nvlink = _GPUS[family]
+        return _uniform(name, n, kind, mem, flops, bw, Link("nvlink", nvlink, NVLINK_LATENCY))
+    if family == "pcie4":
+        kind, mem, flops, bw, _ = _GPUS["a100"]
+        return _uniform(name, n, kind, mem, flops, bw, PCIE4)
+    # CPU "devices": cores of one host sharing memory; copies run at memcpy speed.
+    return _uniform(name, n, "CPU", 16 * GIB, 1e11, 20e9, Link("shm", 10e9, 1e-6))
+
+
+# -- custom machines ----------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1,
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "p": 1e15,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def quantity(value: object, unit: str, what: str) -> float:
+    """A number, or a string such as ``80GB``, ``80GiB``, ``300GB/s``, ``312TFLOPS``, ``3us``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        if unit == "s":
+            m = re.fullmatch(r"([0-9.eE+-]+)(s|ms|us|µs|ns)?", text)
+            if m:
+                try:
+                    return float(m.group(1)) * _TIME[m.group(2) or "s"]
+                except ValueError:
+                    pass
+        else:
+            m = re.fullmatch(r"([0-9.eE+-]+)([kKmMgGtTpP]i?)?(" + unit + r")?", text, flags=re.IGNORECASE)
+            if m:
+                try:
+                    return float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+                except ValueError:
+                    pass
+    raise EdlError(f"bad {what}: {value!r}", help=f"write a number or a string such as {_EXAMPLE[unit]}")
+
+
+_EXAMPLE = {"B": "'80GB' or '80GiB'", "B/s": "'300GB/s'", "FLOPS": "'312TFLOPS'", "s": "'3us'"}
+
+
+def load(path: str) -> Topology:
+    """A custom machine from a TOML or JSON file:
+
+    name = "my-box"
+    nodes = [4, 4]                    # devices per node
+    [device]
+    kind = "A100-80GB"
+    memory = "80GiB"
+    flops = "312TFLOPS"
+    bandwidth = "2TB/s"
+    [links.intra]
+    name = "nvlink"
+    bandwidth = "300GB/s"
+    latency = "3us"
+    [links.inter]                     # needed when there are several nodes
+    bandwidth = "25GB/s"
+    latency = "10us"
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise EdlError(f"cannot read topology file {path}: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EdlError(f"topology file {path} is not valid {p.suffix[1:].upper() or 'JSON'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise EdlError(f"topology file {path} must hold a table")
+    return from_dict(data, default_name=p.stem)
+
+
+def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
+    def table(obj: object, what: str) -> dict[str, Any]:
+        if not isinstance(obj, dict):
+            raise EdlError(f"topology: '{what}' must be a table")
+        return obj
+
+    nodes = data.get("nodes", [1])
+    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, int) and n > 0 for n in nodes):
+        raise EdlError("topology: 'nodes' must be a list of device counts, e.g. nodes = [4, 4]")
+    dev = table(data.get("device", {}), "device")
+    kind = str(dev.get("kind", "GPU"))
+    memory = int(quantity(dev.get("memory", "80GiB"), "B", "device memory"))
+    flops = quantity(dev.get("flops", "312TFLOPS"), "FLOPS", "device flops")
+    bw = quantity(dev.get("bandwidth", "2TB/s"), "B/s", "device bandwidth")
+    links = table(data.get("links", {}), "links")
+
+    def link(key: str, default: Link | None) -> Link | None:
+        if key not in links:
+            return default
+        spec = table(links[key], f"links.{key}")
+        return Link(
+            str(spec.get("name", key)),
+            quantity(spec.get("bandwidth", "25GB/s"), "B/s", f"links.{key}.bandwidth"),
+            quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency"),
+        )
+
+    intra = link("intra", Link("nvlink", 300e9, NVLINK_LATENCY))
+    inter = link("inter", None)
+    assert intra is not None
+    if len(nodes) > 1 and inter is None:
+        raise EdlError("topology: several nodes need [links.inter] (bandwidth and latency between nodes)")
+    devices: list[Device] = []
+    for node, count in enumerate(nodes):
+        devices.extend(Device(len(devices), node, kind, memory, flops, bw) for _ in range(count))
+    for name, value in (("memory", memory), ("flops", flops), ("bandwidth", bw)):
+        if value <= 0:
+            raise EdlError(f"topology: device {name} must be positive")
+    topo = Topology(
+        str(data.get("name", default_name)),
+        tuple(devices),
+        intra,
+        inter,
+        float(data.get("efficiency", 0.7)),
+        float(data.get("kernel_floor", 5e-6)),
+    )
+    topo.verify()
+    return topo
+
+
+def resolve(spec: str | Topology) -> Topology:
+    """A preset name, a path to a .toml/.json file, or a Topology."""
+    if isinstance(spec, Topology):
+        return spec
+    if spec.endswith((".toml", ".json")):
+        return load(spec)
+    try:
+        return preset(spec)
+    except EdlError:
+        names = [f"{f}x{n}" for f in ("a100", "h100", "h200", "pcie4", "cpu") for n in (2, 4, 8)] + ["2x4"]
+        raise EdlError(
+            f"unknown topology '{spec}'",
+            help=did_you_mean(spec, names) or f"presets: {PRESETS_HELP}; or a .toml/.json file",
+        ) from None
