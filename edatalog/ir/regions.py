@@ -65,7 +65,7 @@ class Region:
         )
 
     def contains(self, other: Region) -> bool:
-        return all(np.isin(b, a, assume_unique=True).all() for a, b in zip(self.axes, other.axes, strict=True))
+        return all(_subset(b, a) for a, b in zip(self.axes, other.axes, strict=True))
 
     def key(self) -> bytes:
         """A hashable identity of the covered cells."""
@@ -94,3 +94,13 @@ class Region:
             else:
                 parts.append(f"{len(a)} of {a[0]}..{a[-1]}")
         return "[" + ", ".join(parts) + "]"
+
+
+def _subset(small: np.ndarray, big: np.ndarray) -> bool:
+    """Whether the sorted coordinates ``small`` all occur in the sorted ``big``."""
+    if len(small) == 0:
+        return True
+    if len(small) > len(big) or small[0] < big[0] or small[-1] > big[-1]:
+        return False
+    at = np.searchsorted(big, small)
+    return bool(np.array_equal(big[at], small))

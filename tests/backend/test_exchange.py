@@ -1,0 +1,188 @@
+"""Exchange synthesis and the simulator on the shipped programs: every plan runs correctly, and
+traffic is exactly what the plan implies."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edatalog
+from edatalog.backend import sim
+from edatalog.backend.exchange import Send, synthesize
+from edatalog.backend.timeline import analyze, chrome_trace
+from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
+from edatalog.solver.strategies import build, place_by_consumers
+from edatalog.solver.topology import preset
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = (ROOT / "programs" / "llama_block.edl").read_text()
+
+
+def _llama(dtype: str = "f64", **dims: int) -> edatalog.Program:
+    return edatalog.compile_string(LLAMA.replace(": f32", f": {dtype}"), name="llama_block.edl", dims=dims)
+
+
+def _check_sim(prog: edatalog.Program, plan: Plan, n: int, reduction: str = "auto") -> None:
+    topo = preset("2x4") if n == 8 and plan.topology == "2x4" else preset(f"a100x{n}")
+    values = prog.prepare(prog.random_inputs(seed=n))
+    expected = prog.evaluate(values)
+    got = sim.run(synthesize(prog.graph, plan, topo, reduction), values)
+    for name in prog.outputs:
+        np.testing.assert_allclose(got[name].data, expected[name].data, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("strategy", ["megatron", "data", "random"])
+def test_llama_block_under_every_plan_equals_the_reference(strategy: str, n: int) -> None:
+    # H = 8 heads on 3 devices is uneven (3, 3, 2); B = 3 batch rows on 2, 4 or 8 devices too.
+    prog = _llama(B=3, S=5, D=48, H=8, KVH=8, F=40)
+    plan = build(prog.graph, preset(f"a100x{n}"), strategy, seed=n)
+    plan.verify(prog.graph)
+    _check_sim(prog, plan, n)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_grouped_query_attention_under_megatron(n: int) -> None:
+    # Two key/value heads for eight query heads: with more devices than kv heads, the kv heads
+    # are replicated on the devices whose query heads share them.
+    prog = _llama(B=1, S=6, D=32, H=8, KVH=2, F=24)
+    plan = build(prog.graph, preset(f"a100x{n}"), "megatron")
+    _check_sim(prog, plan, n)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_megatron_moves_exactly_two_reduce_scatter_all_gather_rounds(n: int) -> None:
+    b, s, d = 2, 6, 64
+    prog = _llama("f32", B=b, S=s, D=d, H=8, KVH=8, F=40)
+    topo = preset(f"a100x{n}")
+    plan = build(prog.graph, topo, "megatron")
+    x = next(p for p in plan.inputs if p.relation == "x")
+    assert x.dtensor(n) == "R"  # x replicated on every device
+    assert [p.dtensor(n) for p in plan.outputs] == ["R"]  # and so is y
+    report = analyze(synthesize(prog.graph, plan, topo))
+    itemsize = 4
+    # Each of the two row-parallel projections (wo, w_down) leaves partial sums of B*S*D on every
+    # device: a reduce-scatter and an all-gather move (N - 1) * B*S*D each.
+    assert report.bytes_moved == 2 * 2 * (n - 1) * b * s * d * itemsize
+    # An all-to-all of the partials would move N * (N - 1) * B*S*D per round instead.
+    assert report.bytes_moved < 2 * n * (n - 1) * b * s * d * itemsize or n == 2
+
+
+def test_causal_attention_skips_the_blocks_above_the_diagonal() -> None:
+    text = (ROOT / "programs" / "attention.edl").read_text().replace(": f32", ": f64")
+    prog = edatalog.compile_string(text, dims={"B": 1, "S": 8, "D": 16, "H": 2})
+    g = prog.graph
+    tiles = {}
+    for node in g.nodes:
+        splits = tuple(Split.even(i.name, i.extent, 4 if i.name in ("s", "t") else 1) for i in node.indices)
+        count = Tile(splits, ()).n_blocks
+        tiles[node.name] = Tile(splits, tuple((k % 4,) for k in range(count)))
+    plan = Plan(
+        g.fingerprint(),
+        4,
+        "a100x4",
+        "test",
+        tuple(NodePlan(n.name, tiles[n.name]) for n in g.nodes),
+        tuple(Placement(r.name, place_by_consumers(g, tiles, r.name, 4)) for r in g.relations if r.kind != "derived"),
+    )
+    schedule = synthesize(g, plan, preset("a100x4"))
+    blocks = analyze(schedule).computed_blocks
+    assert tiles["sc"].n_blocks == 16
+    assert blocks["sc"] == 10  # 4 + 3 + 2 + 1 blocks on or below the diagonal
+    assert blocks["p"] == blocks["o"] == 10
+    _check_sim(prog, plan, 4)
+
+
+def _slow_bytes(n_nodes_of: dict[int, int], per_link: dict[tuple[int, int], int]) -> int:
+    return sum(v for (a, b), v in per_link.items() if n_nodes_of[a] != n_nodes_of[b])
+
+
+def test_hierarchical_reduction_crosses_the_slow_links_less() -> None:
+    # A partial sum across all 8 devices of a 2x4 machine: every device sums a slice of j.
+    prog = edatalog.compile_string("dim N = 64, M = 8.\ninput x[N, M] : f64.\ny[i] += x[i, j].\noutput y.")
+    g = prog.graph
+    topo = preset("2x4")
+    node = g.nodes[0]
+    tile = Tile((Split("i", (0, 64)), Split.even("j", 8, 8)), tuple((k,) for k in range(8)))
+    plan = Plan(
+        g.fingerprint(),
+        8,
+        "2x4",
+        "test",
+        (NodePlan(node.name, tile),),
+        (Placement("x", place_by_consumers(g, {node.name: tile}, "x", 8)),),
+    )
+    node_of = {d.index: d.node for d in topo.devices}
+    slow = {}
+    for reduction in ("direct", "hierarchical"):
+        report = analyze(synthesize(g, plan, topo, reduction))
+        slow[reduction] = _slow_bytes(node_of, report.bytes_per_link)
+        _check_sim(prog, plan, 8, reduction)
+    size = 64 * 8  # y in bytes
+    assert slow["hierarchical"] == size  # each node sends half of its reduced y to the other
+    assert slow["direct"] == 4 * size  # every device sends half of its partial across
+    assert slow["hierarchical"] < slow["direct"]
+
+
+def test_trace_is_valid_chrome_trace_json(tmp_path: Path) -> None:
+    prog = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
+    plan = edatalog.plan(prog, topology="a100x4", strategy="megatron")
+    path = tmp_path / "trace.json"
+    plan.trace(str(path))
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all({"name", "ts", "dur", "pid", "tid"} <= e.keys() for e in spans)
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert {e["cat"] for e in spans} >= {"compute", "send", "recv", "reduce"}
+    names = [e for e in events if e["ph"] == "M" and e["name"] == "process_name"]
+    assert len(names) == 4
+    assert data == json.loads(json.dumps(chrome_trace(plan.schedule, plan.report)))
+
+
+def test_timeline_respects_dependencies_and_resources() -> None:
+    prog = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
+    plan = edatalog.plan(prog, topology="a100x4", strategy="megatron")
+    times = plan.report.times
+    for t in plan.schedule.tasks:
+        assert all(times[d].end <= times[t.id].start + 1e-15 for d in t.deps)
+    compute = sorted(
+        (times[t.id].start, times[t.id].end) for t in plan.schedule.tasks if t.device == 0 and not isinstance(t, Send)
+    )
+    assert all(a[1] <= b[0] + 1e-15 for a, b in itertools.pairwise(compute))  # one kernel at a time
+
+
+def test_reading_data_a_device_does_not_hold_is_an_error() -> None:
+    prog = _llama(B=1, S=4, D=32, H=4, KVH=4, F=16)
+    plan = build(prog.graph, preset("a100x2"), "megatron")
+    schedule = synthesize(prog.graph, plan, preset("a100x2"))
+    schedule.tasks = [t for t in schedule.tasks if not isinstance(t, Send)]  # drop every transfer
+    with pytest.raises(sim.SimError, match="does not hold"):
+        sim.run(schedule, prog.prepare(prog.random_inputs(0)))
+
+
+def test_replicate_keeps_everything_on_device_zero() -> None:
+    prog = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
+    plan = edatalog.plan(prog, topology="a100x4", strategy="replicate")
+    summary = plan.summary()
+    assert summary["bytes_moved"] == 0
+    assert summary["flops"][1] == summary["flops"][2] == summary["flops"][3] == 0
+    params = sum(r.nbytes for r in prog.graph.relations if r.kind != "derived")
+    assert summary["peak_memory"][0] >= params
+    assert summary["peak_memory"][1] == 0
+
+
+def test_a_plan_for_another_program_is_refused(tmp_path: Path) -> None:
+    small = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
+    other = _llama("f32", B=1, S=8, D=32, H=4, KVH=4, F=16)
+    path = tmp_path / "plan.json"
+    edatalog.plan(small, topology="a100x2", strategy="megatron").save(path)
+    assert edatalog.load_plan(path, small).summary()["devices"] == 2
+    with pytest.raises(edatalog.EdlError, match="made for another program"):
+        edatalog.load_plan(path, other)
+    with pytest.raises(edatalog.EdlError, match="another program"):
+        other.run(other.random_inputs(0), plan=edatalog.load_plan(path), backend="sim")

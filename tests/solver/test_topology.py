@@ -1,0 +1,106 @@
+"""Machines: presets, custom files, units, the cost model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edatalog.errors import EdlError
+from edatalog.solver.costmodel import compute_seconds, transfer_seconds
+from edatalog.solver.topology import GIB, load, preset, quantity, resolve
+
+
+@pytest.mark.parametrize("family", ["a100", "h100", "h200", "pcie4", "cpu"])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_presets_have_the_named_device_count(family: str, n: int) -> None:
+    topo = preset(f"{family}x{n}")
+    topo.verify()
+    assert topo.n == n and len(topo.nodes) == 1
+
+
+def test_preset_numbers_follow_the_design_notes() -> None:
+    a100 = preset("a100x8")
+    assert a100.devices[0].memory == 80 * GIB
+    assert a100.devices[0].flops == 312e12 and a100.devices[0].bandwidth == 2.0e12
+    assert a100.link(0, 7).bandwidth == 300e9
+    assert preset("h100x2").devices[0].flops == 989e12
+    assert preset("h200x2").devices[0].bandwidth == 4.8e12
+    assert preset("pcie4x4").link(0, 1).bandwidth == 25e9
+
+
+def test_two_nodes_of_four() -> None:
+    topo = preset("2x4")
+    assert topo.nodes == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert topo.link(0, 3).name == "nvlink" and topo.link(0, 4).name == "ib"
+    assert topo.link(1, 6).bandwidth == 25e9
+
+
+def test_unknown_presets_suggest_names() -> None:
+    with pytest.raises(EdlError, match="unknown topology 'a100x9'"):
+        resolve("a100x9")
+    with pytest.raises(EdlError) as info:
+        resolve("a10x8")
+    assert "a100x8" in str(info.value)
+
+
+def test_custom_toml_machine(tmp_path: Path) -> None:
+    path = tmp_path / "box.toml"
+    path.write_text(
+        'name = "box"\nnodes = [2, 2]\n[device]\nkind = "L40S"\nmemory = "48GiB"\nflops = "362TFLOPS"\n'
+        'bandwidth = "864GB/s"\n[links.intra]\nname = "pcie"\nbandwidth = "32GB/s"\nlatency = "4us"\n'
+        '[links.inter]\nbandwidth = "12.5GB/s"\nlatency = "15us"\n'
+    )
+    topo = load(str(path))
+    assert topo.name == "box" and topo.n == 4 and topo.nodes == ((0, 1), (2, 3))
+    assert topo.devices[0].memory == 48 * GIB and topo.devices[0].flops == 362e12
+    assert topo.link(0, 1).bandwidth == 32e9 and topo.link(0, 1).latency == pytest.approx(4e-6)
+    assert topo.link(1, 2).bandwidth == 12.5e9
+    assert resolve(str(path)) == topo
+
+
+def test_custom_json_machine_and_mistakes(tmp_path: Path) -> None:
+    good = tmp_path / "m.json"
+    good.write_text('{"nodes": [3], "device": {"memory": 1e10}}')
+    assert load(str(good)).n == 3
+    two_nodes = tmp_path / "two.json"
+    two_nodes.write_text('{"nodes": [2, 2]}')
+    with pytest.raises(EdlError, match=r"links.inter"):
+        load(str(two_nodes))
+    bad_unit = tmp_path / "bad.json"
+    bad_unit.write_text('{"device": {"memory": "80 parsecs"}}')
+    with pytest.raises(EdlError, match="bad device memory"):
+        load(str(bad_unit))
+    broken = tmp_path / "broken.toml"
+    broken.write_text("nodes = [")
+    with pytest.raises(EdlError, match="not valid TOML"):
+        load(str(broken))
+    with pytest.raises(EdlError, match="cannot read"):
+        load(str(tmp_path / "missing.toml"))
+
+
+@pytest.mark.parametrize(
+    ("text", "unit", "value"),
+    [
+        ("80GB", "B", 80e9),
+        ("80GiB", "B", 80 * GIB),
+        ("300GB/s", "B/s", 300e9),
+        ("312TFLOPS", "FLOPS", 312e12),
+        ("3us", "s", 3e-6),
+        ("2ms", "s", 2e-3),
+        (5, "B", 5.0),
+    ],
+)
+def test_quantities(text: object, unit: str, value: float) -> None:
+    assert quantity(text, unit, "x") == pytest.approx(value)
+
+
+def test_cost_model() -> None:
+    topo = preset("a100x2")
+    dev = topo.devices[0]
+    # A big matmul is compute bound: flops / (0.7 * peak).
+    flops = 2 * 4096**3
+    assert compute_seconds(flops, 3 * 4096**2 * 2, dev, topo) == pytest.approx(flops / (0.7 * 312e12))
+    # A tiny kernel costs the floor.
+    assert compute_seconds(10, 10, dev, topo) == topo.kernel_floor
+    assert transfer_seconds(300_000_000, topo.link(0, 1)) == pytest.approx(3e-6 + 1e-3)
