@@ -71,7 +71,13 @@ class Plan:
             "flops": dict(sorted(r.flops.items())),
             "sent": dict(sorted(r.sent.items())),
             "received": dict(sorted(r.received.items())),
+            "over_memory": self.over_memory(),
         }
+
+    def over_memory(self) -> list[int]:
+        """Devices whose peak memory exceeds their capacity (the plan would not fit)."""
+        peak = self.report.peak_memory
+        return [d for d in range(self.ir.n_devices) if peak[d] > self.topology.devices[d].memory]
 
     def trace(self, path: str) -> None:
         """Write the predicted timeline as Chrome trace JSON (open it in ui.perfetto.dev)."""
@@ -81,7 +87,12 @@ class Plan:
             raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None
 
     def execute(self, values: dict[str, np.ndarray]) -> dict[str, Value]:
-        """Run the per-device programs in the simulator; returns the outputs, gathered."""
+        """Run the per-device programs in the simulator; returns the outputs, gathered.
+        ``values`` must hold every input and param in its declared shape and dtype (as
+        ``Program.prepare`` makes them)."""
+        missing = [r.name for r in self.graph.relations if r.kind != "derived" and r.name not in values]
+        if missing:
+            raise EdlError(f"missing values for {', '.join(missing)}", help="pass every input and param")
         return sim.run(self.schedule, values)
 
     # -- files ----------------------------------------------------------------------------------
@@ -129,6 +140,18 @@ def load_plan(path: str | Path, prog: Program | None = None) -> Plan:
         raise EdlError(f"{path} is not a plan file written by edatalog")
     if prog is not None:
         graph = prog.graph
+        ir = data["graph"].get("ir", {}) if isinstance(data["graph"], dict) else {}
+        saved = dict(ir.get("dims", [])) if isinstance(ir, dict) else {}
+        ours = dict(graph.dims)
+        same_source = isinstance(ir, dict) and ir.get("source_name") == graph.source_name
+        if data.get("program") != graph.fingerprint() and same_source and saved.keys() == ours.keys():
+            # The same program at other sizes: say which.
+            diff = [f"{k}={saved[k]} (here {ours[k]})" for k in saved if ours[k] != saved[k]]
+            if diff:
+                raise EdlError(
+                    f"{path} was made for another program: its dims differ: {', '.join(diff)}",
+                    help="make a new plan with these dims, or compile with the plan's dims",
+                )
     else:
         try:
             graph = Graph.from_json(json.dumps(data["graph"]))

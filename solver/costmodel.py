@@ -1,4 +1,6 @@
-"""The cost model shared by the planner and the simulator, so predictions and measurements agree.
+"""The cost model: what a kernel and a transfer cost on a machine.  The backend's timeline uses it
+to predict a schedule's time; the planner will use the same functions, so plans are chosen by
+the cost they are then measured with.
 
 - A kernel takes max(flops / (efficiency * peak), bytes / (efficiency * HBM bandwidth)), and at
   least the topology's kernel floor.

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from edatalog.errors import EdlError
+from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
 from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
@@ -40,7 +40,9 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
         return _finish(graph, topology, strategy, _megatron_tiles(graph, n), outputs=True)
     if strategy == "random":
         return random_plan(graph, topology, seed)
-    raise EdlError(f"unknown strategy '{strategy}'", help=f"strategies: {', '.join(STRATEGIES)} (and auto, later)")
+    close = did_you_mean(strategy, STRATEGIES)
+    known = f"strategies: {', '.join(STRATEGIES)}"
+    raise EdlError(f"unknown strategy '{strategy}'", help=f"{close} {known}" if close else known)
 
 
 def _finish(graph: Graph, topology: Topology, strategy: str, tiles: Mapping[str, Tile], outputs: bool) -> Plan:
@@ -65,10 +67,9 @@ def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
     batch = first.symbols[0]
     tiles = {}
     for node in graph.nodes:
-        splits = []
-        for idx in node.indices:
-            parts = n if idx.symbol == batch else 1
-            splits.append(Split.even(idx.name, idx.extent, parts))
+        # Split one index of the batch dim: a rule can have two (s and t of S in attention scores).
+        chosen = next((i.name for i in node.indices if i.symbol == batch), None)
+        splits = [Split.even(i.name, i.extent, n if i.name == chosen else 1) for i in node.indices]
         tile_parts = max(s.parts for s in splits)
         if tile_parts == 1:
             tiles[node.name] = Tile.whole(node.box, range(n))  # no batch index: replicate

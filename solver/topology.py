@@ -190,7 +190,7 @@ def quantity(value: object, unit: str, what: str) -> float:
     raise EdlError(f"bad {what}: {value!r}", help=f"write a number or a string such as {_EXAMPLE[unit]}")
 
 
-_EXAMPLE = {"B": "'80GB' or '80GiB'", "B/s": "'300GB/s'", "FLOPS": "'312TFLOPS'", "s": "'3us'"}
+_EXAMPLE = {"B": "'80GB' or '80GiB'", "B/s": "'300GB/s'", "FLOPS": "'312TFLOPS'", "s": "'3us'", "": "0.7"}
 
 
 def load(path: str) -> Topology:
@@ -217,7 +217,7 @@ def load(path: str) -> Topology:
     except OSError as exc:
         raise EdlError(f"cannot read topology file {path}: {exc.strerror or exc}") from None
     try:
-        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+        data = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EdlError(f"topology file {path} is not valid {p.suffix[1:].upper() or 'JSON'}: {exc}") from None
     if not isinstance(data, dict):
@@ -225,30 +225,54 @@ def load(path: str) -> Topology:
     return from_dict(data, default_name=p.stem)
 
 
-def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
-    def table(obj: object, what: str) -> dict[str, Any]:
-        if not isinstance(obj, dict):
-            raise EdlError(f"topology: '{what}' must be a table")
-        return obj
+_KEYS = {
+    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor"},
+    "device": {"kind", "memory", "flops", "bandwidth"},
+    "links": {"intra", "inter"},
+    "link": {"name", "bandwidth", "latency"},
+}
 
+
+def _table(obj: object, what: str, keys: set[str]) -> dict[str, Any]:
+    """A table of the machine file, with no keys but ``keys`` (a misspelt key is an error, never
+    silently a default)."""
+    if not isinstance(obj, dict):
+        raise EdlError(f"topology: '{what}' must be a table")
+    for key in obj:
+        if key not in keys:
+            where = f" in [{what}]" if what else ""
+            raise EdlError(f"topology: unknown key '{key}'{where}", help=did_you_mean(key, keys, "keys"))
+    return obj
+
+
+def _positive(value: float, what: str, allow_zero: bool = False) -> float:
+    if not (value > 0 or (allow_zero and value == 0)) or value != value:  # also rejects NaN
+        raise EdlError(f"topology: {what} must be {'non-negative' if allow_zero else 'positive'}, not {value:g}")
+    return value
+
+
+def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
+    data = _table(data, "", _KEYS[""])
     nodes = data.get("nodes", [1])
     if not isinstance(nodes, list) or not nodes or not all(isinstance(n, int) and n > 0 for n in nodes):
         raise EdlError("topology: 'nodes' must be a list of device counts, e.g. nodes = [4, 4]")
-    dev = table(data.get("device", {}), "device")
+    dev = _table(data.get("device", {}), "device", _KEYS["device"])
     kind = str(dev.get("kind", "GPU"))
-    memory = int(quantity(dev.get("memory", "80GiB"), "B", "device memory"))
-    flops = quantity(dev.get("flops", "312TFLOPS"), "FLOPS", "device flops")
-    bw = quantity(dev.get("bandwidth", "2TB/s"), "B/s", "device bandwidth")
-    links = table(data.get("links", {}), "links")
+    memory = int(_positive(quantity(dev.get("memory", "80GiB"), "B", "device memory"), "device memory"))
+    flops = _positive(quantity(dev.get("flops", "312TFLOPS"), "FLOPS", "device flops"), "device flops")
+    bw = _positive(quantity(dev.get("bandwidth", "2TB/s"), "B/s", "device bandwidth"), "device bandwidth")
+    links = _table(data.get("links", {}), "links", _KEYS["links"])
 
     def link(key: str, default: Link | None) -> Link | None:
         if key not in links:
             return default
-        spec = table(links[key], f"links.{key}")
+        spec = _table(links[key], f"links.{key}", _KEYS["link"])
+        bandwidth = quantity(spec.get("bandwidth", "25GB/s"), "B/s", f"links.{key}.bandwidth")
+        latency = quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency")
         return Link(
             str(spec.get("name", key)),
-            quantity(spec.get("bandwidth", "25GB/s"), "B/s", f"links.{key}.bandwidth"),
-            quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency"),
+            _positive(bandwidth, f"links.{key}.bandwidth"),
+            _positive(latency, f"links.{key}.latency", allow_zero=True),
         )
 
     intra = link("intra", Link("nvlink", 300e9, NVLINK_LATENCY))
@@ -256,20 +280,14 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     assert intra is not None
     if len(nodes) > 1 and inter is None:
         raise EdlError("topology: several nodes need [links.inter] (bandwidth and latency between nodes)")
+    efficiency = quantity(data.get("efficiency", 0.7), "", "efficiency")
+    if not 0 < efficiency <= 1:
+        raise EdlError(f"topology: efficiency is the fraction of peak that kernels reach, in (0, 1], not {efficiency:g}")
+    floor = _positive(quantity(data.get("kernel_floor", "5us"), "s", "kernel_floor"), "kernel_floor", allow_zero=True)
     devices: list[Device] = []
     for node, count in enumerate(nodes):
         devices.extend(Device(len(devices), node, kind, memory, flops, bw) for _ in range(count))
-    for name, value in (("memory", memory), ("flops", flops), ("bandwidth", bw)):
-        if value <= 0:
-            raise EdlError(f"topology: device {name} must be positive")
-    topo = Topology(
-        str(data.get("name", default_name)),
-        tuple(devices),
-        intra,
-        inter,
-        float(data.get("efficiency", 0.7)),
-        float(data.get("kernel_floor", 5e-6)),
-    )
+    topo = Topology(str(data.get("name", default_name)), tuple(devices), intra, inter, efficiency, floor)
     topo.verify()
     return topo
 
@@ -278,7 +296,7 @@ def resolve(spec: str | Topology) -> Topology:
     """A preset name, a path to a .toml/.json file, or a Topology."""
     if isinstance(spec, Topology):
         return spec
-    if spec.endswith((".toml", ".json")):
+    if spec.lower().endswith((".toml", ".json")):
         return load(spec)
     try:
         return preset(spec)

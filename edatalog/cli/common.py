@@ -115,6 +115,13 @@ class Progress:
 ARRAY_FILES = (".npz", ".safetensors")
 
 
+def check_writable(path: str) -> None:
+    """Fail before any work when an output path cannot be written."""
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise EdlError(f"cannot write {path}: the directory {parent} does not exist")
+
+
 def check_array_file(path: str, what: str, must_exist: bool) -> Path:
     """Validate a --inputs or -o path before any work is done."""
     p = Path(path)
@@ -122,8 +129,8 @@ def check_array_file(path: str, what: str, must_exist: bool) -> Path:
         raise EdlError(f"unsupported {what} file {path}", help="use a .npz or a .safetensors file")
     if must_exist and not p.is_file():
         raise EdlError(f"no such {what} file: {path}")
-    if not must_exist and not p.parent.is_dir():
-        raise EdlError(f"cannot write {path}: the directory {p.parent} does not exist")
+    if not must_exist:
+        check_writable(path)
     return p
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from edatalog.cli.common import compile_args, human, print_warnings, table
+from edatalog.cli.common import check_writable, compile_args, human, print_warnings, table
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.regions import Region
 from edatalog.plans import Plan, load_plan, make_plan
@@ -68,9 +68,22 @@ def _print_summary(plan: Plan) -> None:
         f"\npredicted {r.seconds * 1e3:.4g} ms on {plan.topology.name}, {human(r.bytes_moved)}B moved, "
         f"peak memory {human(max(r.peak_memory.values()))}B"
     )
+    idle = [d for d in range(plan.ir.n_devices) if r.flops[d] == 0]
+    if idle and plan.ir.n_devices > 1:
+        print(f"note: device{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} compute nothing in this plan")
+    over = plan.over_memory()
+    if over:
+        cap = plan.topology.devices[over[0]].memory
+        print(
+            f"warning: the plan does not fit: device{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
+            f"need{'' if len(over) > 1 else 's'} more than {human(cap)}B at peak"
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    for path in (args.output, args.trace):
+        if path:
+            check_writable(path)
     prog = compile_args(args)
     plan = make_plan(prog, args.topology, args.strategy, seed=args.seed, reduction=args.reduction)
     if args.output:
@@ -102,7 +115,7 @@ def _relation_view(plan: Plan, name: str) -> dict[str, Any]:
                 {
                     "rule": node.name,
                     "block": block.index,
-                    "ranges": {k: list(v) for k, v in block.ranges.items()},
+                    "ranges": _ranges_json(block.ranges),
                     "devices": list(block.devices),
                     "empty": task is None,
                 }
@@ -113,19 +126,29 @@ def _relation_view(plan: Plan, name: str) -> dict[str, Any]:
 
 
 def _region_json(names: tuple[str, ...], region: Region) -> dict[str, Any]:
+    """Per axis ``{"start": a, "stop": b}`` for a range, ``{"cells": [...]}`` otherwise."""
     out: dict[str, Any] = {}
     for name, coords in zip(names, region.axes, strict=True):
         if len(coords) and coords[-1] - coords[0] + 1 == len(coords):
-            out[name] = [int(coords[0]), int(coords[-1]) + 1]
+            out[name] = {"start": int(coords[0]), "stop": int(coords[-1]) + 1}
         else:
-            out[name] = [int(c) for c in coords]
+            out[name] = {"cells": [int(c) for c in coords]}
     return out
+
+
+def _ranges_json(ranges: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    return {k: {"start": lo, "stop": hi} for k, (lo, hi) in ranges.items()}
 
 
 def _region_text(region: dict[str, Any]) -> str:
     parts = []
     for name, r in region.items():
-        parts.append(f"{name} {r[0]}:{r[1]}" if len(r) == 2 and r[1] > r[0] else f"{name} {len(r)} cells")
+        if "cells" in r:
+            cells = r["cells"]
+            shown = ",".join(map(str, cells[:6])) + (",..." if len(cells) > 6 else "")
+            parts.append(f"{name} {{{shown}}}")
+        else:
+            parts.append(f"{name} {r['start']}:{r['stop']}")
     return ", ".join(parts) or "(scalar)"
 
 
@@ -166,7 +189,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
         return 0
     print(plan)
-    print()
+    print(f"\n{plan.topology}\n")
     _print_summary(plan)
     return 0
 
@@ -196,7 +219,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for ax, name in zip(axes.ravel(), names, strict=False):
         rel = graph.relation(name)
         layout = plan.schedule.outputs.get(name) if name in graph.outputs else plan.schedule.layout.get(name, [])
-        h_axis, w_axis = (rel.rank - 2, rel.rank - 1) if rel.rank >= 2 else (None, rel.rank - 1 if rel.rank else None)
+        h_axis, w_axis = _drawn_axes(rel.rank, layout or [])
         height = rel.shape[h_axis] if h_axis is not None else 1
         width = rel.shape[w_axis] if w_axis is not None else 1
         for entry in layout or []:
@@ -234,6 +257,18 @@ def cmd_show(args: argparse.Namespace) -> int:
         plt.close(fig)
     print(f"wrote {args.output}")
     return 0
+
+
+def _drawn_axes(rank: int, layout: list[Any]) -> tuple[int | None, int | None]:
+    """The two axes to draw: those along which the layout is cut the most (the last two on ties),
+    so that blocks never hide each other when only one or two axes are split."""
+    if rank == 0:
+        return None, None
+    if rank == 1:
+        return None, 0
+    cuts = [len({e.region.axes[k].tobytes() for e in layout}) for k in range(rank)]
+    chosen = sorted(sorted(range(rank), key=lambda k: (cuts[k], k))[-2:])
+    return chosen[0], chosen[1]
 
 
 def _runs(coords: Any) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ import numpy as np
 from edatalog.cli.common import (
     Progress,
     check_array_file,
+    check_writable,
     compile_args,
     human,
     load_inputs,
@@ -152,6 +153,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise EdlError("no input values", help="pass --inputs FILE (.npz or .safetensors) or --random SEED")
     if args.output:
         check_array_file(args.output, "output", must_exist=False)
+    if args.trace:
+        check_writable(args.trace)
     backend = args.backend or ("sim" if args.plan else "reference")
     if backend == "sim" and not args.plan:
         raise EdlError(

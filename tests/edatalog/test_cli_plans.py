@@ -1,0 +1,490 @@
+"""`edl plan`, `edl query`, `edl show` and `edl run --plan`, run in-process.
+
+Small dims everywhere: every plan here is synthesized and simulated in well under a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import edatalog
+from edatalog import EdlError
+from edatalog.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = str(ROOT / "programs" / "llama_block.edl")
+ATTN = str(ROOT / "programs" / "attention.edl")
+MLP = str(ROOT / "programs" / "mlp.edl")
+# Grouped-query attention: 8 query heads share 2 key/value heads (G = 4).
+GQA = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=8", "--dim", "KVH=2", "--dim", "F=48"]
+GQA_DIMS = {"S": 8, "D": 64, "H": 8, "KVH": 2, "F": 48}
+ATTN_SMALL = ["--dim", "B=1", "--dim", "S=8", "--dim", "D=16", "--dim", "H=2"]
+MLP_SMALL = ["--dim", "B=4", "--dim", "D=32", "--dim", "F=64"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _quiet(*argv: str) -> None:
+    """Run a command whose output does not matter (to make a plan file for a test)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(list(argv)) == 0
+
+
+def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """A command that must fail as a diagnostic: status 1, ``error: ...`` on stderr, no traceback."""
+    code, out, err = _run(capsys, *argv)
+    assert code == 1, (out, err)
+    assert err.startswith("error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.fixture(scope="module")
+def gqa_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A megatron plan of the LLaMA block with grouped-query attention on 8 devices."""
+    path = tmp_path_factory.mktemp("plans") / "gqa.json"
+    _quiet("plan", LLAMA, *GQA, "-t", "a100x8", "-o", str(path))
+    return path
+
+
+# -- edl plan -------------------------------------------------------------------------------------
+
+
+def test_plan_prints_placements_tiles_machine_and_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x8")
+    assert code == 0
+    fingerprint = edatalog.compile(LLAMA, dims=GQA_DIMS).graph.fingerprint()
+    lines = out.splitlines()
+    assert lines[0] == f"plan 'megatron' for 8 devices (a100x8), program {fingerprint}"
+    assert lines[1] == "inputs and params:"
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.startswith("  ")}
+    assert rows["x"] == "R"
+    assert rows["wq"] == "S(0)"
+    assert rows["wo"] == "S(1)"
+    # Two key/value heads on eight devices: query heads split (g, r) = 2 x 4, each k/v head
+    # replicated on the four devices whose query heads read it.
+    assert rows["q"] == "b:1 s:1 g:2 r:4 e:1 d:1 -> devices 0..7"
+    assert rows["k"] == "b:1 t:1 g:2 e:1 d:1 -> devices [{0,1,2,3},{4,5,6,7}]"
+    assert rows["wk"] == "a0:2 d:1 -> devices [{0,1,2,3},{4,5,6,7}]"
+    assert rows["gate"] == "b:1 s:1 f:8 d:1 -> devices 0..7"
+    assert rows["ss"] == "b:1 s:1 d:1 -> {0..7}"
+    assert "outputs:" in lines
+    assert "a100x8: 8 x A100-80GB (8 per node), nvlink 300 GB/s" in lines
+    assert any(line.split() == ["device", "flops", "peak", "memory", "sent", "received"] for line in lines)
+    assert any(line.split() == ["link", "kind", "bytes"] for line in lines)
+    assert lines[-1].startswith("predicted ") and " ms on a100x8, " in lines[-1]
+
+
+def test_plan_json_summary_adds_up(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", ATTN, *ATTN_SMALL, "-t", "a100x4", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == {"summary", "plan"}
+    summary, plan = data["summary"], data["plan"]
+    assert plan["format"] == 1 and plan["kind"] == "edatalog-plan"
+    assert plan["program"] == edatalog.compile(ATTN, dims={"B": 1, "S": 8, "D": 16, "H": 2}).graph.fingerprint()
+    assert summary["strategy"] == "megatron" and summary["topology"] == "a100x4" and summary["devices"] == 4
+    assert summary["predicted_ms"] > 0
+    moved = sum(summary["bytes_per_link"].values())
+    assert moved == summary["bytes_moved"] == sum(summary["sent"].values()) == sum(summary["received"].values()) > 0
+    assert set(summary["peak_memory"]) == {"0", "1", "2", "3"}
+
+
+def test_data_parallel_splits_the_work_without_moving_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    dims = ["--dim", "B=4", "--dim", "S=8", "--dim", "D=16", "--dim", "H=2"]
+    total = sum(c.flops for c in edatalog.compile(ATTN, dims={"B": 4, "S": 8, "D": 16, "H": 2}).graph.costs.values())
+    _, out, _ = _run(capsys, "plan", ATTN, *dims, "-t", "a100x4", "-s", "data", "--json")
+    data = json.loads(out)["summary"]
+    assert data["bytes_moved"] == 0
+    assert sum(data["flops"].values()) == total
+    _, out, _ = _run(capsys, "plan", ATTN, *dims, "-t", "a100x4", "-s", "replicate", "--json")
+    rep = json.loads(out)["summary"]
+    assert rep["flops"] == {"0": total, "1": 0, "2": 0, "3": 0}
+
+
+def test_plan_writes_the_plan_and_a_chrome_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plan_path, trace_path = tmp_path / "p.json", tmp_path / "t.json"
+    code, out, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x4", "-o", str(plan_path), "--trace", str(trace_path))
+    assert code == 0
+    assert f"wrote plan {plan_path}" in out and f"wrote trace {trace_path}" in out
+    saved = json.loads(plan_path.read_text())
+    assert {"format", "program", "machine", "graph", "reduction"} <= set(saved)
+    assert saved["machine"]["name"] == "a100x4" and saved["machine"]["nodes"] == [4]
+
+    trace: dict[str, Any] = json.loads(trace_path.read_text())
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {d: f"device {d}" for d in range(4)}
+    spans = [e for e in events if e["ph"] == "X"]
+    for e in spans:
+        assert e["ts"] >= 0 and e["dur"] >= 0 and e["pid"] in names and e["tid"] in (0, 1, 2)
+    for d in range(4):
+        assert any(e["pid"] == d and e["cat"] == "compute" for e in spans), d
+    sends = [e for e in spans if e["cat"] == "send"]
+    assert sends and len(sends) == len([e for e in spans if e["cat"] == "recv"])
+    assert sum(e["args"]["bytes"] for e in sends) == edatalog.load_plan(plan_path).report.bytes_moved
+    end_us = max(e["ts"] + e["dur"] for e in spans)
+    assert trace["otherData"]["predicted_ms"] == pytest.approx(end_us / 1e3)
+
+
+def test_hierarchical_reduction_moves_less_between_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    dims = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=8", "--dim", "KVH=8", "--dim", "F=64"]
+    between: dict[str, int] = {}
+    for reduction in ("direct", "hierarchical", "auto"):
+        code, out, _ = _run(capsys, "plan", LLAMA, *dims, "-t", "2x4", "--reduction", reduction, "--json")
+        assert code == 0
+        links = json.loads(out)["summary"]["bytes_per_link"]
+        between[reduction] = sum(
+            v for k, v in links.items() if int(k.split("->")[0]) // 4 != int(k.split("->")[1]) // 4
+        )
+    assert between["hierarchical"] < between["direct"]
+    assert between["auto"] == between["hierarchical"]  # InfiniBand is slower than NVLink
+
+
+# -- edl query ------------------------------------------------------------------------------------
+
+
+def test_query_summary_repeats_the_plan(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
+    _, planned, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x8")
+    code, out, _ = _run(capsys, "query", str(gqa_plan))
+    assert code == 0
+    tiles = planned.split("\n\n")[0]
+    assert out.startswith(tiles + "\n\n")
+    assert out.splitlines()[-1] == planned.splitlines()[-1]  # the same prediction
+
+
+def test_query_json_is_the_summary(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
+    code, out, _ = _run(capsys, "query", str(gqa_plan), "--json")
+    assert code == 0
+    assert json.loads(out) == json.loads(json.dumps(edatalog.load_plan(gqa_plan).summary()))
+
+
+def test_query_a_relation_shows_blocks_and_where_it_lives(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
+    code, out, _ = _run(capsys, "query", str(gqa_plan), "attn")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "derived attn [1, 8, 64] : f32"
+    assert "computed as" in lines and "lives at" in lines
+    computed = [line.split() for line in lines if line.startswith("attn ")]
+    assert [row[1] for row in computed] == [str(k) for k in range(8)]  # one block per device
+    assert [row[-1] for row in computed] == [str(k) for k in range(8)]
+    # the partial sums over heads are reduce-scattered: each device ends with an eighth of d
+    assert "b 0:1, s 0:8, d 8:16   1" in lines
+
+    code, out, _ = _run(capsys, "query", str(gqa_plan), "y")
+    assert "lives at (the end of the run)" in out
+    assert out.rstrip().endswith("0,1,2,3,4,5,6,7")  # outputs end replicated
+
+
+def test_query_a_relation_json(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
+    code, out, _ = _run(capsys, "query", str(gqa_plan), "k", "--json")
+    assert code == 0
+    view = json.loads(out)
+    assert view["relation"] == "k" and view["kind"] == "derived" and view["shape"] == [1, 8, 2, 8]
+    assert [c["devices"] for c in view["computed"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [c["ranges"]["g"] for c in view["computed"]] == [{"start": 0, "stop": 1}, {"start": 1, "stop": 2}]
+    assert not any(c["empty"] for c in view["computed"])
+    assert [e["devices"] for e in view["lives"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_query_marks_causal_blocks_skipped(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Random plans cut s and t of the scores; blocks wholly above the diagonal are never computed."""
+    from edatalog.solver.strategies import random_plan
+
+    graph = edatalog.compile(ATTN, dims={"B": 1, "S": 8, "D": 16, "H": 2}).graph
+    machine = edatalog.topology("a100x2")
+
+    def above_diagonal(seed: int) -> bool:
+        tile = random_plan(graph, machine, seed).node("sc").tile
+        return any(b.ranges["t"][0] >= b.ranges["s"][1] for b in tile.blocks())
+
+    seed = next((k for k in range(100) if above_diagonal(k)), None)
+    assert seed is not None, "no random plan of 100 cuts the scores above the diagonal"
+    path = tmp_path / "r.json"
+    _quiet("plan", ATTN, *ATTN_SMALL, "-t", "a100x2", "-s", "random", "--seed", str(seed), "-o", str(path))
+    _, out, _ = _run(capsys, "query", str(path), "sc", "--json")
+    computed = json.loads(out)["computed"]
+    assert any(c["empty"] for c in computed)
+    for c in computed:
+        s1, t0 = c["ranges"]["s"]["stop"], c["ranges"]["t"]["start"]
+        assert c["empty"] == (t0 >= s1)  # no point where t <= s
+    _, text, _ = _run(capsys, "query", str(path), "sc")
+    assert "skipped (empty)" in text
+
+
+def test_query_mistakes(capsys: pytest.CaptureFixture[str], gqa_plan: Path, tmp_path: Path) -> None:
+    err = _fails(capsys, "query", str(gqa_plan), "atn")
+    assert "no relation 'atn'" in err and "did you mean 'attn'" in err
+    _fails(capsys, "query", str(tmp_path / "missing.json"))
+    (tmp_path / "text.json").write_text("not json")
+    assert "not a plan file" in _fails(capsys, "query", str(tmp_path / "text.json"))
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    assert "not a plan file" in _fails(capsys, "query", str(tmp_path / "other.json"))
+    data = json.loads(gqa_plan.read_text())
+    data["format"] = 99
+    (tmp_path / "future.json").write_text(json.dumps(data))
+    assert "plan format 99" in _fails(capsys, "query", str(tmp_path / "future.json"))
+
+
+def test_query_prints_strided_regions_truly(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    src, path = tmp_path / "comp.edl", tmp_path / "p.json"
+    src.write_text("dim H = 2, E = 4.\ninput x[H, E] : f32.\noutput z.\nz[(h, e)] = x[h, e] * 2.0.\n")
+    _quiet("plan", str(src), "-t", "a100x2", "-s", "replicate", "-o", str(path))
+    data = json.loads(path.read_text())  # a plan written by hand: e cut at 1, so block 0 writes z[0] and z[4]
+    (node,) = data["nodes"]
+    node["splits"] = [{"index": "h", "cuts": [0, 2]}, {"index": "e", "cuts": [0, 1, 4]}]
+    node["devices"] = [[0], [1]]
+    path.write_text(json.dumps(data))
+    code, out, _ = _run(capsys, "query", str(path), "z")
+    assert code == 0
+    assert "a0 0:4 " not in out
+
+
+# -- edl show -------------------------------------------------------------------------------------
+
+
+def _device_colors(path: Path, panels: int) -> list[set[int]]:
+    """Per panel of a one-row picture: the devices whose colour fills part of it."""
+    import matplotlib.image
+    from matplotlib import colormaps
+
+    image = matplotlib.image.imread(str(path))
+    height = image.shape[0]
+    body = (image[int(height * 0.2) : int(height * 0.75), :, :3] * 255).round().astype(int)  # the axes, not the legend
+    width = body.shape[1] // panels
+    tab10 = colormaps["tab10"]
+    out = []
+    for k in range(panels):
+        panel = body[:, k * width : (k + 1) * width]
+        found = set()
+        for d in range(8):
+            color = np.array(tab10(d)[:3]) * 255
+            if (np.abs(panel - color).max(axis=-1) <= 1).sum() > 50:
+                found.add(d)
+        out.append(found)
+    return out
+
+
+def test_show_writes_a_png_of_the_right_size(
+    capsys: pytest.CaptureFixture[str], gqa_plan: Path, tmp_path: Path
+) -> None:
+    import matplotlib.image
+
+    picture = tmp_path / "plan.png"
+    code, out, _ = _run(capsys, "show", str(gqa_plan), "wq", "y", "-o", str(picture))
+    assert code == 0 and out.strip() == f"wrote {picture}"
+    image = matplotlib.image.imread(str(picture))
+    assert image.shape == (364, 832, 4)  # two panels of 3.2 x 2.8 inches at 130 dpi
+    wq, y = _device_colors(picture, 2)
+    assert wq == set(range(8))  # wq rows split over the eight devices
+    assert y == {0}  # replicated: one colour, hatched
+
+    mlp_plan, everything = tmp_path / "mlp.json", tmp_path / "all.png"
+    _quiet("plan", MLP, *MLP_SMALL, "-t", "a100x2", "-o", str(mlp_plan))
+    assert main(["show", str(mlp_plan), "-o", str(everything)]) == 0  # every relation: 9, in 3 rows of 4
+    assert matplotlib.image.imread(str(everything)).shape == (round(3 * 2.8 * 130), round(4 * 3.2 * 130), 4)
+
+
+def test_show_draws_blocks_split_on_leading_axes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plan_path, picture = tmp_path / "p.json", tmp_path / "q.png"
+    dims = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=4", "--dim", "KVH=4", "--dim", "F=48"]
+    _quiet("plan", LLAMA, *dims, "-t", "a100x4", "-o", str(plan_path))
+    _quiet("show", str(plan_path), "q", "-o", str(picture))
+    assert _device_colors(picture, 1) == [{0, 1, 2, 3}]  # q is split over the heads, one per device
+
+
+def test_show_mistakes(capsys: pytest.CaptureFixture[str], gqa_plan: Path, tmp_path: Path) -> None:
+    err = _fails(capsys, "show", str(gqa_plan), "qq", "-o", str(tmp_path / "x.png"))
+    assert "no relation 'qq'" in err and "did you mean" in err
+    assert "cannot write" in _fails(capsys, "show", str(gqa_plan), "y", "-o", str(tmp_path / "x.xyz"))
+    assert "cannot write" in _fails(capsys, "show", str(gqa_plan), "y", "-o", str(tmp_path / "no" / "x.png"))
+
+
+# -- edl run --plan -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("program", "dims", "topology", "strategy"),
+    [
+        (LLAMA, GQA, "a100x8", "megatron"),
+        (LLAMA, GQA, "2x4", "megatron"),
+        (LLAMA, GQA, "a100x4", "data"),
+        (ATTN, ATTN_SMALL, "a100x3", "random"),
+    ],
+)
+def test_run_a_plan_matches_the_reference(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, program: str, dims: list[str], topology: str, strategy: str
+) -> None:
+    plan_path, trace = tmp_path / "p.json", tmp_path / "t.json"
+    planned, reference = tmp_path / "sim.npz", tmp_path / "ref.npz"
+    _quiet("plan", program, *dims, "-t", topology, "-s", strategy, "-o", str(plan_path))
+    argv = ["run", program, *dims, "--plan", str(plan_path), "--backend", "sim", "--random", "3", "-o", str(planned)]
+    argv += ["--trace", str(trace)]
+    code, out, _ = _run(capsys, *argv, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["backend"] == "sim" and data["predicted_ms"] > 0
+    assert json.loads(trace.read_text())["otherData"]["predicted_ms"] == pytest.approx(data["predicted_ms"])
+    assert main(["run", program, *dims, "--random", "3", "-o", str(reference)]) == 0
+    capsys.readouterr()
+    with np.load(planned) as a, np.load(reference) as b:
+        np.testing.assert_allclose(a["y"], b["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_run_a_plan_reports_the_simulation(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plan_path, trace = tmp_path / "p.json", tmp_path / "t.json"
+    _quiet("plan", MLP, *MLP_SMALL, "-t", "h100x2", "-o", str(plan_path))
+    # --backend sim is implied by --plan
+    code, out, _ = _run(
+        capsys, "run", MLP, *MLP_SMALL, "--plan", str(plan_path), "--random", "0", "--trace", str(trace)
+    )
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["output", "shape", "dtype", "norm", "mean", "absent", "finite"]
+    assert " of the megatron plan on 2 simulated devices in " in out and "ms on h100x2, " in out
+    assert lines[-1] == f"wrote trace {trace}"
+
+
+def test_a_plan_for_another_program_is_refused(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
+    other_dims = [*GQA[:-2], "--dim", "F=64"]
+    err = _fails(capsys, "run", LLAMA, *other_dims, "--plan", str(gqa_plan), "--random", "0")
+    assert "was made for another program: its dims differ: F=48 (here 64)" in err
+    assert "help: make a new plan with these dims" in err
+    err = _fails(capsys, "run", MLP, "--plan", str(gqa_plan), "--random", "0")
+    assert "this plan was made for another program" in err
+    with pytest.raises(EdlError, match="made for another program"):
+        edatalog.load_plan(gqa_plan, edatalog.compile(LLAMA, dims={**GQA_DIMS, "S": 16}))
+
+
+def test_run_plan_mistakes(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
+    assert "the sim backend runs a plan" in _fails(capsys, "run", MLP, "--backend", "sim", "--random", "0")
+    assert "--trace needs a plan" in _fails(capsys, "run", MLP, "--trace", "t.json", "--random", "0")
+    err = _fails(capsys, "run", LLAMA, *GQA, "--plan", str(gqa_plan), "--backend", "reference", "--random", "0")
+    assert "reference backend" in err
+
+
+# -- machines -------------------------------------------------------------------------------------
+
+TOML_MACHINE = """\
+name = "my-box"
+nodes = [2, 2]
+[device]
+kind = "A100-80GB"
+memory = "80GiB"
+flops = "312TFLOPS"
+bandwidth = "2TB/s"
+[links.intra]
+name = "nvlink"
+bandwidth = "300GB/s"
+latency = "3us"
+[links.inter]
+name = "ib"
+bandwidth = "25GB/s"
+latency = "10us"
+"""
+
+
+def test_custom_machine_toml(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "box.toml"
+    path.write_text(TOML_MACHINE)
+    machine = edatalog.topology(str(path))
+    assert machine.nodes == ((0, 1), (2, 3))
+    assert machine.devices[0].memory == 80 * 2**30 and machine.devices[3].flops == 312e12
+    assert machine.devices[0].bandwidth == 2e12
+    assert machine.intra.bandwidth == 300e9 and machine.intra.latency == pytest.approx(3e-6)
+    assert machine.inter is not None and (machine.inter.name, machine.inter.bandwidth) == ("ib", 25e9)
+    assert machine.inter.latency == pytest.approx(10e-6)
+
+    plan_path = tmp_path / "p.json"
+    code, out, _ = _run(capsys, "plan", MLP, *MLP_SMALL, "-t", str(path), "-o", str(plan_path))
+    assert code == 0
+    assert "my-box: 4 x A100-80GB (2+2 per node), nvlink 300 GB/s, ib 25 GB/s between nodes" in out
+    kinds = {line.split()[0] + line.split()[2]: line.split()[3] for line in out.splitlines() if " -> " in line[:8]}
+    assert kinds["01"] == "nvlink" and kinds["02"] == "ib"
+    assert edatalog.load_plan(plan_path).topology == machine  # the machine travels with the plan
+
+
+def test_custom_machine_json_numbers_and_defaults(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "jbox.json"
+    path.write_text(json.dumps({"nodes": [3], "device": {"memory": 4e10, "flops": "100TFLOPS"}}))
+    machine = edatalog.topology(str(path))
+    assert machine.name == "jbox" and machine.n == 3  # the name defaults to the file's stem
+    assert machine.devices[0].memory == 40 * 10**9 and machine.devices[0].flops == 1e14
+    assert machine.inter is None and machine.intra.name == "nvlink"
+    code, out, _ = _run(capsys, "plan", MLP, *MLP_SMALL, "-t", str(path), "-s", "data")
+    assert code == 0 and "jbox: 3 x GPU (3 per node), nvlink 300 GB/s" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("two.toml", "nodes = [2, 2]\n", "several nodes need [links.inter]"),
+        ("broken.toml", "nodes = [2\n", "is not valid TOML"),
+        ("broken.json", '{"nodes": [2],', "is not valid JSON"),
+        ("list.json", "[1, 2]", "must hold a table"),
+        ("unit.toml", 'nodes = [2]\n[device]\nmemory = "lots"\n', "bad device memory: 'lots'"),
+        ("rate.toml", 'nodes = [2]\n[links.intra]\nbandwidth = "300Gbps"\n', "bad links.intra.bandwidth"),
+        ("zero.toml", "nodes = [0]\n", "'nodes' must be a list of device counts"),
+        ("negative.toml", "nodes = [2]\n[device]\nmemory = -5\n", "device memory must be positive"),
+        ("links.toml", "nodes = [2]\nlinks = 3\n", "'links' must be a table"),
+        ("bandwidth.toml", "nodes = [2]\n[links.intra]\nbandwidth = 0\n", "bandwidth"),
+        ("efficiency.toml", 'nodes = [2]\nefficiency = "high"\n', "efficiency"),
+        ("efficiency0.toml", "nodes = [2]\nefficiency = 0\n", "efficiency"),
+        ("typo.toml", "node = [2, 2]\n", "node"),
+    ],
+)
+def test_bad_machine_files_are_diagnostics(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    assert message in _fails(capsys, "plan", MLP, *MLP_SMALL, "-t", str(path))
+
+
+def test_missing_machine_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = _fails(capsys, "plan", MLP, "-t", str(tmp_path / "nowhere.toml"))
+    assert "cannot read topology file" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "suggestion"), [("a100x9", "did you mean 'a100x8'"), ("h100x4x", "did you mean 'h100x4'")]
+)
+def test_unknown_topology_suggests(capsys: pytest.CaptureFixture[str], name: str, suggestion: str) -> None:
+    err = _fails(capsys, "plan", MLP, *MLP_SMALL, "-t", name)
+    assert f"unknown topology '{name}'" in err and suggestion in err
+
+
+def test_unknown_strategy_lists_the_strategies(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails(capsys, "plan", MLP, *MLP_SMALL, "-s", "megatrn")
+    assert "unknown strategy 'megatrn'" in err
+    assert "replicate, data, megatron, random" in err
+
+
+def test_megatron_needs_a_transformer(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    src = tmp_path / "mm.edl"
+    src.write_text("dim N = 4.\ninput a[N, N] : f32.\noutput c.\nc[i, j] += a[i, k] * a[k, j].\n")
+    assert "needs a transformer" in _fails(capsys, "plan", str(src), "-s", "megatron")
+
+
+def test_data_strategy_with_the_batch_symbol_twice_in_a_rule(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    src = tmp_path / "seq.edl"
+    src.write_text(
+        "dim S = 8, D = 16.\ninput x[S, D] : f32.\nparam w[D, D] : f32.\noutput y.\n"
+        "q[s, e] += x[s, d] * w[e, d].\nsc[s, t] += q[s, e] * q[t, e] where t <= s.\n"
+        "y[s, e] += sc[s, t] * q[t, e].\n"
+    )
+    code, _, err = _run(capsys, "plan", str(src), "-t", "a100x2", "-s", "data")
+    assert code == 0, err
