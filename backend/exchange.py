@@ -132,7 +132,8 @@ class _Synthesizer:
         assert reduction in REDUCTIONS
         self.s = Schedule(graph, plan, topology)
         self.graph, self.plan, self.topo, self.reduction = graph, plan, topology, reduction
-        self.received: dict[tuple[int, str], list[tuple[Region, int]]] = {}
+        # What each device received of each piece of a final layout: (region, buffer), disjoint.
+        self.received: dict[tuple[int, Entry], list[tuple[Region, int]]] = {}
         self.egress = [0] * topology.n  # bytes each device has sent, to spread replicated sources
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -218,19 +219,33 @@ class _Synthesizer:
     def _fetch(self, relation: str, need: Region, d: int) -> list[tuple[int, Region]]:
         """Buffers on device ``d`` that cover ``need`` (where the relation has cells), sending the
         missing parts from their holders."""
+        return [(buf, part) for _, buf, part in self._pieces(relation, need, d)]
+
+    def _pieces(self, relation: str, need: Region, d: int) -> list[tuple[Entry, int, Region]]:
+        """As :meth:`_fetch`, with the piece of the layout each part comes from."""
         parts = []
         for entry in self.s.layout[relation]:
             part = entry.region.intersect(need)
             if part.empty:
                 continue
             if d in entry.holders:
-                parts.append((entry.holders[d], part))
+                parts.append((entry, entry.holders[d], part))
                 continue
-            cached = next((buf for region, buf in self.received.get((d, relation), []) if region.contains(part)), None)
-            if cached is None:
-                cached = self._send(relation, part, entry.holders, d)
-                self.received.setdefault((d, relation), []).append((part, cached))
-            parts.append((cached, part))
+            # Reuse what ``d`` received of this very piece, and send only the cells still missing:
+            # a part that merely overlaps an earlier one must not bring its cells again.  Keyed by
+            # piece, not relation: the pieces of a relation with several '=' rules can overlap, each
+            # present only on its own cells, so another piece's copy may lack this one's cells.
+            received = self.received.setdefault((d, entry), [])
+            missing = [part]
+            for region, buf in received:
+                overlap = region.intersect(part)
+                if not overlap.empty:
+                    parts.append((entry, buf, overlap))
+                    missing = [rest for m in missing for rest in m.minus(region)]
+            for m in missing:
+                buf = self._send(relation, m, entry.holders, d)
+                received.append((m, buf))
+                parts.append((entry, buf, m))
         return parts
 
     def _source(self, holders: Mapping[int, int], d: int) -> int:
@@ -249,12 +264,14 @@ class _Synthesizer:
     def _place(self, relation: str, tile: Tile) -> list[Entry]:
         """Make an output end where the plan wants it (e.g. replicated on every device)."""
         rel = self.graph.relation(relation)
-        entries: dict[bytes, Entry] = {}  # one entry per region, with every device holding it
+        # One entry per region of each piece of the layout, with every device holding it.  (Pieces
+        # of '=' relations can overlap: the same region of two pieces holds different cells.)
+        entries: dict[tuple[int, bytes], Entry] = {}
         for block in tile.blocks():
             region = Region.of_box(rel.shape, tuple(block.ranges[a] for a in rel.axis_names))
             for d in block.devices:
-                for buf, part in self._fetch(relation, region, d):
-                    entries.setdefault(part.key(), Entry(part, {})).holders[d] = buf
+                for piece, buf, part in self._pieces(relation, region, d):
+                    entries.setdefault((id(piece), part.key()), Entry(part, {})).holders[d] = buf
         return list(entries.values())
 
     # -- partial results ------------------------------------------------------------------------------

@@ -139,10 +139,19 @@ def _assemble(
     present = np.zeros(need.shape, dtype=bool)
     for buf_id, part in parts:
         piece = _cut(_get(store, buf_id, device), part)
-        at = np.ix_(*part.positions_in(need)) if need.axes else ()
-        data[at] = piece.data
-        present[at] = True if piece.present is None else piece.present
+        _paste(data, present, np.ix_(*part.positions_in(need)) if need.axes else (), piece)
     return Value(data, None if present.all() else present)
+
+
+def _paste(data: np.ndarray, present: np.ndarray, at: tuple[np.ndarray, ...], piece: _Buffer) -> None:
+    """Write a piece's present cells at ``at``.  Pieces of a relation with several '=' rules can
+    overlap, each present only on its own cells: an absent cell must not hide another's."""
+    if piece.present is None:
+        data[at] = piece.data
+        present[at] = True
+    else:
+        data[at] = np.where(piece.present, piece.data, data[at])
+        present[at] = present[at] | piece.present
 
 
 def _gather(schedule: Schedule, name: str, entries: list[Entry], stores: list[dict[int, _Buffer]]) -> Value:
@@ -155,8 +164,6 @@ def _gather(schedule: Schedule, name: str, entries: list[Entry], stores: list[di
             continue
         device, buf_id = next(iter(e.holders.items()))
         piece = _cut(_get(stores[device], buf_id, device), e.region)
-        at = np.ix_(*e.region.axes) if rel.shape else ()
-        data[at] = piece.data
-        present[at] = True if piece.present is None else piece.present
+        _paste(data, present, np.ix_(*e.region.axes) if rel.shape else (), piece)
     data[~present] = 0
     return Value(data, None if present.all() else present)

@@ -73,7 +73,7 @@ def analyze(s: Schedule) -> Report:
         sent,
         received,
         per_link,
-        _peak_memory(s, times, seconds),
+        _peak_memory(s, times),
         {k: len(v) for k, v in blocks.items()},
     )
 
@@ -105,7 +105,7 @@ def _readers(s: Schedule) -> dict[int, list[int]]:
     return out
 
 
-def _peak_memory(s: Schedule, times: dict[int, Span], end: float) -> dict[int, int]:
+def _peak_memory(s: Schedule, times: dict[int, Span]) -> dict[int, int]:
     readers = _readers(s)
     keep = {buf for entries in s.outputs.values() for e in entries for buf in e.holders.values()}
     events: dict[int, list[tuple[float, int]]] = {d: [] for d in range(s.plan.n_devices)}
@@ -114,9 +114,11 @@ def _peak_memory(s: Schedule, times: dict[int, Span], end: float) -> dict[int, i
         task = s.tasks[buf.task]
         born = times[buf.task].start
         resident = isinstance(task, Load) or buf.task in keep or buf.task not in readers
-        dies = end if resident else max(times[r].end for r in readers[buf.task])
         events[buf.device].append((born, nbytes))
-        events[buf.device].append((dies, -nbytes))
+        # Resident buffers are never freed.  (Freeing them at the schedule's end freed them before
+        # they were counted when the schedule ends as it starts: only loads, every block empty.)
+        if not resident:
+            events[buf.device].append((max(times[r].end for r in readers[buf.task]), -nbytes))
     peak = {}
     for d, evs in events.items():
         live = top = 0

@@ -282,7 +282,9 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
         raise EdlError("topology: several nodes need [links.inter] (bandwidth and latency between nodes)")
     efficiency = quantity(data.get("efficiency", 0.7), "", "efficiency")
     if not 0 < efficiency <= 1:
-        raise EdlError(f"topology: efficiency is the fraction of peak that kernels reach, in (0, 1], not {efficiency:g}")
+        raise EdlError(
+            f"topology: efficiency is the fraction of peak that kernels reach, in (0, 1], not {efficiency:g}"
+        )
     floor = _positive(quantity(data.get("kernel_floor", "5us"), "s", "kernel_floor"), "kernel_floor", allow_zero=True)
     devices: list[Device] = []
     for node, count in enumerate(nodes):

@@ -67,6 +67,19 @@ class Region:
     def contains(self, other: Region) -> bool:
         return all(_subset(b, a) for a, b in zip(self.axes, other.axes, strict=True))
 
+    def minus(self, other: Region) -> list[Region]:
+        """The cells of this region that ``other`` lacks, as disjoint regions (at most one per
+        axis): those outside ``other`` on axis ``k`` and inside it on every axis before ``k``."""
+        inside = [np.intersect1d(a, b, assume_unique=True) for a, b in zip(self.axes, other.axes, strict=True)]
+        if any(len(c) == 0 for c in inside):
+            return [] if self.empty else [self]
+        out = []
+        for k, (a, b) in enumerate(zip(self.axes, other.axes, strict=True)):
+            rest = np.setdiff1d(a, b, assume_unique=True)
+            if len(rest):
+                out.append(Region((*inside[:k], rest, *self.axes[k + 1 :])))
+        return out
+
     def key(self) -> bytes:
         """A hashable identity of the covered cells."""
         return b"|".join(a.tobytes() for a in self.axes) + b"#" + bytes(len(self.axes))
