@@ -9,6 +9,7 @@ backend's exchange synthesis and simulator.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,9 +20,9 @@ from edatalog.backend import sim
 from edatalog.backend.exchange import REDUCTIONS, Schedule, synthesize
 from edatalog.backend.reference import Value
 from edatalog.backend.timeline import Report, analyze, write_trace
-from edatalog.errors import EdlError
+from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
-from edatalog.solver import strategies
+from edatalog.solver import auto, strategies
 from edatalog.solver import topology as machines
 from edatalog.solver.plan import Plan as PlanIR
 from edatalog.solver.topology import Topology
@@ -41,6 +42,7 @@ class Plan:
         if machine.n < ir.n_devices:
             raise EdlError(f"the plan uses {ir.n_devices} devices but {machine.name} has {machine.n}")
         self.ir, self.graph, self.topology, self.reduction = ir, graph, machine, reduction
+        self.solution: auto.Solution | None = None  # how the solver found it, for solved plans
 
     def __str__(self) -> str:
         return str(self.ir)
@@ -72,6 +74,19 @@ class Plan:
             "sent": dict(sorted(r.sent.items())),
             "received": dict(sorted(r.received.items())),
             "over_memory": self.over_memory(),
+            **(self._solver_summary() if self.solution is not None else {}),
+        }
+
+    def _solver_summary(self) -> dict[str, Any]:
+        sol = self.solution
+        assert sol is not None
+        return {
+            "solve_seconds": sol.seconds,
+            "solver_estimate_ms": sol.predicted_ms,
+            "lower_bound_ms": sol.lower_bound_ms,
+            "optimal": sol.optimal,
+            "gap": sol.gap,
+            "memory_estimate": sol.memory_estimate,
         }
 
     def over_memory(self) -> list[int]:
@@ -111,18 +126,65 @@ class Plan:
             raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+STRATEGIES = ("auto", *strategies.STRATEGIES)
+
+
 def make_plan(
     prog: Program,
     topology: str | Topology = "a100x4",
-    strategy: str = "megatron",
+    strategy: str = "auto",
     *,
     seed: int = 0,
     reduction: str = "auto",
+    memory: int | str | None = None,
+    time_limit: float = 10.0,
+    space: str = "join",
+    on_progress: Callable[[auto.Progress], None] | None = None,
 ) -> Plan:
-    """Plan ``prog`` on a machine with a hand-written strategy (replicate, data, megatron, random)."""
+    """Plan ``prog`` on a machine.  ``auto`` (the default) asks the solver for the fastest plan
+    within ``time_limit`` seconds that fits every device's memory (``memory`` overrides the
+    machine's, e.g. ``"9GB"``); ``space="mesh"`` limits it to GSPMD-style plans.  The other
+    strategies are the hand-written baselines (replicate, data, megatron, random)."""
     machine = machines.resolve(topology)
-    ir = strategies.build(prog.graph, machine, strategy, seed=seed)
-    return Plan(ir, prog.graph, machine, reduction)
+    if memory is not None:
+        machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
+    if strategy not in STRATEGIES:
+        close = did_you_mean(strategy, STRATEGIES)
+        known = f"strategies: {', '.join(STRATEGIES)}"
+        raise EdlError(f"unknown strategy '{strategy}'", help=f"{close} {known}" if close else known)
+    if strategy != "auto":
+        if space != "join":
+            raise EdlError("--space chooses the solver's search space; it goes with --strategy auto")
+        return Plan(strategies.build(prog.graph, machine, strategy, seed=seed), prog.graph, machine, reduction)
+    return _solved(prog.graph, machine, reduction, time_limit, seed, space, on_progress)
+
+
+def _solved(
+    graph: Graph,
+    machine: Topology,
+    reduction: str,
+    time_limit: float,
+    seed: int,
+    space: str,
+    on_progress: Callable[[auto.Progress], None] | None,
+) -> Plan:
+    """Solve, then check the plan's peak memory in the simulator's accounting; when the
+    solver's estimate was too low, solve again under a budget cut by the overshoot."""
+    limit = min(d.memory for d in machine.devices)
+    budget = limit
+    for _ in range(4):
+        solution = auto.solve(graph, machine, budget, time_limit, seed, space, on_progress)
+        plan = Plan(solution.plan, graph, machine, reduction)
+        plan.solution = solution
+        if not plan.over_memory():
+            return plan
+        peak = max(plan.report.peak_memory.values())
+        budget = int(budget * limit / peak * 0.97)
+    raise EdlError(
+        f"the solver found no plan that fits in {limit / 1e9:.3g}GB per device once simulated "
+        f"(the best needs {peak / 1e9:.3g}GB)",
+        help="give each device more memory (--memory), use more devices, or shrink the dims",
+    )
 
 
 def load_plan(path: str | Path, prog: Program | None = None) -> Plan:

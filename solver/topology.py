@@ -11,6 +11,7 @@ machines are small TOML or JSON files (see ``docs/plans.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import tomllib
@@ -63,6 +64,13 @@ class Topology:
         for d in self.devices:
             groups.setdefault(d.node, []).append(d.index)
         return tuple(tuple(g) for _, g in sorted(groups.items()))
+
+    def with_memory(self, nbytes: int) -> Topology:
+        """The same machine with ``nbytes`` of memory on every device (e.g. one layer's share)."""
+        if nbytes <= 0:
+            raise EdlError(f"memory per device must be positive, not {nbytes}")
+        devices = tuple(dataclasses.replace(d, memory=nbytes) for d in self.devices)
+        return dataclasses.replace(self, devices=devices)
 
     def link(self, a: int, b: int) -> Link:
         if self.devices[a].node == self.devices[b].node or self.inter is None:

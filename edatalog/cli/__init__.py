@@ -90,10 +90,25 @@ def _parser() -> argparse.ArgumentParser:
         "--strategy",
         "-s",
         metavar="S",
-        default="megatron",
-        help="replicate, data, megatron or random (default megatron)",
+        default="auto",
+        help="auto (the solver, default), or a baseline: replicate, data, megatron, random",
     )
-    pl.add_argument("--seed", type=seed, default=0, help="seed of the random strategy")
+    pl.add_argument(
+        "--memory",
+        "-m",
+        metavar="BYTES",
+        help="memory per device for this program, e.g. 9GB (default: the machine's); auto plans fit it",
+    )
+    pl.add_argument(
+        "--time-limit", type=float, default=10.0, metavar="SEC", help="the solver's time limit (default 10 s)"
+    )
+    pl.add_argument(
+        "--space",
+        choices=("join", "mesh"),
+        default="join",
+        help="auto's search space: join (any partition, default) or mesh (GSPMD/Alpa-style only)",
+    )
+    pl.add_argument("--seed", type=seed, default=0, help="seed of the solver and of the random strategy")
     pl.add_argument(
         "--reduction",
         choices=("auto", "direct", "hierarchical"),
@@ -102,6 +117,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("-o", "--output", metavar="PATH", help="save the plan (with its machine and program) to PATH")
     pl.add_argument("--trace", metavar="PATH", help="write the predicted timeline as Chrome trace JSON")
+
+    ex = sub.add_parser(
+        "explain",
+        help="why the solver split a rule as it did: its cost, and the runner-up's",
+        epilog=plans.EPILOG_EXPLAIN,
+        formatter_class=_RAW,
+    )
+    ex.add_argument("plan", metavar="PLAN", help="a plan file from 'edl plan -o'")
+    ex.add_argument("relation", metavar="RELATION", help="a relation (or rule, such as qr#1) of the program")
+    ex.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
 
     q = sub.add_parser(
         "query",
@@ -131,6 +156,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": programs.cmd_run,
     "plan": plans.cmd_plan,
     "query": plans.cmd_query,
+    "explain": plans.cmd_explain,
     "show": plans.cmd_show,
 }
 

@@ -89,7 +89,7 @@ class Progress:
 
         console = Console(stderr=True)
         self.bar = Progress(
-            TextColumn("{task.description:<15}"),
+            TextColumn("{task.description:<24}"),
             BarColumn(),
             TextColumn("{task.percentage:>3.0f}%"),
             TimeElapsedColumn(),
@@ -110,6 +110,12 @@ class Progress:
 
     def advance(self, task: Any, amount: float) -> None:
         self.bar.advance(task, amount)
+
+    def update(self, task: Any, completed: float, description: str | None = None) -> None:
+        if description:
+            self.bar.update(task, completed=completed, description=description)
+        else:
+            self.bar.update(task, completed=completed)
 
 
 ARRAY_FILES = (".npz", ".safetensors")

@@ -6,23 +6,43 @@ import argparse
 import json
 from typing import Any
 
-from edatalog.cli.common import check_writable, compile_args, human, print_warnings, table
+from edatalog.cli.common import Progress, check_writable, compile_args, human, print_warnings, table
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.regions import Region
 from edatalog.plans import Plan, load_plan, make_plan
+from edatalog.solver import auto
+from edatalog.solver.explain import explain
 
 EPILOG_PLAN = """\
 A plan splits every rule's join space into blocks and gives each block a device; inputs and
 params get a home.  From the plan and the machine, edatalog synthesizes each device's program
 (computes, sends, partial reductions) and predicts its time with the machine's cost model.
 
-strategies: replicate (device 0 does everything), data (split the batch), megatron (tensor
-parallelism for transformers), random (seeded random uneven blocks, for testing)
+strategies: auto (default: the Z3 solver chooses every partition and device, minimizing the
+predicted time within each device's memory), or a baseline: replicate (device 0 does
+everything), data (split the batch), megatron (tensor parallelism for transformers), random
+(seeded random uneven blocks, for testing).  An auto plan is shown next to megatron's.
+
+--space mesh limits the solver to what a device mesh can express (GSPMD, Alpa): even splits
+that divide every extent.  The default, join, allows any partition of any join space.
 
 examples:
+  edl plan programs/llama_block.edl --topology a100x8 --dim S=512
+  edl plan programs/llama_block.edl -t a100x8 --memory 2.25GB --time-limit 30 -o plan.json
   edl plan programs/llama_block.edl --topology a100x8 --strategy megatron
   edl plan programs/llama_block.edl -t 2x4 --dim S=512 -o plan.json --trace trace.json
   edl plan programs/attention.edl -t my-machine.toml --strategy data --json
+"""
+
+EPILOG_EXPLAIN = """\
+Every candidate partition of the rules that write RELATION is priced where it stands in the
+plan: its compute (busiest device), the reduction of its partial results, bringing its inputs
+from their producers' layouts, and bringing its output to its readers.  The plan's choice is
+marked; the cheapest other one is the runner-up.  Costs are the solver's estimates.
+
+examples:
+  edl explain plan.json attn
+  edl explain plan.json qr --json
 """
 
 EPILOG_QUERY = """\
@@ -85,22 +105,151 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if path:
             check_writable(path)
     prog = compile_args(args)
-    plan = make_plan(prog, args.topology, args.strategy, seed=args.seed, reduction=args.reduction)
+    baseline = None
+    if args.strategy == "auto":
+        with Progress() as progress:
+            task = progress.task("solving", args.time_limit)
+
+            def show(p: auto.Progress) -> None:
+                best = f"best {p.best_ms:.4g} ms" if p.best_ms is not None else "searching"
+                progress.update(task, p.elapsed, f"solving: {best}")
+
+            plan = make_plan(
+                prog,
+                args.topology,
+                seed=args.seed,
+                reduction=args.reduction,
+                memory=args.memory,
+                time_limit=args.time_limit,
+                space=args.space,
+                on_progress=show,
+            )
+        try:
+            baseline = make_plan(prog, plan.topology, "megatron", reduction=args.reduction)
+        except EdlError:
+            baseline = None  # not a transformer: nothing to compare with
+    else:
+        plan = make_plan(
+            prog, args.topology, args.strategy, seed=args.seed, reduction=args.reduction, memory=args.memory
+        )
     if args.output:
         plan.save(args.output)
     if args.trace:
         plan.trace(args.trace)
     if args.json:
-        print(json.dumps({"summary": plan.summary(), "plan": json.loads(plan.ir.to_json())}, indent=1))
+        data = {"summary": plan.summary(), "plan": json.loads(plan.ir.to_json())}
+        if baseline is not None:
+            data["megatron"] = baseline.summary()
+        print(json.dumps(data, indent=1))
         return 0
     print_warnings(prog)
     print(plan)
     print(f"\n{plan.topology}\n")
     _print_summary(plan)
+    if plan.solution is not None:
+        _print_solve(plan, baseline)
     for path, what in ((args.output, "plan"), (args.trace, "trace")):
         if path:
             print(f"wrote {what} {path}")
     return 0
+
+
+def _print_solve(plan: Plan, baseline: Plan | None) -> None:
+    """The solved plan next to the megatron baseline, and how the solve went."""
+    sol = plan.solution
+    assert sol is not None
+    rows = []
+    for name, p in (("auto" if plan.ir.strategy == "auto" else plan.ir.strategy, plan), ("megatron", baseline)):
+        if p is None:
+            continue
+        r = p.report
+        solve = f"{p.solution.seconds:.1f}" if p.solution is not None else "-"
+        rows.append(
+            [
+                name,
+                f"{r.seconds * 1e3:.4g}",
+                f"{human(r.bytes_moved)}B",
+                f"{human(max(r.peak_memory.values()))}B",
+                solve,
+            ]
+        )
+    print()
+    print(table(["plan", "predicted ms", "moved", "peak memory", "solve s"], rows, right=(1, 2, 3, 4)))
+    if baseline is not None:
+        ratio = plan.report.seconds / baseline.report.seconds
+        print(f"auto / megatron: {ratio:.3f}")
+    proof = "optimal" if sol.optimal else f"gap at most {sol.gap:.0%} (lower bound {sol.lower_bound_ms:.4g} ms)"
+    print(
+        f"solver: {sol.plans_found} improving plan{'s' if sol.plans_found != 1 else ''} in {sol.seconds:.1f} s, "
+        f"estimate {sol.predicted_ms:.4g} ms, {proof}; memory estimate {human(sol.memory_estimate)}B per device"
+    )
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    graph = plan.graph
+    rules = (
+        [n.name for n in graph.producers(args.relation)] if args.relation in {r.name for r in graph.relations} else []
+    )
+    if not rules:
+        rules = [args.relation]  # a rule name such as qr#1, or a mistake explain() reports
+    out: dict[str, Any] = {}
+    for rule in rules:
+        priced = explain(graph, plan.topology, plan.ir, rule)
+        out[rule] = priced
+    if args.json:
+        print(json.dumps({rule: [_priced_json(p) for p in ps] for rule, ps in out.items()}, indent=1))
+        return 0
+    for rule, priced in out.items():
+        chosen = next(p for p in priced if p.chosen)
+        runner = next((p for p in priced if not p.chosen), None)
+        rows = [
+            [
+                "*" if p.chosen else "",
+                p.tile.describe(plan.ir.n_devices),
+                *(f"{v * 1e6:.1f}" for v in (p.compute, p.reduce, p.inbound, p.outbound, p.total)),
+            ]
+            for p in priced[:12]
+        ]
+        if chosen not in priced[:12]:
+            rows.append(
+                [
+                    "*",
+                    chosen.tile.describe(plan.ir.n_devices),
+                    *(
+                        f"{v * 1e6:.1f}"
+                        for v in (chosen.compute, chosen.reduce, chosen.inbound, chosen.outbound, chosen.total)
+                    ),
+                ]
+            )
+        print(f"rule {rule}: {graph.node(rule)}")
+        print(
+            table(
+                ["", "partition", "compute us", "reduce us", "in us", "out us", "total us"], rows, right=(2, 3, 4, 5, 6)
+            )
+        )
+        if runner is not None:
+            verdict = "cheaper than" if chosen.total <= runner.total else "dearer than"
+            print(
+                f"the plan's choice costs {chosen.total * 1e6:.1f} us, {verdict} the runner-up "
+                f"({runner.tile.describe(plan.ir.n_devices)}) at {runner.total * 1e6:.1f} us"
+            )
+        print()
+    return 0
+
+
+def _priced_json(p: Any) -> dict[str, Any]:
+    return {
+        "partition": p.tile.describe(0 if False else max(max(ds) for ds in p.tile.devices) + 1),
+        "splits": {s.index: list(s.cuts) for s in p.tile.splits},
+        "devices": [list(ds) for ds in p.tile.devices],
+        "compute_us": p.compute * 1e6,
+        "reduce_us": p.reduce * 1e6,
+        "inbound_us": p.inbound * 1e6,
+        "outbound_us": p.outbound * 1e6,
+        "total_us": p.total * 1e6,
+        "chosen": p.chosen,
+    }
 
 
 def _relation_view(plan: Plan, name: str) -> dict[str, Any]:

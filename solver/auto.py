@@ -1,0 +1,436 @@
+"""The placement solver: a partition and devices for every join-agg, chosen by Z3.
+
+The model is pseudo-Boolean.  For every node one candidate is picked (``x[n][i]``); the layout a
+relation is left in and the needs its readers have are classes implied by those picks; a pair
+(layout, need) costs what :meth:`Costs.transfer` says, and a need shared by several readers (q, k
+and v all reading ``xn``) is paid once.  The objective is the sum, in nanoseconds, of compute on
+the busiest device per node, reductions and transfers.  Memory is a constraint at every step of
+the program: resident inputs and params, plus every relation alive at that step, must fit.
+
+Z3 runs as an iterated solver with a tightening bound, in its own context, with a seed and a
+deadline: each model found must beat the best so far by :data:`STEP`; "unsat" proves the best
+optimal within that step.  On the deadline the best plan found so far is returned with its gap.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import z3
+
+from edatalog.errors import EdlError
+from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.solver import strategies
+from edatalog.solver.blocks import Box, Layout, candidates, dim_order
+from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
+from edatalog.solver.plan import NodePlan, Placement, Plan, Tile
+from edatalog.solver.strategies import place_by_consumers
+from edatalog.solver.topology import Topology
+
+SPACES = ("join", "mesh")
+STEP = 0.002  # each new plan must be this much faster than the last: the optimality tolerance
+NS = 1e9  # the objective is in nanoseconds
+KB = 1024  # memory constraints count kilobytes
+WINDOW = 6  # nodes freed at a time while improving the incumbent
+WINDOW_SECONDS = 2.0  # the most one neighbourhood may take
+
+_Term = tuple[str, int, tuple[str, object]]  # literal, kilobytes, what it stands for
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a progress display shows while solving."""
+
+    elapsed: float
+    best_ms: float | None
+    bound_ms: float
+    plans: int  # improving plans found so far
+
+
+@dataclass
+class Solution:
+    plan: Plan
+    predicted_ms: float  # the solver's own estimate (steps added up, no overlap)
+    lower_bound_ms: float  # no plan in the space is faster than this under the estimate
+    optimal: bool  # proved optimal (within STEP)
+    seconds: float  # solve time
+    memory_estimate: int  # bytes: the most one device holds at any step, under the estimate
+    options: dict[str, list[Option]] = field(repr=False, default_factory=dict)
+    chosen: dict[str, int] = field(default_factory=dict)  # node -> index into options[node]
+    plans_found: int = 0
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.optimal else max(0.0, 1 - self.lower_bound_ms / self.predicted_ms)
+
+
+def solve(
+    graph: Graph,
+    topo: Topology,
+    memory: int | None = None,
+    time_limit: float = 30.0,
+    seed: int = 0,
+    space: str = "join",
+    on_progress: Callable[[Progress], None] | None = None,
+) -> Solution:
+    """The fastest plan the solver finds in ``time_limit`` seconds, keeping every device under
+    ``memory`` bytes (default: each device's capacity)."""
+    if space not in SPACES:
+        raise EdlError(f"unknown search space '{space}'", help="spaces: join (any partition) or mesh (GSPMD-style)")
+    start = time.monotonic()
+    n = topo.n
+    limit = memory if memory is not None else min(d.memory for d in topo.devices)
+    costs = Costs(graph, topo)
+    rank = dim_order(graph)
+    options: dict[str, list[Option]] = {}
+    tiles: dict[str, dict[Tile, int]] = {}  # every candidate's tile -> the option that stands for it
+    for node in graph.nodes:
+        opts = [costs.option(node, Layout(node, c, rank)) for c in candidates(node, n, mesh=space == "mesh")]
+        options[node.name], tiles[node.name] = _prune(opts)
+    model = _Model(graph, costs, options, limit)
+    warm = _warm_start(graph, topo, model, tiles)
+    best, bound, optimal, found = model.search(start, time_limit, seed, warm, on_progress)
+    if best is None:
+        need, top = least_bytes(graph, n)
+        heavy = ", ".join(f"{name} {_fmt(b)}" for name, b in top[:3])
+        raise EdlError(
+            f"no plan fits in {_fmt(limit)} per device: inputs and params alone need at least {_fmt(need)} "
+            f"per device split {n} ways ({heavy}), and live activations come on top",
+            help="give each device more memory (--memory), use more devices, or shrink the dims",
+        )
+    plan = _plan(graph, topo, options, best, space)
+    cost = model.cost(best)
+    return Solution(
+        plan,
+        cost / NS * 1e3,
+        min(bound, cost) / NS * 1e3,
+        optimal,
+        time.monotonic() - start,
+        model.memory(best),
+        options,
+        best,
+        found,
+    )
+
+
+def _fmt(nbytes: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g}{unit}"
+    return f"{nbytes}B"
+
+
+def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
+    """Drop candidates no better than another in every respect: the same output layout and the
+    same needs, but more time or more memory.  Also says which kept option stands for each tile."""
+    best: dict[tuple[object, ...], Option] = {}
+    for o in opts:
+        key = (o.held, o.needs)
+        cur = best.get(key)
+        if cur is None or (o.compute + o.reduce, o.out_bytes) < (cur.compute + cur.reduce, cur.out_bytes):
+            best[key] = o
+    kept = list(best.values())
+    where = {id(o): k for k, o in enumerate(kept)}
+    return kept, {o.layout.tile: where[id(best[(o.held, o.needs)])] for o in opts}
+
+
+def _warm_start(
+    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]
+) -> dict[str, int] | None:
+    """The cheapest of a greedy pass and the hand-written baselines that the space can express
+    and that fit in memory: Z3 starts from it and must beat it."""
+    starts = [_greedy(graph, model), *_along_each_dim(graph, model)]
+    for name in ("megatron", "data"):
+        try:
+            hint = strategies.build(graph, topo, name)
+        except EdlError:
+            continue
+        choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
+        if all(i is not None for i in choice.values()):
+            starts.append({k: i for k, i in choice.items() if i is not None})
+    fitting = [c for c in starts if model.memory(c) <= model.memory_limit]
+    return min(fitting, key=model.cost, default=None)
+
+
+def _along_each_dim(graph: Graph, model: _Model) -> list[dict[str, int]]:
+    """For every dim, the plan that splits it everywhere (its first index in each rule, over all
+    devices) and replicates rules without it: data parallelism along any dim."""
+    out = []
+    for dim, _ in graph.dims:
+        choice: dict[str, int] = {}
+        for node in graph.nodes:
+            opts = model.options[node.name]
+            first = next((k for k, i in enumerate(node.indices) if i.symbol == dim), None)
+
+            def fit(o: Option, first: int | None = first) -> tuple[int, float]:
+                parts = o.cand.parts
+                split = first is not None and parts[first] == o.cand.blocks and o.cand.replicas == 1
+                whole = o.cand.blocks == 1
+                return (0 if split else 1 if whole else 2, o.compute)
+
+            choice[node.name] = min(range(len(opts)), key=lambda k: fit(opts[k]))
+        for rel in graph.relations:  # tied producers share one pick
+            producers = graph.producers(rel.name) if rel.kind == "derived" else ()
+            for p in producers[1:]:
+                choice[p.name] = choice[producers[0].name]
+        out.append(choice)
+    return out
+
+
+def _greedy(graph: Graph, model: _Model) -> dict[str, int]:
+    """Each node in order takes the candidate cheapest given what came before it."""
+    choice: dict[str, int] = {}
+    costs = model.costs
+    for node in graph.nodes:
+
+        def price(k: int, node: JoinAgg = node) -> float:
+            o = model.options[node.name][k]
+            total = o.compute + o.reduce
+            for acc, need in o.needs:
+                producers = graph.producers(acc.relation)
+                if producers and producers[0].name in choice:
+                    total += costs.transfer(acc.relation, model._held_of(acc.relation, choice[producers[0].name]), need)
+            return total
+
+        tied = next((choice[p.name] for p in graph.producers(node.out) if p.name in choice), None)
+        choice[node.name] = tied if tied is not None else min(range(len(model.options[node.name])), key=price)
+    return choice
+
+
+class _Model:
+    """The pseudo-Boolean encoding of one solve, written as SMT-LIB for its own Z3 context (far
+    faster than building thousands of terms through the Python API)."""
+
+    def __init__(self, graph: Graph, costs: Costs, options: dict[str, list[Option]], memory: int) -> None:
+        self.graph, self.costs, self.options, self.memory_limit = graph, costs, options, memory
+        self.x = {name: [f"x{k}_{i}" for i in range(len(opts))] for k, (name, opts) in enumerate(options.items())}
+        self.names: list[str] = [v for xs in self.x.values() for v in xs]
+        self.terms: list[tuple[str, int]] = []  # objective: (literal, nanoseconds)
+        self.asserts: list[str] = []
+        self.held: dict[str, dict[Held, str]] = {}
+        self.need: dict[str, dict[Need, str]] = {}
+        self.step_terms: list[list[_Term]] = []
+        self._encode()
+        self.decls = "".join(f"(declare-const {v} Bool)" for v in self.names)
+        self.objective = (" ".join(str(ns) for _, ns in self.terms), " ".join(v for v, _ in self.terms))
+
+    def _fresh(self, prefix: str) -> str:
+        name = f"{prefix}{len(self.names)}"
+        self.names.append(name)
+        return name
+
+    # -- encoding -----------------------------------------------------------------------------------
+
+    def _encode(self) -> None:
+        g = self.graph
+        for name, opts in self.options.items():
+            xs = self.x[name]
+            self.asserts.append(f"((_ pbeq 1 {' '.join('1' for _ in xs)}) {' '.join(xs)})")
+            self.terms.extend((v, math.ceil((o.compute + o.reduce) * NS)) for v, o in zip(xs, opts, strict=True))
+        self._tie_producers()
+        for rel in g.relations:
+            if rel.kind == "derived":
+                first = g.producers(rel.name)[0]
+                classes: dict[Held, str] = {}
+                for k, v in enumerate(self.x[first.name]):
+                    key = self._held_of(rel.name, k)
+                    lit = classes.get(key) or classes.setdefault(key, self._fresh("h"))
+                    self.asserts.append(f"(=> {v} {lit})")
+                self.held[rel.name] = classes
+        for node in g.nodes:
+            for v, o in zip(self.x[node.name], self.options[node.name], strict=True):
+                for acc, need in o.needs:
+                    needs = self.need.setdefault(acc.relation, {})
+                    lit = needs.get(need) or needs.setdefault(need, self._fresh("n"))
+                    self.asserts.append(f"(=> {v} {lit})")
+        for name, need in self.costs.replicated_need.items():
+            needs = self.need.setdefault(name, {})
+            lit = needs.get(need) or needs.setdefault(need, self._fresh("n"))
+            self.asserts.append(lit)
+        # Transfers: a (layout, need) pair that both hold costs its transfer.
+        for rel_name, helds in self.held.items():
+            for held, h in helds.items():
+                for need, lit in self.need.get(rel_name, {}).items():
+                    ns = math.ceil(self.costs.transfer(rel_name, held, need) * NS)
+                    if ns:
+                        y = self._fresh("y")
+                        self.asserts.append(f"(or (not {h}) (not {lit}) {y})")
+                        self.terms.append((y, ns))
+        self._memory()
+
+    def _held_of(self, relation: str, k: int) -> Held:
+        """The layout of a relation when its producers pick candidate ``k`` (tied producers
+        each contribute their blocks)."""
+        boxes: dict[int, list[Box]] = {}
+        for p in self.graph.producers(relation):
+            for d, bs in self.options[p.name][k].held:
+                boxes.setdefault(d, []).extend(bs)
+        return tuple((d, tuple(bs)) for d, bs in sorted(boxes.items()))
+
+    def _tie_producers(self) -> None:
+        """Rules that write one relation ('=' pieces, rotary halves) pick the same partition, so
+        the relation has one layout; they must have the same candidates for that."""
+        for rel in self.graph.relations:
+            producers = self.graph.producers(rel.name) if rel.kind == "derived" else ()
+            for p in producers[1:]:
+                a, b = self.options[producers[0].name], self.options[p.name]
+                if [o.cand for o in a] != [o.cand for o in b]:
+                    raise EdlError(
+                        f"the rules for {rel.name} split different join spaces; the solver needs them alike",
+                        help="use --strategy megatron|data|replicate for this program",
+                    )
+                self.asserts.extend(
+                    f"(= {u} {v})" for u, v in zip(self.x[producers[0].name], self.x[p.name], strict=True)
+                )
+
+    def _memory(self) -> None:
+        """At every step (node order), resident inputs and params plus the live relations fit."""
+        g = self.graph
+        order = {node.name: k for k, node in enumerate(g.nodes)}
+        resident: list[_Term] = []
+        for rel in g.relations:
+            if rel.kind != "derived":
+                item = self.costs.itemsize(rel.name)
+                for need, lit in self.need.get(rel.name, {}).items():
+                    resident.append((lit, math.ceil(need_bytes(need, item) / KB), (rel.name, need)))
+        last = {rel.name: -1 for rel in g.relations}
+        for node in g.nodes:
+            for acc in node.inputs:
+                last[acc.relation] = max(last[acc.relation], order[node.name])
+        for out in g.outputs:
+            last[out] = len(g.nodes) - 1
+        for t, node in enumerate(g.nodes):
+            live = list(resident)
+            for rel_name, helds in self.held.items():
+                born = min(order[p.name] for p in g.producers(rel_name))
+                if born < t <= last[rel_name]:
+                    item = self.costs.itemsize(rel_name)
+                    live.extend(
+                        (lit, math.ceil(held_bytes(held, item) / KB), (rel_name, held)) for held, lit in helds.items()
+                    )
+            for i, (v, o) in enumerate(zip(self.x[node.name], self.options[node.name], strict=True)):
+                received = sum(b for r, b in o.in_bytes.items() if g.relation(r).kind == "derived")
+                live.append((v, math.ceil((o.out_bytes + received) / KB), (node.name, i)))
+            self.step_terms.append(live)
+        cap = self.memory_limit // KB
+        for live in self.step_terms:
+            self.asserts.append(
+                f"((_ pble {cap} {' '.join(str(kb) for _, kb, _ in live)}) {' '.join(v for v, _, _ in live)})"
+            )
+
+    # -- search ---------------------------------------------------------------------------------------
+
+    def search(
+        self,
+        start: float,
+        time_limit: float,
+        seed: int,
+        warm: dict[str, int] | None,
+        on_progress: Callable[[Progress], None] | None,
+    ) -> tuple[dict[str, int] | None, float, bool, int]:
+        ctx = z3.Context()
+        s = z3.Solver(ctx=ctx)
+        s.set("random_seed", seed)
+        s.from_string(self.decls + "".join(f"(assert {a})" for a in self.asserts))
+        xs = {name: [z3.Bool(v, ctx) for v in lits] for name, lits in self.x.items()}
+        bound = self._floor()
+        best, best_cost, found, optimal = None, None, 0, False
+        if warm is not None and self.memory(warm) <= self.memory_limit:
+            best, best_cost = warm, self.cost(warm)
+            for name, i in warm.items():
+                for k, v in enumerate(xs[name]):
+                    s.set_initial_value(v, k == i)
+        names = list(self.x)
+        window = 0  # large-neighbourhood search: free WINDOW consecutive nodes, fix the rest
+        quiet = 0  # windows in a row that found nothing better
+        while True:
+            if best_cost is not None:
+                weights, lits = self.objective
+                cap = max(0, int(best_cost * (1 - STEP)) - 1)
+                s.from_string(f"(assert ((_ pble {cap} {weights}) {lits}))")
+            if on_progress is not None:
+                best_ms = best_cost / NS * 1e3 if best_cost is not None else None
+                on_progress(Progress(time.monotonic() - start, best_ms, bound / NS * 1e3, found))
+            left = time_limit - (time.monotonic() - start)
+            if left <= 0:
+                break
+            whole = best is None or quiet >= len(names)
+            if whole:
+                assumptions = []
+                s.set("timeout", max(1, int(left * 1000)))
+            else:
+                assert best is not None
+                free = {names[(window + k) % len(names)] for k in range(WINDOW)}
+                assumptions = [xs[n][i] for n, i in best.items() if n not in free]
+                s.set("timeout", max(1, int(min(left, WINDOW_SECONDS) * 1000)))
+            result = s.check(*assumptions)
+            if result == z3.sat:
+                m = s.model()
+                best = {
+                    name: next(i for i, v in enumerate(vs) if z3.is_true(m.eval(v, model_completion=True)))
+                    for name, vs in xs.items()
+                }
+                best_cost = self.cost(best)
+                found += 1
+                quiet = 0
+            elif result == z3.unsat and whole:
+                optimal = best is not None
+                if best_cost is not None:
+                    bound = max(bound, best_cost * (1 - STEP))
+                break
+            elif whole:
+                break  # out of time
+            else:
+                window = (window + WINDOW // 2) % len(names)
+                quiet += WINDOW // 2
+        return best, bound, optimal, found
+
+    def _floor(self) -> float:
+        """A lower bound: every node at its cheapest candidate, no transfers."""
+        return float(sum(min(math.ceil((o.compute + o.reduce) * NS) for o in opts) for opts in self.options.values()))
+
+    def cost(self, choice: dict[str, int]) -> int:
+        """The objective of a choice, in nanoseconds, computed directly (not by Z3)."""
+        total = sum(math.ceil((self.options[n][i].compute + self.options[n][i].reduce) * NS) for n, i in choice.items())
+        for rel_name in self.held:
+            held = self._held_of(rel_name, choice[self.graph.producers(rel_name)[0].name])
+            needs = {
+                need
+                for node in self.graph.nodes
+                for acc, need in self.options[node.name][choice[node.name]].needs
+                if acc.relation == rel_name
+            }
+            if rel_name in self.costs.replicated_need:
+                needs.add(self.costs.replicated_need[rel_name])
+            total += sum(math.ceil(self.costs.transfer(rel_name, held, need) * NS) for need in needs)
+        return total
+
+    def memory(self, choice: dict[str, int]) -> int:
+        """The estimated peak bytes of one device under a choice."""
+        g = self.graph
+        used: set[tuple[str, object]] = set(choice.items())
+        for node in g.nodes:
+            for acc, need in self.options[node.name][choice[node.name]].needs:
+                used.add((acc.relation, need))
+        for rel_name in self.held:
+            used.add((rel_name, self._held_of(rel_name, choice[g.producers(rel_name)[0].name])))
+        for name, need in self.costs.replicated_need.items():
+            used.add((name, need))
+        return max((sum(kb for _, kb, key in live if key in used) for live in self.step_terms), default=0) * KB
+
+
+def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:
+    tiles: dict[str, Tile] = {name: options[name][i].layout.tile for name, i in choice.items()}
+    nodes = tuple(NodePlan(node.name, tiles[node.name]) for node in graph.nodes)
+    inputs = tuple(
+        Placement(r.name, place_by_consumers(graph, tiles, r.name, topo.n))
+        for r in graph.relations
+        if r.kind != "derived"
+    )
+    every = tuple(range(topo.n))
+    outputs = tuple(Placement(o, Tile.whole(graph.relation(o).box, every)) for o in graph.outputs)
+    strategy = "auto" if space == "join" else "mesh"
+    return Plan(graph.fingerprint(), topo.n, topo.name, strategy, nodes, inputs, outputs)

@@ -1,0 +1,263 @@
+"""Candidate partitions of a join space, and what each device's block of one reads and writes.
+
+A :class:`Candidate` splits some join indices (uneven where the extent does not divide) into
+``P`` blocks and replicates each block on ``r`` devices, ``P * r <= N``.  Devices follow one
+canonical rule for every node: the split indices, ordered by their dim's place in the program
+(``KVH`` before ``G``, ``S`` before ``F``...), number the blocks in mixed radix, and block ``L``
+lives on devices ``L*r .. L*r + r-1``.  Two nodes that split the same dims the same way therefore
+put matching blocks on the same device, which is what makes Megatron-style chains free of traffic.
+
+Coordinates are kept as sorted disjoint intervals (:data:`Ivs`), exact for composite accesses
+such as ``wq[(g, r, e), d]``, and cheap to intersect while costing thousands of candidate pairs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from edatalog.ir.affine import Affine
+from edatalog.ir.graph import AxisMap, Graph, JoinAgg
+from edatalog.solver.plan import Split, Tile
+
+Ivs = tuple[tuple[int, int], ...]  # sorted, disjoint, non-adjacent [lo, hi) intervals
+Box = tuple[Ivs, ...]  # one interval set per axis of a relation
+
+
+def ivs_size(a: Ivs) -> int:
+    return sum(hi - lo for lo, hi in a)
+
+
+def ivs_meet(a: Ivs, b: Ivs) -> int:
+    """The number of coordinates in both."""
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def box_size(box: Box) -> int:
+    return math.prod(ivs_size(a) for a in box)
+
+
+def box_meet(a: Box, b: Box) -> int:
+    out = 1
+    for x, y in zip(a, b, strict=True):
+        out *= ivs_meet(x, y)
+        if out == 0:
+            return 0
+    return out
+
+
+def _merge(ivs: list[tuple[int, int]]) -> Ivs:
+    ivs.sort()
+    out: list[tuple[int, int]] = []
+    for lo, hi in ivs:
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def through(axes: tuple[AxisMap, ...], ranges: Mapping[str, tuple[int, int]]) -> Box:
+    """The coordinates an access reaches, as intervals per axis, when its indices run over
+    ``ranges`` (the interval twin of :meth:`Region.through`)."""
+    out = []
+    for ax in axes:
+        inner: Ivs = ((0, 1),)
+        stride = 1
+        for p in reversed(ax.parts):
+            lo, hi = ranges[p.index] if p.index is not None else (p.const or 0, (p.const or 0) + 1)
+            if inner == ((0, stride),):  # the inner parts cover their whole span: one interval
+                inner = ((lo * stride, hi * stride),)
+            else:
+                inner = _merge([(v * stride + a, v * stride + b) for v in range(lo, hi) for a, b in inner])
+            stride *= p.extent
+        out.append(inner)
+    return tuple(out)
+
+
+def split_longest(box: Box, parts: int) -> list[Box]:
+    """``parts`` pieces of a box cut along its longest axis as :func:`numpy.array_split` cuts
+    (the way the backend's reduce-scatter divides a reduced block among its owners)."""
+    if not box:
+        return [box]
+    k = max(range(len(box)), key=lambda j: ivs_size(box[j]))
+    coords = np.concatenate([np.arange(lo, hi) for lo, hi in box[k]]) if box[k] else np.zeros(0, dtype=np.int64)
+    pieces = []
+    for chunk in np.array_split(coords, min(parts, max(1, len(coords)))):
+        if not len(chunk):
+            continue
+        breaks = np.flatnonzero(np.diff(chunk) != 1)
+        starts = np.concatenate(([0], breaks + 1))
+        ends = np.concatenate((breaks, [len(chunk) - 1]))
+        ivs = tuple((int(chunk[s]), int(chunk[e]) + 1) for s, e in zip(starts, ends, strict=True))
+        pieces.append((*box[:k], ivs, *box[k + 1 :]))
+    return pieces
+
+
+# -- candidates -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Parts per join index (in the node's index order) and copies of each block."""
+
+    parts: tuple[int, ...]
+    replicas: int
+
+    @property
+    def blocks(self) -> int:
+        return math.prod(self.parts)
+
+    @property
+    def devices(self) -> int:
+        return self.blocks * self.replicas
+
+
+def dim_order(graph: Graph) -> dict[str, int]:
+    """The canonical rank of every dim symbol: its place among the program's dims."""
+    order = {name: k for k, (name, _) in enumerate(graph.dims)}
+    for node in graph.nodes:
+        for i in node.indices:
+            order.setdefault(i.symbol, len(order))
+    return order
+
+
+def candidates(node: JoinAgg, n: int, mesh: bool = False) -> list[Candidate]:
+    """Every way to give ``n`` devices (or fewer, when extents are too small) blocks of the node:
+    up to three split indices, parts at most the extent, the rest as replicas.  ``mesh`` keeps
+    only what a device mesh can express: parts that divide the extent, and products of the prime
+    factors of ``n``."""
+    extents = [i.extent for i in node.indices]
+    out = []
+    for total in sorted({d for d in range(1, n + 1) if n % d == 0}, reverse=True):
+        for blocks in (b for b in range(1, total + 1) if total % b == 0):
+            for parts in _factorizations(blocks, extents, limit=3):
+                if mesh and any(e % p for p, e in zip(parts, extents, strict=True)):
+                    continue
+                out.append(Candidate(parts, total // blocks))
+        if out and total == n:
+            break  # every device can get work: fewer devices only when nothing fits all of them
+    if not out:
+        out.append(Candidate((1,) * len(extents), n))
+    return out
+
+
+def _factorizations(blocks: int, extents: list[int], limit: int) -> Iterator[tuple[int, ...]]:
+    """Tuples of parts (each at most its extent) whose product is ``blocks``, at most ``limit``
+    of them above 1."""
+    if blocks == 1:
+        yield (1,) * len(extents)
+        return
+    divisors = [d for d in range(2, blocks + 1) if blocks % d == 0]
+    for k in range(1, min(limit, len(extents)) + 1):
+        for where in itertools.combinations(range(len(extents)), k):
+            for combo in itertools.product(divisors, repeat=k):
+                if math.prod(combo) != blocks:
+                    continue
+                if any(c > extents[w] for c, w in zip(combo, where, strict=True)):
+                    continue
+                parts = [1] * len(extents)
+                for c, w in zip(combo, where, strict=True):
+                    parts[w] = c
+                yield tuple(parts)
+
+
+@dataclass(frozen=True)
+class DeviceBlock:
+    """One device's block: its ranges tightened to where the guard has points, the points."""
+
+    device: int
+    copy: int  # 0 for the block's first holder (the one that sends partials)
+    block: int  # row-major block number in the node's tile
+    ranges: dict[str, tuple[int, int]]
+    points: int
+
+
+class Layout:
+    """A candidate applied to a node: its tile, and each device's block."""
+
+    @staticmethod
+    def of_tile(node: JoinAgg, tile: Tile) -> Layout:
+        """The layout of any tile of the node (a saved plan's, a baseline's): devices as given."""
+        layout = Layout.__new__(Layout)
+        layout.node, layout.splits, layout.tile = node, tile.splits, tile
+        layout.cand = Candidate(tuple(s.parts for s in tile.splits), len(tile.devices[0]) if tile.devices else 1)
+        layout.names = [i.name for i in node.indices]
+        return layout
+
+    def __init__(self, node: JoinAgg, cand: Candidate, rank: Mapping[str, int]) -> None:
+        self.node, self.cand = node, cand
+        names = [i.name for i in node.indices]
+        self.splits = tuple(Split.even(i.name, i.extent, p) for i, p in zip(node.indices, cand.parts, strict=True))
+        split_order = sorted(
+            (k for k, p in enumerate(cand.parts) if p > 1),
+            key=lambda k: (rank[node.indices[k].symbol], k),
+        )
+        devices = []
+        for combo in itertools.product(*(range(p) for p in cand.parts)):
+            linear = 0
+            for k in split_order:
+                linear = linear * cand.parts[k] + combo[k]
+            devices.append(tuple(range(linear * cand.replicas, (linear + 1) * cand.replicas)))
+        self.tile = Tile(self.splits, tuple(devices))
+        self.names = names
+
+    @cached_property
+    def per_device(self) -> list[DeviceBlock]:
+        out = []
+        for block in self.tile.blocks():
+            ranges, points = tighten(self.node, block.ranges)
+            if points == 0:
+                continue
+            for copy, d in enumerate(block.devices):
+                out.append(DeviceBlock(d, copy, block.index, ranges, points))
+        return out
+
+
+_TIGHTEN_CACHE: dict[tuple[object, ...], tuple[dict[str, tuple[int, int]], int]] = {}
+
+
+def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """A block's ranges shrunk to where the node's guard has points, and the number of points
+    (what the backend computes: blocks with no points are skipped)."""
+    dense = math.prod(hi - lo for lo, hi in ranges.values())
+    guard = node.guard
+    if guard.is_true:
+        return dict(ranges), dense
+    gvars = sorted(guard.vars)
+    key = (guard, tuple(ranges[v] for v in gvars))
+    hit = _TIGHTEN_CACHE.get(key)
+    if hit is None:
+        shift = {v: Affine.var(v) + ranges[v][0] for v in gvars}
+        box = {v: ranges[v][1] - ranges[v][0] for v in gvars}
+        shifted = guard.substitute(shift)
+        inside, _ = shifted.count_bound(box)
+        tight: dict[str, tuple[int, int]] = {}
+        if inside:
+            for v in gvars:
+                shadow, _ = shifted.project([v], box)
+                mask = np.broadcast_to(shadow.mask([v], box), (box[v],))
+                idx = np.flatnonzero(mask)
+                if len(idx):
+                    tight[v] = (ranges[v][0] + int(idx[0]), ranges[v][0] + int(idx[-1]) + 1)
+        hit = (tight, inside)
+        if len(_TIGHTEN_CACHE) > 100_000:
+            _TIGHTEN_CACHE.clear()
+        _TIGHTEN_CACHE[key] = hit
+    tight, inside = hit
+    others = math.prod(hi - lo for v, (lo, hi) in ranges.items() if v not in gvars)
+    return {**ranges, **tight}, inside * others

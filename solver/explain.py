@@ -1,0 +1,69 @@
+"""Why a plan splits a rule as it does: every candidate partition of the rule, priced in the
+context of the rest of the plan (its producers' layouts and its consumers' needs held fixed), by
+the same estimates the solver minimizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edatalog.errors import EdlError, did_you_mean
+from edatalog.ir.graph import Graph
+from edatalog.solver.blocks import Layout, candidates, dim_order
+from edatalog.solver.costs import Costs, Option
+from edatalog.solver.plan import Plan, Tile
+from edatalog.solver.topology import Topology
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One partition of a rule and what it costs where it stands in the plan (seconds)."""
+
+    tile: Tile
+    compute: float
+    reduce: float
+    inbound: float  # bringing its inputs from the producers' layouts
+    outbound: float  # bringing its output to the consumers' needs (and to where outputs must end)
+    chosen: bool
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.reduce + self.inbound + self.outbound
+
+
+def explain(graph: Graph, topo: Topology, plan: Plan, rule: str) -> list[Priced]:
+    """Every candidate for ``rule`` (and the plan's own tile), cheapest first."""
+    names = [n.name for n in graph.nodes]
+    if rule not in names:
+        close = did_you_mean(rule, names)
+        raise EdlError(f"the program has no rule '{rule}'", help=close or f"rules: {', '.join(names)}")
+    node = graph.node(rule)
+    costs = Costs(graph, topo)
+    tiles = {p.node: p.tile for p in plan.nodes}
+    fixed = {n.name: costs.option(n, Layout.of_tile(n, tiles[n.name])) for n in graph.nodes}
+    rank = dim_order(graph)
+    layouts = [Layout.of_tile(node, tiles[rule])]
+    layouts += [
+        Layout(node, c, rank) for c in candidates(node, plan.n_devices) if Layout(node, c, rank).tile != tiles[rule]
+    ]
+    out = []
+    for k, layout in enumerate(layouts):
+        o = costs.option(node, layout)
+        out.append(_price(graph, costs, plan, fixed, o, chosen=k == 0))
+    out.sort(key=lambda p: (p.total, not p.chosen))
+    return out
+
+
+def _price(graph: Graph, costs: Costs, plan: Plan, fixed: dict[str, Option], o: Option, chosen: bool) -> Priced:
+    node = o.layout.node
+    inbound = 0.0
+    for acc, need in o.needs:
+        for producer in graph.producers(acc.relation):
+            inbound += costs.transfer(acc.relation, fixed[producer.name].held, need)
+    outbound = 0.0
+    for consumer in graph.nodes:
+        for acc, need in fixed[consumer.name].needs:
+            if acc.relation == node.out:
+                outbound += costs.transfer(node.out, o.held, need)
+    if node.out in {p.relation for p in plan.outputs}:
+        outbound += costs.transfer(node.out, o.held, costs.replicated_need[node.out])
+    return Priced(o.layout.tile, o.compute, o.reduce, inbound, outbound, chosen)
