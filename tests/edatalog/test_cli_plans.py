@@ -54,7 +54,7 @@ def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def gqa_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A megatron plan of the LLaMA block with grouped-query attention on 8 devices."""
     path = tmp_path_factory.mktemp("plans") / "gqa.json"
-    _quiet("plan", LLAMA, *GQA, "-t", "a100x8", "-o", str(path))
+    _quiet("plan", LLAMA, *GQA, "-t", "a100x8", "-s", "megatron", "-o", str(path))
     return path
 
 
@@ -62,7 +62,7 @@ def gqa_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_plan_prints_placements_tiles_machine_and_cost(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x8")
+    code, out, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x8", "-s", "megatron")
     assert code == 0
     fingerprint = edatalog.compile(LLAMA, dims=GQA_DIMS).graph.fingerprint()
     lines = out.splitlines()
@@ -87,7 +87,7 @@ def test_plan_prints_placements_tiles_machine_and_cost(capsys: pytest.CaptureFix
 
 
 def test_plan_json_summary_adds_up(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "plan", ATTN, *ATTN_SMALL, "-t", "a100x4", "--json")
+    code, out, _ = _run(capsys, "plan", ATTN, *ATTN_SMALL, "-t", "a100x4", "-s", "megatron", "--json")
     assert code == 0
     data = json.loads(out)
     assert set(data) == {"summary", "plan"}
@@ -115,7 +115,9 @@ def test_data_parallel_splits_the_work_without_moving_anything(capsys: pytest.Ca
 
 def test_plan_writes_the_plan_and_a_chrome_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plan_path, trace_path = tmp_path / "p.json", tmp_path / "t.json"
-    code, out, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x4", "-o", str(plan_path), "--trace", str(trace_path))
+    code, out, _ = _run(
+        capsys, "plan", LLAMA, *GQA, "-t", "a100x4", "-s", "megatron", "-o", str(plan_path), "--trace", str(trace_path)
+    )
     assert code == 0
     assert f"wrote plan {plan_path}" in out and f"wrote trace {trace_path}" in out
     saved = json.loads(plan_path.read_text())
@@ -142,7 +144,9 @@ def test_hierarchical_reduction_moves_less_between_nodes(capsys: pytest.CaptureF
     dims = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=8", "--dim", "KVH=8", "--dim", "F=64"]
     between: dict[str, int] = {}
     for reduction in ("direct", "hierarchical", "auto"):
-        code, out, _ = _run(capsys, "plan", LLAMA, *dims, "-t", "2x4", "--reduction", reduction, "--json")
+        code, out, _ = _run(
+            capsys, "plan", LLAMA, *dims, "-t", "2x4", "-s", "megatron", "--reduction", reduction, "--json"
+        )
         assert code == 0
         links = json.loads(out)["summary"]["bytes_per_link"]
         between[reduction] = sum(
@@ -156,7 +160,7 @@ def test_hierarchical_reduction_moves_less_between_nodes(capsys: pytest.CaptureF
 
 
 def test_query_summary_repeats_the_plan(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
-    _, planned, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x8")
+    _, planned, _ = _run(capsys, "plan", LLAMA, *GQA, "-t", "a100x8", "-s", "megatron")
     code, out, _ = _run(capsys, "query", str(gqa_plan))
     assert code == 0
     tiles = planned.split("\n\n")[0]
@@ -291,7 +295,7 @@ def test_show_writes_a_png_of_the_right_size(
     assert y == {0}  # replicated: one colour, hatched
 
     mlp_plan, everything = tmp_path / "mlp.json", tmp_path / "all.png"
-    _quiet("plan", MLP, *MLP_SMALL, "-t", "a100x2", "-o", str(mlp_plan))
+    _quiet("plan", MLP, *MLP_SMALL, "-t", "a100x2", "--time-limit", "1", "-o", str(mlp_plan))
     assert main(["show", str(mlp_plan), "-o", str(everything)]) == 0  # every relation: 9, in 3 rows of 4
     assert matplotlib.image.imread(str(everything)).shape == (round(3 * 2.8 * 130), round(4 * 3.2 * 130), 4)
 
@@ -299,7 +303,7 @@ def test_show_writes_a_png_of_the_right_size(
 def test_show_draws_blocks_split_on_leading_axes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plan_path, picture = tmp_path / "p.json", tmp_path / "q.png"
     dims = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=4", "--dim", "KVH=4", "--dim", "F=48"]
-    _quiet("plan", LLAMA, *dims, "-t", "a100x4", "-o", str(plan_path))
+    _quiet("plan", LLAMA, *dims, "-t", "a100x4", "-s", "megatron", "-o", str(plan_path))
     _quiet("show", str(plan_path), "q", "-o", str(picture))
     assert _device_colors(picture, 1) == [{0, 1, 2, 3}]  # q is split over the heads, one per device
 
@@ -321,6 +325,7 @@ def test_show_mistakes(capsys: pytest.CaptureFixture[str], gqa_plan: Path, tmp_p
         (LLAMA, GQA, "2x4", "megatron"),
         (LLAMA, GQA, "a100x4", "data"),
         (ATTN, ATTN_SMALL, "a100x3", "random"),
+        (LLAMA, GQA, "a100x3", "auto"),
     ],
 )
 def test_run_a_plan_matches_the_reference(
@@ -328,7 +333,7 @@ def test_run_a_plan_matches_the_reference(
 ) -> None:
     plan_path, trace = tmp_path / "p.json", tmp_path / "t.json"
     planned, reference = tmp_path / "sim.npz", tmp_path / "ref.npz"
-    _quiet("plan", program, *dims, "-t", topology, "-s", strategy, "-o", str(plan_path))
+    _quiet("plan", program, *dims, "-t", topology, "-s", strategy, "--time-limit", "1", "-o", str(plan_path))
     argv = ["run", program, *dims, "--plan", str(plan_path), "--backend", "sim", "--random", "3", "-o", str(planned)]
     argv += ["--trace", str(trace)]
     code, out, _ = _run(capsys, *argv, "--json")
@@ -344,7 +349,7 @@ def test_run_a_plan_matches_the_reference(
 
 def test_run_a_plan_reports_the_simulation(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plan_path, trace = tmp_path / "p.json", tmp_path / "t.json"
-    _quiet("plan", MLP, *MLP_SMALL, "-t", "h100x2", "-o", str(plan_path))
+    _quiet("plan", MLP, *MLP_SMALL, "-t", "h100x2", "-s", "megatron", "-o", str(plan_path))
     # --backend sim is implied by --plan
     code, out, _ = _run(
         capsys, "run", MLP, *MLP_SMALL, "--plan", str(plan_path), "--random", "0", "--trace", str(trace)
@@ -407,7 +412,7 @@ def test_custom_machine_toml(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert machine.inter.latency == pytest.approx(10e-6)
 
     plan_path = tmp_path / "p.json"
-    code, out, _ = _run(capsys, "plan", MLP, *MLP_SMALL, "-t", str(path), "-o", str(plan_path))
+    code, out, _ = _run(capsys, "plan", MLP, *MLP_SMALL, "-t", str(path), "-s", "megatron", "-o", str(plan_path))
     assert code == 0
     assert "my-box: 4 x A100-80GB (2+2 per node), nvlink 300 GB/s, ib 25 GB/s between nodes" in out
     kinds = {line.split()[0] + line.split()[2]: line.split()[3] for line in out.splitlines() if " -> " in line[:8]}
@@ -468,7 +473,8 @@ def test_unknown_topology_suggests(capsys: pytest.CaptureFixture[str], name: str
 def test_unknown_strategy_lists_the_strategies(capsys: pytest.CaptureFixture[str]) -> None:
     err = _fails(capsys, "plan", MLP, *MLP_SMALL, "-s", "megatrn")
     assert "unknown strategy 'megatrn'" in err
-    assert "replicate, data, megatron, random" in err
+    assert "auto, replicate, data, megatron, random" in err
+    assert "did you mean 'megatron'" in err
 
 
 def test_megatron_needs_a_transformer(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
