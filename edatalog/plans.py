@@ -87,6 +87,7 @@ class Plan:
             "optimal": sol.optimal,
             "gap": sol.gap,
             "memory_estimate": sol.memory_estimate,
+            "chosen_by": sol.chosen_by,
         }
 
     def over_memory(self) -> list[int]:
@@ -168,17 +169,22 @@ def _solved(
     space: str,
     on_progress: Callable[[auto.Progress], None] | None,
 ) -> Plan:
-    """Solve, then check the plan's peak memory in the simulator's accounting; when the
-    solver's estimate was too low, solve again under a budget cut by the overshoot."""
+    """Solve, then check the shortlisted plans in the simulator's accounting: the fastest that
+    fits wins.  When none fits (the solver's memory estimate was too low), solve again under a
+    budget cut by the overshoot."""
     limit = min(d.memory for d in machine.devices)
     budget = limit
+    peak = 0
     for _ in range(4):
         solution = auto.solve(graph, machine, budget, time_limit, seed, space, on_progress)
-        plan = Plan(solution.plan, graph, machine, reduction)
-        plan.solution = solution
-        if not plan.over_memory():
+        checked = [Plan(ir, graph, machine, reduction) for ir in solution.shortlist]
+        fitting = [p for p in checked if not p.over_memory()]
+        if fitting:
+            plan = min(fitting, key=lambda p: p.report.seconds)
+            solution.chosen_by = "solver" if plan is checked[0] else "timeline"
+            plan.solution = solution
             return plan
-        peak = max(plan.report.peak_memory.values())
+        peak = max(max(p.report.peak_memory.values()) for p in checked)
         budget = int(budget * limit / peak * 0.97)
     raise EdlError(
         f"the solver found no plan that fits in {limit / 1e9:.3g}GB per device once simulated "

@@ -61,6 +61,10 @@ class Solution:
     options: dict[str, list[Option]] = field(repr=False, default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # node -> index into options[node]
     plans_found: int = 0
+    # Plans worth checking in the exact timeline: the solver's best, then the plan it started from
+    # (its estimate adds steps up, so the two can swap places once overlap is counted).
+    shortlist: tuple[Plan, ...] = ()
+    chosen_by: str = "solver"  # "solver", or "timeline" when the re-check preferred the start
 
     @property
     def gap(self) -> float:
@@ -102,6 +106,7 @@ def solve(
             help="give each device more memory (--memory), use more devices, or shrink the dims",
         )
     plan = _plan(graph, topo, options, best, space)
+    shortlist = (plan,) if warm is None or warm == best else (plan, _plan(graph, topo, options, warm, space))
     cost = model.cost(best)
     return Solution(
         plan,
@@ -113,6 +118,7 @@ def solve(
         options,
         best,
         found,
+        shortlist,
     )
 
 

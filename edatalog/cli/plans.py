@@ -130,7 +130,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             baseline = None  # not a transformer: nothing to compare with
     else:
         plan = make_plan(
-            prog, args.topology, args.strategy, seed=args.seed, reduction=args.reduction, memory=args.memory
+            prog,
+            args.topology,
+            args.strategy,
+            seed=args.seed,
+            reduction=args.reduction,
+            memory=args.memory,
+            space=args.space,
         )
     if args.output:
         plan.save(args.output)
@@ -183,6 +189,11 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
         f"solver: {sol.plans_found} improving plan{'s' if sol.plans_found != 1 else ''} in {sol.seconds:.1f} s, "
         f"estimate {sol.predicted_ms:.4g} ms, {proof}; memory estimate {human(sol.memory_estimate)}B per device"
     )
+    if sol.chosen_by == "timeline":
+        print(
+            "note: the plan the solver started from (a baseline in its space) ran faster in the timeline, "
+            "which overlaps steps the solver's estimate adds up; it is the one kept"
+        )
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
