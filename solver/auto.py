@@ -35,7 +35,7 @@ STEP = 0.002  # each new plan must be this much faster than the last: the optima
 NS = 1e9  # the objective is in nanoseconds
 KB = 1024  # memory constraints count kilobytes
 WINDOW = 6  # nodes freed at a time while improving the incumbent
-WINDOW_SECONDS = 2.0  # the most one neighbourhood may take
+WINDOW_SECONDS = 1.0  # the most one neighbourhood may take
 
 _Term = tuple[str, int, tuple[str, object]]  # literal, kilobytes, what it stands for
 
@@ -360,7 +360,8 @@ class _Model:
             if on_progress is not None:
                 best_ms = best_cost / NS * 1e3 if best_cost is not None else None
                 on_progress(Progress(time.monotonic() - start, best_ms, bound / NS * 1e3, found))
-            left = time_limit - (time.monotonic() - start)
+            # Keep a little of the budget for turning the answer into a plan.
+            left = time_limit * 0.97 - 0.2 - (time.monotonic() - start)
             if left <= 0:
                 break
             whole = best is None or quiet >= len(names)
