@@ -1,0 +1,319 @@
+"""Plan quality: the solver's plans against the hand-written baselines on transformer blocks.
+
+For every case (a LLaMA-style decoder block, its dims, a machine and a layer count) this plans the
+block four ways and prints what edatalog's cost model predicts for each:
+
+  auto      the Z3 solver over any partition of every join space (space="join")
+  mesh      the Z3 solver limited to GSPMD-style mesh plans (space="mesh")
+  megatron  Megatron-LM tensor parallelism (hand-written baseline)
+  data      data parallelism (hand-written baseline; with B=1 there is no batch to split)
+
+Every device gets the block's share of an 80 GB GPU: 80 GB x 0.9 / layers.  The solver must fit
+in it; baselines are built on the same machine and marked "over memory" where they do not fit.
+
+Times are *predicted* by the simulator's timeline under the machine's cost model, not measured.
+
+  .venv/bin/python benchmarks/plan_quality.py                    # every case, a table
+  .venv/bin/python benchmarks/plan_quality.py --cases 7B-S512 --time-limit 3
+  .venv/bin/python benchmarks/plan_quality.py --json > results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import edatalog
+from edatalog import EdlError
+
+PROGRAM = Path(__file__).resolve().parent.parent / "programs" / "llama_block.edl"
+GPU_MEMORY = 80e9  # bytes: one 80 GB GPU
+MEMORY_SHARE = 0.9  # of it for the layers' weights and activations
+STRATEGIES = ("auto", "mesh", "megatron", "data")
+SOLVED = ("auto", "mesh")
+
+# LLaMA paper dims (Touvron et al. 2023, table 2): D, H, F, layers.  KVH = H (no GQA).
+LLAMA = {
+    "7B": (4096, 32, 11008, 32),
+    "13B": (5120, 40, 13824, 40),
+    "30B": (6656, 52, 17920, 60),
+    "65B": (8192, 64, 22016, 80),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One block on one machine."""
+
+    name: str
+    dims: dict[str, int]
+    topology: str
+    layers: int
+    llama: bool = False  # counts in the geometric means
+
+    @property
+    def memory(self) -> int:
+        """Bytes per device for this block."""
+        return int(GPU_MEMORY * MEMORY_SHARE / self.layers)
+
+
+@dataclass
+class Result:
+    """One strategy's plan for one case; ``error`` set when there is none."""
+
+    strategy: str
+    predicted_ms: float | None = None
+    bytes_moved: int | None = None
+    peak_memory: int | None = None
+    fits: bool | None = None
+    solve_seconds: float | None = None  # the last solve (Solution.seconds)
+    wall_seconds: float = 0.0  # the whole edatalog.plan call and its simulation
+    solver: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def llama_dims(size: str, seq: int) -> tuple[dict[str, int], int]:
+    d, h, f, layers = LLAMA[size]
+    return {"B": 1, "S": seq, "D": d, "H": h, "KVH": h, "F": f}, layers
+
+
+def all_cases() -> list[Case]:
+    """The cases of the plan-quality issue, in order."""
+    cases = []
+    for size in LLAMA:
+        for seq in (512, 2048):
+            dims, layers = llama_dims(size, seq)
+            cases.append(Case(f"{size}-S{seq}", dims, "a100x8", layers, llama=True))
+    dims, layers = llama_dims("7B", 2048)
+    for n in (2, 3, 4, 6):
+        cases.append(Case(f"7B-S2048-a100x{n}", dims, f"a100x{n}", layers))
+    qwen = {"B": 1, "S": 2048, "D": 3584, "H": 28, "KVH": 4, "F": 18944}
+    cases.append(Case("Qwen2-7B-S2048", qwen, "a100x8", 28))
+    cases.append(Case("7B-S2048-2x4", dims, "2x4", layers))
+    return cases
+
+
+def run_strategy(prog: edatalog.Program, case: Case, strategy: str, time_limit: float) -> Result:
+    """Plan one way and read the simulator's report."""
+    result = Result(strategy)
+    start = time.monotonic()
+    try:
+        if strategy in SOLVED:
+            space = "join" if strategy == "auto" else "mesh"
+            plan = edatalog.plan(
+                prog, topology=case.topology, memory=case.memory, time_limit=time_limit, space=space, seed=0
+            )
+        else:
+            machine = edatalog.topology(case.topology).with_memory(case.memory)
+            plan = edatalog.plan(prog, topology=machine, strategy=strategy)
+        report = plan.report
+        result.predicted_ms = report.seconds * 1e3
+        result.bytes_moved = int(report.bytes_moved)
+        result.peak_memory = int(max(report.peak_memory.values()))
+        result.fits = not plan.over_memory()
+        if plan.solution is not None:
+            sol = plan.solution
+            result.solve_seconds = sol.seconds
+            result.solver = {
+                "estimate_ms": sol.predicted_ms,
+                "lower_bound_ms": sol.lower_bound_ms,
+                "optimal": sol.optimal,
+                "gap": sol.gap,
+                "plans_found": sol.plans_found,
+            }
+    except EdlError as exc:
+        result.error = str(exc).splitlines()[0]
+    except Exception as exc:  # noqa: BLE001 - a crash is a result: record it and go on
+        traceback.print_exc(file=sys.stderr)
+        result.error = f"crash: {type(exc).__name__}: {exc}"
+    result.wall_seconds = time.monotonic() - start
+    return result
+
+
+def ratio(a: Result, b: Result) -> float | None:
+    if a.predicted_ms is None or b.predicted_ms is None:
+        return None
+    return a.predicted_ms / b.predicted_ms
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def summarize(cases: list[Case], results: dict[str, dict[str, Result]]) -> dict[str, Any]:
+    """Geometric means over the LLaMA cases, and where auto beats or loses to the others."""
+    llama = [c.name for c in cases if c.llama]
+    means: dict[str, Any] = {}
+    for s in STRATEGIES:
+        ms = [results[c][s].predicted_ms for c in llama]
+        have = [m for m in ms if m is not None]
+        means[s] = {"ms": geomean(have), "cases": len(have)}
+    ratios = {c.name: ratio(results[c.name]["auto"], results[c.name]["megatron"]) for c in cases}
+    llama_ratios = [r for c, r in ratios.items() if c in llama and r is not None]
+    all_ratios = [r for r in ratios.values() if r is not None]
+    join_beats_mesh = [
+        c.name for c in cases if (r := ratio(results[c.name]["auto"], results[c.name]["mesh"])) is not None and r < 1
+    ]
+    return {
+        "geomean_ms": means,
+        "geomean_auto_over_megatron_llama": geomean(llama_ratios),
+        "geomean_auto_over_megatron_all": geomean(all_ratios),
+        "auto_over_megatron": ratios,
+        "auto_worse_than_megatron": [c for c, r in ratios.items() if r is not None and r > 1],
+        "join_beats_mesh": join_beats_mesh,
+    }
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n}B"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _row(case: Case, r: Result, megatron: Result) -> list[str]:
+    if r.error is not None:
+        return [case.name, r.strategy, "n/a", "", "", "no plan*", "", f"{r.wall_seconds:.1f}", "", "n/a"]
+    fits = "fits" if r.fits else "over memory"
+    gap = ""
+    if r.solver:
+        gap = "optimal" if r.solver["optimal"] else f"{r.solver['gap']:.0%}"
+    return [
+        case.name,
+        r.strategy,
+        _num(r.predicted_ms, ".3f"),
+        _bytes(r.bytes_moved),
+        _bytes(r.peak_memory),
+        fits,
+        _num(r.solve_seconds, ".1f") if r.strategy in SOLVED else "",
+        f"{r.wall_seconds:.1f}",
+        gap,
+        _num(ratio(r, megatron), ".3f"),
+    ]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render(cases: list[Case], results: dict[str, dict[str, Result]], summary: dict[str, Any]) -> str:
+    """The human-readable report: one row per case and strategy, then the means."""
+    header = ["case", "strategy", "pred ms", "moved", "peak mem", "fits", "solve s", "plan s", "gap", "/megatron"]
+    rows = []
+    for c in cases:
+        rows += [_row(c, results[c.name][s], results[c.name]["megatron"]) for s in STRATEGIES]
+    means = summary["geomean_ms"]
+    n_llama = sum(c.llama for c in cases)
+    lines = [_table(header, rows), ""]
+    errors = [(c.name, r) for c in cases for r in results[c.name].values() if r.error is not None]
+    for name, r in errors:
+        lines.append(f"* {name} {r.strategy}: {r.error}")
+    if errors:
+        lines.append("")
+    if n_llama:
+        lines.append(f"geometric means over the {n_llama} LLaMA cases on a100x8:")
+        for s in STRATEGIES:
+            m = means[s]
+            short = "" if m["cases"] == n_llama else f" (only {m['cases']} cases)"
+            lines.append(f"  {s:<9} {_num(m['ms'], '.3f')} ms{short}")
+        lines.append(f"  auto/megatron {_num(summary['geomean_auto_over_megatron_llama'], '.3f')}")
+    lines.append(f"auto/megatron over all cases: {_num(summary['geomean_auto_over_megatron_all'], '.3f')}")
+    worse = summary["auto_worse_than_megatron"]
+    lines.append(f"auto slower than megatron on: {', '.join(worse) or 'none'}")
+    beats = summary["join_beats_mesh"]
+    lines.append(f"join-space plan strictly faster than the mesh-only plan on: {', '.join(beats) or 'none'}")
+    return "\n".join(lines)
+
+
+def to_json(cases: list[Case], results: dict[str, dict[str, Result]], summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "cases": [
+            {
+                "name": c.name,
+                "dims": c.dims,
+                "topology": c.topology,
+                "layers": c.layers,
+                "memory_per_device": c.memory,
+                "results": {s: vars(results[c.name][s]) for s in STRATEGIES},
+            }
+            for c in cases
+        ],
+        **summary,
+    }
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    names = ", ".join(c.name for c in all_cases())
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog=(
+            "Strategies: auto (solver, any partition), mesh (solver, GSPMD-style mesh plans only), "
+            "megatron and data (hand-written baselines).  Memory per device is 80 GB x 0.9 / layers; "
+            "baselines that exceed it are still timed and marked 'over memory'.  Times are predicted "
+            f"by edatalog's cost model, not measured.  Cases: {names}."
+        ),
+    )
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per solve (default 10)")
+    p.add_argument(
+        "--cases", default="", help="comma-separated substrings; run the cases whose name contains any of them"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    wanted = [w for w in args.cases.split(",") if w]
+    cases = [c for c in all_cases() if not wanted or any(w in c.name for w in wanted)]
+    if not cases:
+        print(f"no case matches {args.cases!r}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    results: dict[str, dict[str, Result]] = {}
+    for i, case in enumerate(cases, 1):
+        prog = edatalog.compile(str(PROGRAM), dims=case.dims)
+        results[case.name] = {s: run_strategy(prog, case, s, args.time_limit) for s in STRATEGIES}
+        parts = [
+            f"{s} "
+            + ("n/a" if r.predicted_ms is None else f"{r.predicted_ms:.3f}ms")
+            + ("" if r.fits in (True, None) else " (over)")
+            for s, r in results[case.name].items()
+        ]
+        took = sum(r.wall_seconds for r in results[case.name].values())
+        print(f"[{i}/{len(cases)}] {case.name}: {', '.join(parts)}  ({took:.0f}s)", file=sys.stderr, flush=True)
+    summary = summarize(cases, results)
+    wall = time.monotonic() - start
+    if args.json:
+        data = to_json(cases, results, summary)
+        print(json.dumps({"time_limit": args.time_limit, "wall_seconds": wall, **data}, indent=1))
+    else:
+        print(render(cases, results, summary))
+        print(f"benchmark wall time: {wall:.0f}s (time limit {args.time_limit:g}s per solve)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
