@@ -68,7 +68,9 @@ class Solution:
 
     @property
     def gap(self) -> float:
-        return 0.0 if self.optimal else max(0.0, 1 - self.lower_bound_ms / self.predicted_ms)
+        if self.optimal or self.predicted_ms <= 0:
+            return 0.0
+        return max(0.0, 1 - self.lower_bound_ms / self.predicted_ms)
 
 
 def solve(

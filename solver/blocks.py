@@ -21,7 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
-from edatalog.ir.affine import Affine
+from edatalog.ir.affine import Affine, Constraint
 from edatalog.ir.graph import AxisMap, Graph, JoinAgg
 from edatalog.solver.plan import Split, Tile
 
@@ -58,6 +58,11 @@ def box_meet(a: Box, b: Box) -> int:
         if out == 0:
             return 0
     return out
+
+
+def box_hull(a: Box, b: Box) -> Box:
+    """The union of two boxes' coordinates, axis by axis (exact when they differ on one axis)."""
+    return tuple(_merge([*x, *y]) for x, y in zip(a, b, strict=True))
 
 
 def _merge(ivs: list[tuple[int, int]]) -> Ivs:
@@ -113,10 +118,14 @@ def split_longest(box: Box, parts: int) -> list[Box]:
 
 @dataclass(frozen=True)
 class Candidate:
-    """Parts per join index (in the node's index order) and copies of each block."""
+    """Parts per join index (in the node's index order) and copies of each block.  ``chunk``
+    cuts each device's block further along the indices in ``chunked`` (the guard's variables),
+    so that a guard can leave whole chunks empty: causal attention skips its upper triangle."""
 
     parts: tuple[int, ...]
     replicas: int
+    chunk: int = 1
+    chunked: tuple[int, ...] = ()
 
     @property
     def blocks(self) -> int:
@@ -125,6 +134,9 @@ class Candidate:
     @property
     def devices(self) -> int:
         return self.blocks * self.replicas
+
+
+CHUNKS = (2, 4)  # chunkings tried for guarded rules
 
 
 def dim_order(graph: Graph) -> dict[str, int]:
@@ -153,6 +165,16 @@ def candidates(node: JoinAgg, n: int, mesh: bool = False) -> list[Candidate]:
             break  # every device can get work: fewer devices only when nothing fits all of them
     if not out:
         out.append(Candidate((1,) * len(extents), n))
+    guarded = tuple(k for k, i in enumerate(node.indices) if i.name in node.guard.vars)
+    if guarded and not mesh:
+        out += [
+            Candidate(c.parts, c.replicas, chunk, guarded)
+            for c in list(out)
+            for chunk in CHUNKS
+            # Chunk blocks that span the guard's variables whole: where they are split across
+            # devices already, each device's block is mostly full or mostly empty.
+            if all(c.parts[k] == 1 and chunk <= extents[k] for k in guarded)
+        ]
     return out
 
 
@@ -202,16 +224,19 @@ class Layout:
     def __init__(self, node: JoinAgg, cand: Candidate, rank: Mapping[str, int]) -> None:
         self.node, self.cand = node, cand
         names = [i.name for i in node.indices]
-        self.splits = tuple(Split.even(i.name, i.extent, p) for i, p in zip(node.indices, cand.parts, strict=True))
+        per = [cand.chunk if k in cand.chunked else 1 for k in range(len(names))]  # chunks per device part
+        self.splits = tuple(
+            Split.even(i.name, i.extent, p * c) for i, p, c in zip(node.indices, cand.parts, per, strict=True)
+        )
         split_order = sorted(
             (k for k, p in enumerate(cand.parts) if p > 1),
             key=lambda k: (rank[node.indices[k].symbol], k),
         )
         devices = []
-        for combo in itertools.product(*(range(p) for p in cand.parts)):
+        for combo in itertools.product(*(range(p * c) for p, c in zip(cand.parts, per, strict=True))):
             linear = 0
             for k in split_order:
-                linear = linear * cand.parts[k] + combo[k]
+                linear = linear * cand.parts[k] + combo[k] // per[k]
             devices.append(tuple(range(linear * cand.replicas, (linear + 1) * cand.replicas)))
         self.tile = Tile(self.splits, tuple(devices))
         self.names = names
@@ -228,7 +253,9 @@ class Layout:
         return out
 
 
-_TIGHTEN_CACHE: dict[tuple[object, ...], tuple[dict[str, tuple[int, int]], int]] = {}
+# (id of the guard, its variables' ranges) -> (the guard, tightened ranges, points); the guard is
+# kept so that an id reused after it is gone never matches.
+_TIGHTEN_CACHE: dict[tuple[object, ...], tuple[object, dict[str, tuple[int, int]], int]] = {}
 
 
 def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[str, tuple[int, int]], int]:
@@ -239,8 +266,12 @@ def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[
     if guard.is_true:
         return dict(ranges), dense
     gvars = sorted(guard.vars)
-    key = (guard, tuple(ranges[v] for v in gvars))
-    hit = _TIGHTEN_CACHE.get(key)
+    key = (id(guard), tuple(ranges[v] for v in gvars))
+    cached = _TIGHTEN_CACHE.get(key)
+    hit = cached[1:] if cached is not None and cached[0] is guard else None
+    if hit is None and len(guard.conjs) == 1 and 1 <= len(gvars) <= 2:
+        hit = _tighten_conj(guard.conjs[0].constraints, gvars, ranges)
+        _TIGHTEN_CACHE[key] = (guard, *hit)
     if hit is None:
         shift = {v: Affine.var(v) + ranges[v][0] for v in gvars}
         box = {v: ranges[v][1] - ranges[v][0] for v in gvars}
@@ -257,7 +288,42 @@ def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[
         hit = (tight, inside)
         if len(_TIGHTEN_CACHE) > 100_000:
             _TIGHTEN_CACHE.clear()
-        _TIGHTEN_CACHE[key] = hit
+        _TIGHTEN_CACHE[key] = (guard, *hit)
     tight, inside = hit
     others = math.prod(hi - lo for v, (lo, hi) in ranges.items() if v not in gvars)
     return {**ranges, **tight}, inside * others
+
+
+def _tighten_conj(
+    constraints: tuple[Constraint, ...], gvars: list[str], ranges: Mapping[str, tuple[int, int]]
+) -> tuple[dict[str, tuple[int, int]], int]:
+    """:func:`tighten` for one conjunction over at most two variables, row by row: for each
+    value of the first variable, the constraints bound the second to an interval."""
+    u = gvars[0]
+    w = gvars[1] if len(gvars) > 1 else None
+    us = np.arange(*ranges[u], dtype=np.int64)
+    ok = np.ones(len(us), dtype=bool)
+    lo = np.full(len(us), ranges[w][0] if w else 0, dtype=np.int64)
+    hi = np.full(len(us), ranges[w][1] if w else 1, dtype=np.int64)  # exclusive
+    for c in constraints:
+        a, b, k = c.expr.coef(u), c.expr.coef(w) if w else 0, c.expr.const
+        rest = a * us + k  # the constraint is rest + b*w >= 0 (or == 0)
+        if b == 0:
+            ok &= rest == 0 if c.eq else rest >= 0
+        elif c.eq:
+            exact = (-rest) % b == 0
+            ok &= exact
+            val = np.where(exact, -rest // b, 0)
+            lo, hi = np.maximum(lo, val), np.minimum(hi, val + 1)
+        elif b > 0:
+            lo = np.maximum(lo, -(rest // b))  # w >= ceil(-rest / b)
+        else:
+            hi = np.minimum(hi, rest // -b + 1)  # w <= floor(rest / -b)
+    width = np.where(ok, np.maximum(hi - lo, 0), 0)
+    rows = np.flatnonzero(width)
+    if not len(rows):
+        return {}, 0
+    tight = {u: (int(us[rows[0]]), int(us[rows[-1]]) + 1)}
+    if w is not None:
+        tight[w] = (int(lo[rows].min()), int(hi[rows].max()))
+    return tight, int(width.sum())

@@ -121,6 +121,9 @@ def _devices_text(devices: tuple[tuple[int, ...], ...], n: int) -> str:
             return f"devices {flat[0]}..{flat[-1]}"
         if len(set(flat)) == 1:
             return f"device {flat[0]}"
+        each = len(flat) // len(set(flat))
+        if each > 1 and flat == [d for d in range(len(set(flat))) for _ in range(each)]:
+            return f"devices 0..{len(set(flat)) - 1}, {each} blocks each"
         return "devices [" + ",".join(str(d) for d in flat) + "]"
     return "devices [" + ",".join("{" + ",".join(map(str, ds)) + "}" for ds in devices) + "]"
 
