@@ -1,0 +1,137 @@
+"""The solver's building blocks against brute force: guard tightening, interval coordinates,
+candidate tiles, and transfer costs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+import edatalog
+from edatalog.ir.affine import Affine, Constraint, Guard
+from edatalog.ir.regions import Region
+from edatalog.solver import blocks
+from edatalog.solver.blocks import Layout, candidates, dim_order, through
+from edatalog.solver.costmodel import transfer_seconds
+from edatalog.solver.costs import Costs, Held, Need
+from edatalog.solver.topology import preset
+
+LLAMA = "programs/llama_block.edl"
+SMALL = {"S": 16, "D": 32, "H": 4, "KVH": 2, "F": 48}
+
+
+def _random_guard(rng: random.Random) -> Guard:
+    cons = []
+    for _ in range(rng.randint(1, 3)):
+        a, b, k = rng.randint(-3, 3), rng.randint(-3, 3), rng.randint(-6, 6)
+        cons.append(Constraint(Affine.of({"s": a, "t": b}, k), rng.random() < 0.2))
+    return Guard.of(cons)
+
+
+def test_two_variable_tightening_matches_brute_force() -> None:
+    rng = random.Random(7)
+    checked = 0
+    while checked < 1500:
+        g = _random_guard(rng)
+        gvars = sorted(g.vars)
+        if g.is_true or g.is_false or len(g.conjs) != 1 or not gvars:
+            continue
+        ranges = {}
+        for v in gvars:
+            lo = rng.randint(0, 5)
+            ranges[v] = (lo, lo + rng.randint(1, 7))
+        tight, count = blocks._tighten_conj(g.conjs[0].constraints, gvars, ranges)
+        points = [
+            p
+            for p in itertools.product(*(range(*ranges[v]) for v in gvars))
+            if all(c.holds(dict(zip(gvars, p, strict=True))) for c in g.conjs[0].constraints)
+        ]
+        assert count == len(points), (str(g), ranges)
+        if points:
+            for k, v in enumerate(gvars):
+                assert tight[v] == (min(p[k] for p in points), max(p[k] for p in points) + 1), (str(g), ranges)
+        checked += 1
+
+
+def test_interval_accesses_equal_regions() -> None:
+    """``through`` (intervals) covers exactly the coordinates ``Region.through`` (sets) does."""
+    prog = edatalog.compile(LLAMA, dims=SMALL)
+    rank = dim_order(prog.graph)
+    for node in prog.graph.nodes:
+        for cand in candidates(node, 4)[:12]:
+            for b in Layout(node, cand, rank).per_device:
+                for acc in node.inputs:
+                    ivs = through(acc.axes, b.ranges)
+                    region = Region.through(acc.axes, b.ranges)
+                    for axis, coords in zip(ivs, region.axes, strict=True):
+                        got = np.concatenate([np.arange(lo, hi) for lo, hi in axis]) if axis else np.zeros(0)
+                        assert np.array_equal(got, coords)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6, 8])
+def test_candidates_tile_every_join_space(n: int) -> None:
+    prog = edatalog.compile(LLAMA, dims={**SMALL, "S": 24})
+    rank = dim_order(prog.graph)
+    for node in prog.graph.nodes:
+        for cand in candidates(node, n):
+            tile = Layout(node, cand, rank).tile
+            tile.verify(node.box, n, node.name)
+            assert tile.used_devices() <= set(range(n))
+
+
+def test_causal_chunks_skip_empty_blocks() -> None:
+    """Chunking s and t of the scores 4 ways leaves 10 of 16 chunks on a device."""
+    prog = edatalog.compile(LLAMA, dims={**SMALL, "S": 32})
+    node = prog.graph.node("sc")
+    cand = next(c for c in candidates(node, 2) if c.chunk == 4 and c.parts == (1, 2, 1, 1, 1, 1))
+    layout = Layout(node, cand, dim_order(prog.graph))
+    per_device = {d: sum(1 for b in layout.per_device if b.device == d) for d in range(2)}
+    assert per_device == {0: 10, 1: 10}
+
+
+def _slow_transfer(costs: Costs, item: int, held: Held, need: Need) -> float:
+    """Transfer cost, one cell set at a time."""
+    topo = costs.topo
+    holders: dict[blocks.Box, list[int]] = {}
+    for d, boxes in held:
+        for box in boxes:
+            holders.setdefault(box, []).append(d)
+    sent = dict.fromkeys(range(topo.n), 0.0)
+    worst = 0.0
+    for d, want in need:
+        seconds = 0.0
+        for box, devs in holders.items():
+            if d in devs or blocks.box_meet(want, box) == 0:
+                continue
+            near = [s for s in sorted(devs) if topo.devices[s].node == topo.devices[d].node]
+            src = (near or sorted(devs))[0]
+            t = transfer_seconds(blocks.box_meet(want, box) * item, topo.link(src, d))
+            seconds += t
+            sent[src] += t
+        worst = max(worst, seconds)
+    return max(worst, *sent.values())
+
+
+@pytest.mark.parametrize("machine", ["a100x8", "2x4", "a100x3"])
+def test_transfer_costs_match_a_direct_count(machine: str) -> None:
+    prog = edatalog.compile(LLAMA, dims=SMALL)
+    graph = prog.graph
+    topo = preset(machine)
+    costs = Costs(graph, topo)
+    rank = dim_order(graph)
+    helds: dict[str, list[Held]] = {}
+    needs: dict[str, list[Need]] = {}
+    for node in graph.nodes:
+        for cand in candidates(node, topo.n):
+            o = costs.option(node, Layout(node, cand, rank))
+            helds.setdefault(node.out, []).append(o.held)
+            for acc, need in o.needs:
+                needs.setdefault(acc.relation, []).append(need)
+    rng = random.Random(0)
+    for rel, hs in helds.items():
+        for _ in range(40 if rel in needs else 0):
+            held, need = rng.choice(hs), rng.choice(needs[rel])
+            want = _slow_transfer(costs, costs.itemsize(rel), held, need)
+            assert costs.transfer(rel, held, need) == pytest.approx(want, rel=1e-12, abs=1e-15)
