@@ -102,10 +102,14 @@ def solve(
     if best is None:
         need, top = least_bytes(graph, n)
         heavy = ", ".join(f"{name} {_fmt(b)}" for name, b in top[:3])
+        leanest = min(model.memory(c) for c in _starts(graph, topo, model, tiles))
+        where = "" if space == "join" else " in the mesh space (even splits that divide the extents)"
         raise EdlError(
-            f"no plan fits in {_fmt(limit)} per device: inputs and params alone need at least {_fmt(need)} "
-            f"per device split {n} ways ({heavy}), and live activations come on top",
-            help="give each device more memory (--memory), use more devices, or shrink the dims",
+            f"no plan{where} fits in {_fmt(limit)} per device: any plan needs at least {_fmt(need)} per device "
+            f"for inputs and params split {n} ways ({heavy}), plus live activations; the leanest plan "
+            f"the solver started from needs about {_fmt(leanest)} by its estimate",
+            help="give each device more memory (--memory), use more devices, shrink the dims"
+            + (", or search the join space (--space join)" if space == "mesh" else ""),
         )
     plan = _plan(graph, topo, options, best, space)
     shortlist = (plan,) if warm is None or warm == best else (plan, _plan(graph, topo, options, warm, space))
@@ -150,6 +154,11 @@ def _warm_start(
 ) -> dict[str, int] | None:
     """The cheapest of a greedy pass and the hand-written baselines that the space can express
     and that fit in memory: Z3 starts from it and must beat it."""
+    fitting = [c for c in _starts(graph, topo, model, tiles) if model.memory(c) <= model.memory_limit]
+    return min(fitting, key=model.cost, default=None)
+
+
+def _starts(graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
     starts = [_greedy(graph, model), *_along_each_dim(graph, model)]
     for name in ("megatron", "data"):
         try:
@@ -159,8 +168,7 @@ def _warm_start(
         choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
         if all(i is not None for i in choice.values()):
             starts.append({k: i for k, i in choice.items() if i is not None})
-    fitting = [c for c in starts if model.memory(c) <= model.memory_limit]
-    return min(fitting, key=model.cost, default=None)
+    return starts
 
 
 def _along_each_dim(graph: Graph, model: _Model) -> list[dict[str, int]]:
