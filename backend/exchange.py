@@ -306,6 +306,11 @@ class _Synthesizer:
             return self._hierarchical(relation, region, sources, groups)
         return self._reduce_scatter(relation, region, sources)
 
+    def _reduce_axis(self, relation: str) -> int | None:
+        """The axis the plan reduce-scatters this relation's partials along (None: the longest)."""
+        producers = self.graph.producers(relation)
+        return self.plan.node(producers[0].name).reduce_axis if producers else None
+
     def _hierarchy(self) -> bool:
         """Reduce inside nodes first?  Always when asked; with "auto", when links between nodes
         are slower than links inside them."""
@@ -325,7 +330,7 @@ class _Synthesizer:
         partials of its piece directly and combines them."""
         owners = sorted(sources)
         out = []
-        for owner, piece in zip(owners, _split(region, len(owners)), strict=False):
+        for owner, piece in zip(owners, _split(region, len(owners), self._reduce_axis(relation)), strict=False):
             bufs = [sources[owner]]
             for src in owners:
                 if src != owner:
@@ -339,7 +344,7 @@ class _Synthesizer:
         """Reduce inside each node first, then across nodes: only one partial of each piece crosses
         the slow links per node."""
         width = max(len(g) for g in groups)
-        pieces = _split(region, width)
+        pieces = _split(region, width, self._reduce_axis(relation))
         out = []
         for k, piece in enumerate(pieces):
             leaders: dict[int, int] = {}  # node-level owner of this piece -> its combined buffer
@@ -412,11 +417,12 @@ def _cell_groups(regions: list[Region]) -> list[tuple[Region, list[int]]]:
     return groups
 
 
-def _split(region: Region, parts: int) -> list[Region]:
-    """Up to ``parts`` pieces of ``region``, cut along its longest axis as evenly as can be."""
+def _split(region: Region, parts: int, axis: int | None = None) -> list[Region]:
+    """Up to ``parts`` pieces of ``region``, cut along ``axis`` (default: its longest) as evenly
+    as can be."""
     if not region.axes:
         return [region]
-    k = max(range(len(region.axes)), key=lambda j: len(region.axes[j]))
+    k = axis if axis is not None else max(range(len(region.axes)), key=lambda j: len(region.axes[j]))
     coords = region.axes[k]
     pieces = []
     for chunk in np.array_split(coords, min(parts, len(coords))):

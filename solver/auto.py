@@ -146,7 +146,8 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
             best[key] = o
     kept = list(best.values())
     where = {id(o): k for k, o in enumerate(kept)}
-    return kept, {o.layout.tile: where[id(best[(o.held, o.needs)])] for o in opts}
+    # Baselines name tiles only (their partials reduce along the longest axis).
+    return kept, {o.layout.tile: where[id(best[(o.held, o.needs)])] for o in opts if o.cand.reduce_axis is None}
 
 
 def _warm_start(
@@ -441,7 +442,10 @@ class _Model:
 
 def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:
     tiles: dict[str, Tile] = {name: options[name][i].layout.tile for name, i in choice.items()}
-    nodes = tuple(NodePlan(node.name, tiles[node.name]) for node in graph.nodes)
+    nodes = tuple(
+        NodePlan(node.name, tiles[node.name], options[node.name][choice[node.name]].cand.reduce_axis)
+        for node in graph.nodes
+    )
     inputs = tuple(
         Placement(r.name, place_by_consumers(graph, tiles, r.name, topo.n))
         for r in graph.relations

@@ -94,12 +94,13 @@ def through(axes: tuple[AxisMap, ...], ranges: Mapping[str, tuple[int, int]]) ->
     return tuple(out)
 
 
-def split_longest(box: Box, parts: int) -> list[Box]:
-    """``parts`` pieces of a box cut along its longest axis as :func:`numpy.array_split` cuts
-    (the way the backend's reduce-scatter divides a reduced block among its owners)."""
+def split_longest(box: Box, parts: int, axis: int | None = None) -> list[Box]:
+    """``parts`` pieces of a box cut along ``axis`` (default: its longest) as
+    :func:`numpy.array_split` cuts (the way the backend's reduce-scatter divides a reduced block
+    among its owners)."""
     if not box:
         return [box]
-    k = max(range(len(box)), key=lambda j: ivs_size(box[j]))
+    k = axis if axis is not None else max(range(len(box)), key=lambda j: ivs_size(box[j]))
     coords = np.concatenate([np.arange(lo, hi) for lo, hi in box[k]]) if box[k] else np.zeros(0, dtype=np.int64)
     pieces = []
     for chunk in np.array_split(coords, min(parts, max(1, len(coords)))):
@@ -126,6 +127,7 @@ class Candidate:
     replicas: int
     chunk: int = 1
     chunked: tuple[int, ...] = ()
+    reduce_axis: int | None = None  # output axis partials are reduce-scattered along (None: longest)
 
     @property
     def blocks(self) -> int:
@@ -165,6 +167,17 @@ def candidates(node: JoinAgg, n: int, mesh: bool = False) -> list[Candidate]:
             break  # every device can get work: fewer devices only when nothing fits all of them
     if not out:
         out.append(Candidate((1,) * len(extents), n))
+    # Partial results can be reduce-scattered along any output axis long enough: the one the
+    # readers split is free of a reshuffle.
+    agg = set(node.agg_indices) if node.agg else set()
+    rank = len(node.out_axes)
+    out += [
+        Candidate(c.parts, c.replicas, reduce_axis=a)
+        for c in list(out)
+        if any(p > 1 for p, i in zip(c.parts, node.indices, strict=True) if i.name in agg)
+        for a in range(rank)
+        if node.out_axes[a].extent >= c.devices and not mesh
+    ]
     guarded = tuple(k for k, i in enumerate(node.indices) if i.name in node.guard.vars)
     if guarded and not mesh:
         out += [
@@ -213,11 +226,12 @@ class Layout:
     """A candidate applied to a node: its tile, and each device's block."""
 
     @staticmethod
-    def of_tile(node: JoinAgg, tile: Tile) -> Layout:
+    def of_tile(node: JoinAgg, tile: Tile, reduce_axis: int | None = None) -> Layout:
         """The layout of any tile of the node (a saved plan's, a baseline's): devices as given."""
         layout = Layout.__new__(Layout)
         layout.node, layout.splits, layout.tile = node, tile.splits, tile
-        layout.cand = Candidate(tuple(s.parts for s in tile.splits), len(tile.devices[0]) if tile.devices else 1)
+        replicas = len(tile.devices[0]) if tile.devices else 1
+        layout.cand = Candidate(tuple(s.parts for s in tile.splits), replicas, reduce_axis=reduce_axis)
         layout.names = [i.name for i in node.indices]
         return layout
 

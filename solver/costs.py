@@ -144,7 +144,7 @@ class Costs:
             if len(owners) == 1:
                 held.setdefault(owners[0], []).append(box)
                 continue
-            for owner, piece in zip(owners, split_longest(box, len(owners)), strict=False):
+            for owner, piece in zip(owners, split_longest(box, len(owners), layout.cand.reduce_axis), strict=False):
                 held.setdefault(owner, []).append(piece)
                 nbytes = box_size(piece) * item
                 recv = sum(transfer_seconds(nbytes, self.topo.link(src, owner)) for src in owners if src != owner)

@@ -38,13 +38,18 @@ def explain(graph: Graph, topo: Topology, plan: Plan, rule: str) -> list[Priced]
         raise EdlError(f"the program has no rule '{rule}'", help=close or f"rules: {', '.join(names)}")
     node = graph.node(rule)
     costs = Costs(graph, topo)
-    tiles = {p.node: p.tile for p in plan.nodes}
-    fixed = {n.name: costs.option(n, Layout.of_tile(n, tiles[n.name])) for n in graph.nodes}
+    planned = {p.node: p for p in plan.nodes}
+    fixed = {
+        n.name: costs.option(n, Layout.of_tile(n, planned[n.name].tile, planned[n.name].reduce_axis))
+        for n in graph.nodes
+    }
     rank = dim_order(graph)
-    layouts = [Layout.of_tile(node, tiles[rule])]
-    layouts += [
-        Layout(node, c, rank) for c in candidates(node, plan.n_devices) if Layout(node, c, rank).tile != tiles[rule]
-    ]
+    own = planned[rule]
+    layouts = [Layout.of_tile(node, own.tile, own.reduce_axis)]
+    for c in candidates(node, plan.n_devices):
+        layout = Layout(node, c, rank)
+        if (layout.tile, c.reduce_axis) != (own.tile, own.reduce_axis):
+            layouts.append(layout)
     out = []
     for k, layout in enumerate(layouts):
         o = costs.option(node, layout)

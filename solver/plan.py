@@ -130,8 +130,12 @@ def _devices_text(devices: tuple[tuple[int, ...], ...], n: int) -> str:
 
 @dataclass(frozen=True)
 class NodePlan:
+    """A rule's tile; with partial results, ``reduce_axis`` is the output axis along which they
+    are reduce-scattered (None: the longest), so the reduced pieces can land where readers want."""
+
     node: str
     tile: Tile
+    reduce_axis: int | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,9 @@ class Plan:
             if n.name not in planned:
                 raise EdlError(f"the plan has no tiling for rule {n.name}")
             planned[n.name].tile.verify(n.box, self.n_devices, f"rule {n.name}")
+            axis = planned[n.name].reduce_axis
+            if axis is not None and not 0 <= axis < len(n.out_axes):
+                raise EdlError(f"plan for rule {n.name}: reduce axis {axis} is not an axis of {n.out}")
         if set(planned) - {n.name for n in graph.nodes}:
             raise EdlError(f"the plan tiles unknown rules: {sorted(set(planned) - {n.name for n in graph.nodes})}")
         placed = {p.relation: p for p in self.inputs}
@@ -200,7 +207,11 @@ class Plan:
         lines.append("inputs and params:")
         lines.extend(f"  {p.relation:<{width}}  {p.dtensor(n)}" for p in self.inputs)
         lines.append("rules:")
-        lines.extend(f"  {p.node:<{width}}  {p.tile.describe(n)}" for p in self.nodes)
+        lines.extend(
+            f"  {p.node:<{width}}  {p.tile.describe(n)}"
+            + (f", partials reduced along axis {p.reduce_axis}" if p.reduce_axis is not None else "")
+            for p in self.nodes
+        )
         if self.outputs:
             lines.append("outputs:")
             lines.extend(f"  {p.relation:<{width}}  {p.dtensor(n)}" for p in self.outputs)
@@ -222,7 +233,14 @@ class Plan:
             "devices": self.n_devices,
             "topology": self.topology,
             "strategy": self.strategy,
-            "nodes": [{"node": p.node, **tile(p.tile)} for p in self.nodes],
+            "nodes": [
+                {
+                    "node": p.node,
+                    **tile(p.tile),
+                    **({"reduce_axis": p.reduce_axis} if p.reduce_axis is not None else {}),
+                }
+                for p in self.nodes
+            ],
             "inputs": [{"relation": p.relation, **tile(p.tile)} for p in self.inputs],
             "outputs": [{"relation": p.relation, **tile(p.tile)} for p in self.outputs],
         }
@@ -247,7 +265,10 @@ class Plan:
                 int(data["devices"]),
                 str(data["topology"]),
                 str(data["strategy"]),
-                tuple(NodePlan(str(p["node"]), tile(p)) for p in data["nodes"]),
+                tuple(
+                    NodePlan(str(p["node"]), tile(p), None if p.get("reduce_axis") is None else int(p["reduce_axis"]))
+                    for p in data["nodes"]
+                ),
                 tuple(Placement(str(p["relation"]), tile(p)) for p in data["inputs"]),
                 tuple(Placement(str(p["relation"]), tile(p)) for p in data.get("outputs", [])),
             )

@@ -149,12 +149,20 @@ def _random_tile(rng: _random.Random, box: Mapping[str, int], n: int, most: int 
     return Tile(splits, tuple(devices))
 
 
+def _random_axis(rng: _random.Random, rank: int) -> int | None:
+    """Sometimes, the axis partial results are reduce-scattered along."""
+    return rng.randrange(rank) if rank and rng.random() < 0.3 else None
+
+
 def random_plan(graph: Graph, topology: Topology, seed: int) -> Plan:
     """Random uneven partitions of every join space, inputs and (sometimes) outputs, on random
     devices; some blocks replicated."""
     rng = _random.Random(seed)
     n = topology.n
-    nodes = tuple(NodePlan(node.name, _random_tile(rng, node.box, n)) for node in graph.nodes)
+    nodes = tuple(
+        NodePlan(node.name, _random_tile(rng, node.box, n), _random_axis(rng, len(node.out_axes)))
+        for node in graph.nodes
+    )
     inputs = tuple(Placement(r.name, _random_tile(rng, r.box, n)) for r in graph.relations if r.kind != "derived")
     outputs = tuple(
         Placement(o, _random_tile(rng, graph.relation(o).box, n)) for o in graph.outputs if rng.random() < 0.3

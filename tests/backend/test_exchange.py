@@ -186,3 +186,51 @@ def test_a_plan_for_another_program_is_refused(tmp_path: Path) -> None:
         edatalog.load_plan(path, other)
     with pytest.raises(edatalog.EdlError, match="another program"):
         other.run(other.random_inputs(0), plan=edatalog.load_plan(path), backend="sim")
+
+
+def _sequence_parallel_mlp_norms(prog: edatalog.Program, n: int, reduce_axis: int | None) -> Plan:
+    """Megatron, but the residual and the MLP norm split the sequence over the devices, and the
+    two row-parallel outputs reduce-scatter their partials along ``reduce_axis``."""
+    graph = prog.graph
+    base = build(graph, preset(f"a100x{n}"), "megatron")
+    nodes = []
+    for p in base.nodes:
+        node = graph.node(p.node)
+        if p.node in ("h", "ss2", "hn", "y"):
+            splits = tuple(Split.even(i.name, i.extent, n if i.name == "s" else 1) for i in node.indices)
+            nodes.append(NodePlan(p.node, Tile(splits, tuple((k,) for k in range(n)))))
+        elif p.node in ("attn", "down"):
+            nodes.append(NodePlan(p.node, p.tile, reduce_axis))
+        else:
+            nodes.append(p)
+    return Plan(base.program, n, base.topology, "sequence-parallel", tuple(nodes), base.inputs, base.outputs)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_reducing_along_the_readers_axis_moves_no_more_than_megatron(n: int) -> None:
+    """Partials reduce-scattered along the sequence land where the sequence-parallel norms read
+    them: the same bytes as Megatron's all-reduces.  Along the longest axis (D) they must be
+    reshuffled first."""
+    b, s, d = 1, 8, 64
+    prog = _llama("f32", B=b, S=s, D=d, H=8, KVH=8, F=40)
+    topo = preset(f"a100x{n}")
+    megatron = analyze(synthesize(prog.graph, build(prog.graph, topo, "megatron"), topo)).bytes_moved
+    along_s = _sequence_parallel_mlp_norms(prog, n, reduce_axis=1)
+    longest = _sequence_parallel_mlp_norms(prog, n, reduce_axis=None)
+    assert analyze(synthesize(prog.graph, along_s, topo)).bytes_moved == megatron
+    assert analyze(synthesize(prog.graph, longest, topo)).bytes_moved > megatron
+    f64 = _llama(B=b, S=s, D=d, H=8, KVH=8, F=40)
+    _check_sim(f64, _sequence_parallel_mlp_norms(f64, n, reduce_axis=1), n)
+
+
+def test_plan_json_keeps_the_reduce_axis() -> None:
+    prog = _llama("f32", B=1, S=8, D=32, H=4, KVH=4, F=24)
+    plan = _sequence_parallel_mlp_norms(prog, 2, reduce_axis=1)
+    again = Plan.from_json(plan.to_json(), prog.graph)
+    assert again == plan
+    assert again.node("attn").reduce_axis == 1
+    assert "partials reduced along axis 1" in str(plan)
+    bad = json.loads(plan.to_json())
+    bad["nodes"][[p["node"] for p in bad["nodes"]].index("attn")]["reduce_axis"] = 7
+    with pytest.raises(edatalog.EdlError, match="reduce axis 7"):
+        Plan.from_json(json.dumps(bad), prog.graph)
