@@ -1,0 +1,475 @@
+"""The placement solver (``strategy="auto"``): its plans compute exactly what the program says,
+fit the memory they are given, respect their search space, and the solver reports honestly.
+
+Small dims everywhere, and solves of at most 2 s.  At such dims every kernel costs the machine's
+kernel floor (5 us), so on the presets the fastest plan is to replicate everything, which checks
+little.  Most tests therefore use :func:`_slow`: the preset's devices, nodes and links, with
+compute and memory bandwidth 10^4 times slower and no kernel floor, so that a block of a 4-token
+LLaMA block weighs what it would in a real model and the solver splits the rules.
+
+Known solver bugs have ``xfail`` tests at the end of this file (strict where the failure is
+deterministic: when one is fixed, remove its marker, and its filter in :func:`_known_bug`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import itertools
+import json
+import math
+import os
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+import edatalog
+from edatalog import EdlError
+from edatalog.backend.exchange import synthesize
+from edatalog.backend.timeline import analyze
+from edatalog.cli import main
+from edatalog.solver import auto
+from edatalog.solver.topology import Topology, preset
+from tests.strategies import GeneratedProgram, programs
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_PATH = ROOT / "programs" / "llama_block.edl"
+LLAMA = LLAMA_PATH.read_text()
+
+# LLaMA-shaped: 4 query heads share 2 key/value heads (G = 2), E = D / H = 8.
+SMALL = (("B", 1), ("S", 4), ("D", 32), ("H", 4), ("KVH", 2), ("F", 48))
+# Qwen2-shaped: 14 query heads share 2 key/value heads (G = 7), E = 8: 14 heads do not divide 3,
+# 6 or 8 devices.  And 6 heads sharing 3 (G = 2) on 4 devices: neither count divides 4.
+QWEN14 = (("B", 1), ("S", 4), ("D", 112), ("H", 14), ("KVH", 2), ("F", 48))
+QWEN6 = (("B", 1), ("S", 4), ("D", 48), ("H", 6), ("KVH", 3), ("F", 48))
+SMALL_ARGS = ["--dim", "S=4", "--dim", "D=32", "--dim", "H=4", "--dim", "KVH=2", "--dim", "F=48"]
+RTOL, ATOL = 1e-9, 1e-12
+
+
+@functools.cache
+def _llama(dims: tuple[tuple[str, int], ...]) -> edatalog.Program:
+    """The LLaMA block at ``dims``, every relation f64 (so plans must match the reference to
+    rounding)."""
+    return edatalog.compile_string(LLAMA.replace(": f32", ": f64"), name="llama_block.edl", dims=dict(dims))
+
+
+@functools.cache
+def _slow(name: str, factor: float = 1e4) -> Topology:
+    """The preset ``name`` with compute and memory bandwidth ``factor`` times slower and no
+    kernel floor (links unchanged)."""
+    machine = preset(name)
+    devices = tuple(
+        dataclasses.replace(d, flops=d.flops / factor, bandwidth=d.bandwidth / factor) for d in machine.devices
+    )
+    return dataclasses.replace(machine, name=f"slow-{name}", devices=devices, kernel_floor=0.0)
+
+
+def _machine(name: str, slow: bool) -> Topology:
+    return _slow(name) if slow else preset(name)
+
+
+@functools.cache
+def _solved(
+    dims: tuple[tuple[str, int], ...],
+    topology: str,
+    slow: bool = True,
+    time_limit: float = 1.0,
+    space: str = "join",
+    memory: int | None = None,
+) -> edatalog.Plan:
+    """A solved plan, made once per arguments for the whole module."""
+    return edatalog.plan(
+        _llama(dims), topology=_machine(topology, slow), time_limit=time_limit, space=space, memory=memory
+    )
+
+
+def _assert_runs_exactly(prog: edatalog.Program, plan: edatalog.Plan, seed: int = 0) -> None:
+    """The plan's simulated outputs equal the reference evaluator's."""
+    values = prog.prepare(prog.random_inputs(seed))
+    want = prog.evaluate(values)
+    got = plan.execute(values)
+    for name in prog.outputs:
+        np.testing.assert_allclose(got[name].data, want[name].data, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def _assert_sane_solution(sol: auto.Solution | None) -> auto.Solution:
+    assert sol is not None, "a solved plan carries its Solution"
+    assert 0 <= sol.lower_bound_ms <= sol.predicted_ms
+    assert 0.0 <= sol.gap <= 1.0
+    assert sol.memory_estimate >= 0  # 0 when nothing is computed
+    return sol
+
+
+def _splits_something(plan: edatalog.Plan) -> bool:
+    return any(n.tile.n_blocks > 1 for n in plan.ir.nodes)
+
+
+# -- a. solved plans compute what the program says ---------------------------------------------------
+
+
+@pytest.mark.parametrize("topology", ["a100x1", "a100x2", "a100x3", "a100x4", "a100x6", "a100x8", "2x4"])
+def test_llama_block_solved_plans_equal_the_reference(topology: str) -> None:
+    plan = _solved(SMALL, topology)
+    assert plan.ir.strategy == "auto"
+    _assert_sane_solution(plan.solution)
+    assert not plan.over_memory()
+    if plan.topology.n > 1:
+        assert _splits_something(plan), "the solver split nothing: this test would check little"
+    _assert_runs_exactly(_llama(SMALL), plan)
+
+
+@pytest.mark.parametrize("topology", ["a100x1", "a100x4"])
+def test_llama_block_on_the_presets_themselves(topology: str) -> None:
+    """At these dims the presets' kernel floor makes any split slower than none."""
+    plan = _solved(SMALL, topology, slow=False)
+    _assert_sane_solution(plan.solution)
+    _assert_runs_exactly(_llama(SMALL), plan, seed=1)
+
+
+@pytest.mark.parametrize(
+    ("dims", "topology"),
+    [(QWEN14, "a100x8"), (QWEN14, "a100x6"), (QWEN14, "a100x3"), (QWEN6, "a100x4")],
+    ids=["h14-kvh2-on-8", "h14-kvh2-on-6", "h14-kvh2-on-3", "h6-kvh3-on-4"],
+)
+def test_qwen_shaped_heads_that_do_not_divide_the_devices(dims: tuple[tuple[str, int], ...], topology: str) -> None:
+    plan = _solved(dims, topology)
+    _assert_sane_solution(plan.solution)
+    assert _splits_something(plan)
+    _assert_runs_exactly(_llama(dims), plan)
+
+
+# -- b. random programs on 1-8 devices ----------------------------------------------------------------
+
+_LONG = os.environ.get("EDL_AUTO_EXAMPLES")
+_SETTINGS = settings(
+    max_examples=int(_LONG) if _LONG else 50,
+    derandomize=not _LONG,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+_DEVICES = (8, 3, 4, 5, 2, 6, 7, 1)  # several devices first: hypothesis favours the first options
+
+
+def _known_bug(exc: Exception) -> bool:
+    """Failures of the solver already reported, each with an xfail test at the end of this file."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, EdlError):
+        return "split different join spaces" in str(exc)  # test_rules_of_one_relation_with_other_join_spaces
+    if isinstance(exc, ValueError) and frames:
+        # test_a_rule_with_no_indices_and_a_batch_input, test_an_output_no_block_writes
+        return frames[-1].name == "_data_tiles" or Path(frames[-1].filename).name == "costs.py"
+    return False
+
+
+@_SETTINGS
+@given(gen=programs(), n=st.sampled_from(_DEVICES), slow=st.booleans(), two_nodes=st.booleans())
+def test_random_programs_solved_plans_equal_the_reference(
+    gen: GeneratedProgram, n: int, slow: bool, two_nodes: bool
+) -> None:
+    """Random programs (:mod:`tests.strategies`) on N = 1..8 devices (``2x4`` for some of 8), on
+    machines 10^8 times slower than the presets (so that splitting tiny programs pays) or the
+    presets themselves.  ``EDL_AUTO_EXAMPLES=500`` runs a longer, random set."""
+    name = "2x4" if n == 8 and two_nodes else f"a100x{n}"
+    machine = _slow(name, 1e8) if slow else preset(name)
+    prog = gen.compile()
+    try:
+        plan = edatalog.plan(prog, topology=machine, time_limit=0.5)
+    except (EdlError, ValueError) as exc:
+        if _known_bug(exc):
+            reject()
+        raise
+    _assert_sane_solution(plan.solution)
+    values = prog.prepare(gen.inputs)
+    want = prog.evaluate(values)
+    got = plan.execute(values)
+    for out in prog.outputs:
+        np.testing.assert_allclose(got[out].data, want[out].data, rtol=RTOL, atol=ATOL, err_msg=out)
+
+
+# -- c. memory ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topology", ["a100x4", "a100x8"])
+def test_solved_plans_fit_a_tight_memory(topology: str) -> None:
+    """Under 40 KB per device (f64 weights are 66 KB; replicating everything peaks at 68.6 KB), the
+    plan must shard, and every device's peak, recomputed from the schedule, fits."""
+    limit = 40_000
+    free = _solved(SMALL, topology, slow=False)
+    assert max(free.report.peak_memory.values()) > limit, "the unconstrained plan fits: the limit tests nothing"
+    plan = _solved(SMALL, topology, slow=False, memory=limit)
+    assert all(d.memory == limit for d in plan.topology.devices)
+    peak = analyze(synthesize(plan.graph, plan.ir, plan.topology)).peak_memory
+    assert set(peak) == set(range(plan.topology.n))
+    assert max(peak.values()) <= limit, peak
+    assert plan.over_memory() == []
+    _assert_runs_exactly(_llama(SMALL), plan)
+    # The solver's estimate (a footprint per step, the largest over devices) against the simulated
+    # peak.  Measured: 1.19 on a100x4, 1.67 on a100x8 (conservative, never below the peak).
+    sol = _assert_sane_solution(plan.solution)
+    ratio = sol.memory_estimate / max(peak.values())
+    assert 0.5 <= ratio <= 2.0, f"memory estimate {sol.memory_estimate} B, simulated peak {max(peak.values())} B"
+
+
+def _least_per_device(prog: edatalog.Program, n: int) -> tuple[int, list[str]]:
+    """Every input and param split n ways: no plan holds less; and the three largest."""
+    sizes = sorted(((math.ceil(r.nbytes / n), r.name) for r in prog.arguments), key=lambda s: -s[0])
+    return sum(s for s, _ in sizes), [name for _, name in sizes[:3]]
+
+
+def test_memory_far_too_small_says_the_least_and_what_dominates(capsys: pytest.CaptureFixture[str]) -> None:
+    prog = _llama(SMALL)
+    least, top = _least_per_device(prog, 4)
+    assert top == ["w_gate", "w_up", "w_down"]
+    with pytest.raises(EdlError) as info:
+        edatalog.plan(prog, topology="a100x4", memory="1KB", time_limit=1.0)
+    message = str(info.value)
+    assert "no plan fits in 1KB per device" in message
+    assert f"at least {least / 1e3:.3g}KB per device" in message and "split 4 ways" in message  # 15.7KB
+    assert "w_gate 3.07KB, w_up 3.07KB, w_down 3.07KB" in message
+    assert "--memory" in message  # the help says what to do
+
+    code = main(["plan", str(LLAMA_PATH), *SMALL_ARGS, "-t", "a100x4", "--memory", "1KB", "--time-limit", "1"])
+    _, err = capsys.readouterr()
+    assert code == 1 and err.startswith("error: no plan fits in 1KB per device") and "Traceback" not in err
+    assert "w_gate" in err
+
+
+# -- e. the mesh space -------------------------------------------------------------------------------
+
+
+def test_mesh_plans_split_evenly_and_join_plans_beat_them_when_heads_do_not_divide() -> None:
+    """4 query heads (2 key/value heads) on 3 devices: a mesh cannot split the heads, the join
+    space can (2, 1, 1).  Measured: join 0.38 ms, mesh 0.56 ms."""
+    join = _solved(SMALL, "a100x3")
+    mesh = _solved(SMALL, "a100x3", space="mesh")
+    assert mesh.ir.strategy == "mesh"
+    for node in mesh.ir.nodes:
+        for split in node.tile.splits:
+            assert split.extent % split.parts == 0, f"{node.node}: {split.index} of {split.extent} in {split.parts}"
+            step = split.extent // split.parts
+            assert split.cuts == tuple(range(0, split.extent + 1, step)), f"{node.node}: {split}"
+    assert any(s.extent % s.parts for n in join.ir.nodes for s in n.tile.splits)  # join uses an uneven split
+    _assert_runs_exactly(_llama(SMALL), mesh)
+    assert join.report.seconds < mesh.report.seconds, (join.report.seconds, mesh.report.seconds)
+
+
+def test_mesh_space_goes_with_auto_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(EdlError, match="--space"):
+        edatalog.plan(_llama(SMALL), topology="a100x2", strategy="megatron", space="mesh")
+    code = main(["plan", str(LLAMA_PATH), *SMALL_ARGS, "-t", "a100x2", "--space", "mesh", "-s", "megatron"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.startswith("error: --space") and "Traceback" not in err
+
+
+# -- f. how the solver reports ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "topology",
+    [
+        "a100x2",
+        pytest.param(
+            "a100x8",
+            marks=pytest.mark.xfail(
+                reason="the time limit bounds only the Z3 search: building candidates, costs and the "
+                "model comes on top (2-3 s on 8 devices for this block)",
+                strict=False,  # a timing: a fast machine may pass
+            ),
+        ),
+    ],
+)
+def test_the_solver_keeps_to_its_time_limit(topology: str) -> None:
+    sol = auto.solve(_llama(SMALL).graph, _slow(topology), time_limit=0.5)
+    _assert_sane_solution(sol)
+    assert sol.seconds <= 0.5 + 0.5, f"solved in {sol.seconds:.2f} s with a limit of 0.5 s"
+
+
+@functools.cache
+def _attention(dims: tuple[tuple[str, int], ...]) -> edatalog.Program:
+    text = (ROOT / "programs" / "attention.edl").read_text().replace(": f32", ": f64")
+    return edatalog.compile_string(text, name="attention.edl", dims=dict(dims))
+
+
+def test_the_same_seed_gives_the_same_plan() -> None:
+    """Attention on 3 devices: the search ends with a proof, well inside its time limit."""
+    shown: list[auto.Progress] = []
+    prog, machine = _attention((("B", 1), ("S", 4), ("D", 16), ("H", 2))), _slow("a100x3")
+    first = edatalog.plan(prog, topology=machine, time_limit=3.0, seed=0, on_progress=shown.append)
+    again = edatalog.plan(prog, topology=machine, time_limit=3.0, seed=0)
+    a, b = _assert_sane_solution(first.solution), _assert_sane_solution(again.solution)
+    assert a.optimal and b.optimal
+    assert first.ir.to_json() == again.ir.to_json()
+    assert a.predicted_ms == b.predicted_ms and a.memory_estimate == b.memory_estimate
+    _assert_runs_exactly(prog, first)
+    # Progress: time goes forward, the best plan only improves, the bound never passes it.
+    assert shown
+    assert all(p.elapsed <= q.elapsed for p, q in itertools.pairwise(shown))
+    best = [p.best_ms for p in shown if p.best_ms is not None]
+    assert best == sorted(best, reverse=True)
+    assert all(p.bound_ms <= p.best_ms * (1 + 1e-9) for p in shown if p.best_ms is not None)
+
+
+@pytest.mark.xfail(
+    reason="the search stops on the wall clock (Z3 timeouts, neighbourhood windows, the deadline): "
+    "how far it gets, and so the plan, depends on the machine's speed and load",
+    strict=False,  # a timing: a run may happen to stop at the same place twice
+)
+def test_the_same_seed_gives_the_same_plan_when_time_runs_out() -> None:
+    prog, machine = _llama(SMALL), _slow("a100x3")
+    plans = [edatalog.plan(prog, topology=machine, time_limit=0.5, seed=0) for _ in range(3)]
+    assert not any(p.solution is not None and p.solution.optimal for p in plans)
+    assert len({p.ir.to_json() for p in plans}) == 1
+
+
+# -- g. the command line ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auto_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object]]:
+    """An auto plan of the small LLaMA block on 2 devices, saved, and what --json printed."""
+    path = tmp_path_factory.mktemp("auto") / "plan.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        argv = ["plan", str(LLAMA_PATH), *SMALL_ARGS, "-t", "a100x2", "--time-limit", "0.5", "-o", str(path)]
+        assert main([*argv, "--json"]) == 0
+    data: dict[str, object] = json.loads(out.getvalue())
+    return path, data
+
+
+def test_plan_json_has_the_solver_summary_and_megatron(auto_plan: tuple[Path, dict[str, object]]) -> None:
+    path, data = auto_plan
+    assert {"summary", "plan", "megatron"} <= set(data)
+    summary, megatron = data["summary"], data["megatron"]
+    assert isinstance(summary, dict) and isinstance(megatron, dict)
+    assert summary["strategy"] == "auto" and megatron["strategy"] == "megatron"
+    keys = {"solve_seconds", "solver_estimate_ms", "lower_bound_ms", "optimal", "gap", "memory_estimate"}
+    assert keys <= set(summary)
+    assert "solve_seconds" not in megatron
+    assert 0 < summary["lower_bound_ms"] <= summary["solver_estimate_ms"]
+    assert summary["predicted_ms"] == pytest.approx(edatalog.load_plan(path).report.seconds * 1e3)
+
+
+def test_plan_prints_auto_next_to_megatron(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(LLAMA_PATH), *SMALL_ARGS, "-t", "a100x2", "--time-limit", "0.5"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("plan 'auto' for 2 devices (a100x2)")
+    assert any(line.split()[:3] == ["plan", "predicted", "ms"] for line in lines if line.strip())
+    rows = {line.split()[0] for line in lines if line.split()[:1] in (["auto"], ["megatron"])}
+    assert rows == {"auto", "megatron"}
+    assert any(line.startswith("auto / megatron: ") for line in lines)
+    assert any(line.startswith("solver: ") and "memory estimate" in line for line in lines)
+
+
+def test_explain_marks_the_choice_and_names_the_runner_up(
+    capsys: pytest.CaptureFixture[str], auto_plan: tuple[Path, dict[str, object]]
+) -> None:
+    path, _ = auto_plan
+    plan = edatalog.load_plan(path)
+    code = main(["explain", str(path), "attn"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("rule attn: attn[b,s,d] += ")
+    starred = [line for line in lines if line.startswith("*")]
+    assert len(starred) == 1
+    assert plan.ir.node("attn").tile.describe(2) in starred[0]
+    assert any(line.startswith("the plan's choice costs ") and "the runner-up (" in line for line in lines)
+
+    code = main(["explain", str(path), "qr", "--json"])  # two rules write qr
+    out, _ = capsys.readouterr()
+    priced = json.loads(out)
+    assert code == 0 and set(priced) == {"qr#1", "qr#2"}
+    for rows in priced.values():
+        assert [r["chosen"] for r in rows].count(True) == 1
+        totals = [r["total_us"] for r in rows]
+        assert totals == sorted(totals)
+
+
+def test_explain_an_unknown_relation(
+    capsys: pytest.CaptureFixture[str], auto_plan: tuple[Path, dict[str, object]]
+) -> None:
+    path, _ = auto_plan
+    code = main(["explain", str(path), "atn"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and "'atn'" in err and "did you mean 'attn'" in err
+    assert "Traceback" not in err
+
+
+# -- regressions ------------------------------------------------------------------------------------
+
+
+def _program(source: str) -> edatalog.Program:
+    return edatalog.compile_string(source, name="<bug>")
+
+
+def test_a_rule_whose_blocks_are_all_empty() -> None:
+    """b's guard never holds, so its need of a is empty: costs.py raised a ValueError of numpy
+    (a reshape in ``_overlaps``; fixed in 0c526cb)."""
+    prog = _program("dim N = 2.\ninput x[N] : f64.\na[i] = x[i].\nb[i] = a[i] where i < i.\noutput b.\n")
+    plan = edatalog.plan(prog, topology="a100x3", time_limit=0.5)
+    _assert_runs_exactly(prog, plan)
+
+
+# -- known solver bugs (reported; see the module docstring) -----------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="a plan that costs 0 ns is never proved optimal")
+def test_a_program_that_computes_nothing_is_solved_at_once() -> None:
+    """r's guard never holds, so every plan costs 0.  The bound on the next plan, ``max(0,
+    int(best * (1 - STEP)) - 1)``, is then 0 again: Z3 keeps finding 'improving' plans of cost 0
+    (about 2000 in a second) until the deadline, and the solution is not optimal."""
+    prog = _program("dim N = 4.\ninput x[N] : f64.\noutput r.\nr[i] = x[i] where i < i.\n")
+    plan = edatalog.plan(prog, topology="a100x1", time_limit=1.0)
+    sol = _assert_sane_solution(plan.solution)
+    assert sol.optimal and sol.plans_found == 0, (sol.optimal, sol.plans_found)
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="solver/costs.py: a layout with no pieces")
+def test_an_output_no_block_writes() -> None:
+    """r's guard never holds and its head has a literal slot: pricing the transfer of r's (empty)
+    layout to where the output must end raises a ValueError of numpy (broadcast) in
+    ``Costs._transfer``.  (``r[i] = ...`` with the same guard plans fine.)"""
+    prog = _program("dim N = 3.\ninput x[N] : f64.\noutput r.\nr[0, i] = x[i] where i < i.\n")
+    plan = edatalog.plan(prog, topology="a100x2", time_limit=0.5)
+    _assert_runs_exactly(prog, plan)
+
+
+@pytest.mark.xfail(raises=EdlError, strict=True, reason="auto refuses tied rules whose join spaces differ")
+@pytest.mark.parametrize("topology", ["a100x1", "a100x2"])
+def test_rules_of_one_relation_with_other_join_spaces(topology: str) -> None:
+    """Two '+=' rules for r over (i, j) and (i): 'the rules for r split different join spaces',
+    even on one device; every baseline plans it."""
+    prog = _program("dim N = 4.\ninput x[N] : f64.\noutput r.\nr[i, j] += x[i] * x[j].\nr[i, 0] += x[i].\n")
+    plan = edatalog.plan(prog, topology=topology, time_limit=0.5)
+    _assert_runs_exactly(prog, plan)
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="strategies._data_tiles: max() of no splits")
+def test_a_rule_with_no_indices_and_a_batch_input() -> None:
+    """The data baseline (a warm start of auto) crashes on a rule without indices when an input
+    has a batch axis; auto lets the ValueError through (it skips only EdlError)."""
+    prog = _program("dim N = 2.\ninput x[N] : f64.\ninput s[] : f64.\noutput r.\nr[] = s[].\n")
+    plan = edatalog.plan(prog, topology="a100x2", time_limit=0.5)
+    _assert_runs_exactly(prog, plan)
+
+
+@pytest.mark.xfail(raises=EdlError, strict=True, reason="the memory estimate over-counts: false 'no plan fits'")
+def test_a_memory_that_a_plan_fits_is_not_called_infeasible() -> None:
+    """megatron peaks at 22.3 KB per device (simulated), yet auto under 25 KB says 'no plan fits'
+    (its estimate of megatron's footprint is 26.6 KB)."""
+    prog, limit = _llama(SMALL), 25_000
+    witness = edatalog.plan(prog, topology="a100x4", strategy="megatron", memory=limit)
+    assert not witness.over_memory()
+    plan = edatalog.plan(prog, topology="a100x4", memory=limit, time_limit=1.0)
+    assert not plan.over_memory()
