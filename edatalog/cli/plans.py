@@ -183,7 +183,7 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
     print(table(["plan", "predicted ms", "moved", "peak memory", "solve s"], rows, right=(1, 2, 3, 4)))
     if baseline is not None:
         ratio = plan.report.seconds / baseline.report.seconds
-        print(f"auto / megatron: {ratio:.3f}")
+        print(f"{plan.ir.strategy} / megatron: {ratio:.3f}")
     proof = "optimal" if sol.optimal else f"gap at most {sol.gap:.0%} (lower bound {sol.lower_bound_ms:.4g} ms)"
     print(
         f"solver: {sol.plans_found} improving plan{'s' if sol.plans_found != 1 else ''} in {sol.seconds:.1f} s, "

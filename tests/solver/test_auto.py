@@ -370,6 +370,16 @@ def test_plan_prints_auto_next_to_megatron(capsys: pytest.CaptureFixture[str]) -
     assert any(line.startswith("solver: ") and "memory estimate" in line for line in lines)
 
 
+def test_plan_in_the_mesh_space_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", str(LLAMA_PATH), *SMALL_ARGS, "-t", "a100x3", "--space", "mesh", "--time-limit", "0.5"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("plan 'mesh' for 3 devices (a100x3)")
+    assert {line.split()[0] for line in lines if line.split()[:1] in (["mesh"], ["megatron"])} == {"mesh", "megatron"}
+    assert any(line.startswith("mesh / megatron: ") for line in lines)
+
+
 def test_explain_marks_the_choice_and_names_the_runner_up(
     capsys: pytest.CaptureFixture[str], auto_plan: tuple[Path, dict[str, object]]
 ) -> None:
