@@ -434,15 +434,21 @@ def test_a_rule_whose_blocks_are_all_empty() -> None:
 # -- known solver bugs (reported; see the module docstring) -----------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a plan that costs 0 ns is never proved optimal")
-def test_a_program_that_computes_nothing_is_solved_at_once() -> None:
-    """r's guard never holds, so every plan costs 0.  The bound on the next plan, ``max(0,
-    int(best * (1 - STEP)) - 1)``, is then 0 again: Z3 keeps finding 'improving' plans of cost 0
-    (about 2000 in a second) until the deadline, and the solution is not optimal."""
+@pytest.mark.xfail(strict=True, reason="the search goes on after its best plan meets the lower bound")
+def test_a_plan_at_the_lower_bound_is_optimal() -> None:
+    """Every plan of r costs 0 (its guard never holds), so the first is optimal.  But the bound on
+    the next plan, ``max(0, int(best * (1 - STEP)) - 1)``, is 0 again: Z3 keeps finding
+    'improving' plans of cost 0 (about 2000 in a second) until the deadline.  The same without
+    the zero: attention at S = 8, D = 32 on a100x2-8 starts at its lower bound (0.045 ms, one
+    kernel floor per rule) and still searches until the time limit, not optimal."""
     prog = _program("dim N = 4.\ninput x[N] : f64.\noutput r.\nr[i] = x[i] where i < i.\n")
     plan = edatalog.plan(prog, topology="a100x1", time_limit=1.0)
     sol = _assert_sane_solution(plan.solution)
     assert sol.optimal and sol.plans_found == 0, (sol.optimal, sol.plans_found)
+    attention = _attention((("S", 8), ("D", 32)))
+    sol = _assert_sane_solution(edatalog.plan(attention, topology="a100x2", time_limit=1.0).solution)
+    assert sol.predicted_ms == sol.lower_bound_ms
+    assert sol.optimal and sol.seconds < 0.5, (sol.optimal, sol.seconds)
 
 
 @pytest.mark.xfail(raises=ValueError, strict=True, reason="solver/costs.py: a layout with no pieces")
