@@ -14,6 +14,7 @@ optimal within that step.  On the deadline the best plan found so far is returne
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ NS = 1e9  # the objective is in nanoseconds
 KB = 1024  # memory constraints count kilobytes
 WINDOW = 6  # nodes freed at a time while improving the incumbent
 WINDOW_SECONDS = 1.0  # the most one neighbourhood may take
+COARSE = 0.3  # the share of a join solve spent first on the mesh space
+COARSE_MIN = 3.0  # seconds: below this, the join search starts from the baselines alone
 
 _Term = tuple[str, int, tuple[str, object]]  # literal, kilobytes, what it stands for
 
@@ -89,6 +92,12 @@ def solve(
     start = time.monotonic()
     n = topo.n
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
+    # Coarse to fine: the mesh space is a small part of the join space and solves well quickly;
+    # its answer is one of the join search's starting points, so the join plan is never worse.
+    coarse: tuple[Plan, ...] = ()
+    if space == "join" and time_limit >= COARSE_MIN:
+        with contextlib.suppress(EdlError):  # no mesh plan fits: the join space may still have one
+            coarse = (solve(graph, topo, memory, time_limit * COARSE, seed, "mesh", on_progress).plan,)
     costs = Costs(graph, topo)
     rank = dim_order(graph)
     options: dict[str, list[Option]] = {}
@@ -97,7 +106,7 @@ def solve(
         opts = [costs.option(node, Layout(node, c, rank)) for c in candidates(node, n, mesh=space == "mesh")]
         options[node.name], tiles[node.name] = _prune(opts)
     model = _Model(graph, costs, options, limit)
-    warm = _warm_start(graph, topo, model, tiles)
+    warm = _warm_start(graph, topo, model, tiles, coarse)
     best, bound, optimal, found = model.search(start, time_limit, seed, warm, on_progress)
     if best is None:
         need, top = least_bytes(graph, n)
@@ -151,21 +160,25 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
 
 
 def _warm_start(
-    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]
+    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]], plans: tuple[Plan, ...] = ()
 ) -> dict[str, int] | None:
-    """The cheapest of a greedy pass and the hand-written baselines that the space can express
-    and that fit in memory: Z3 starts from it and must beat it."""
-    fitting = [c for c in _starts(graph, topo, model, tiles) if model.memory(c) <= model.memory_limit]
+    """The cheapest of a greedy pass, the hand-written baselines and ``plans`` that the space
+    can express and that fit in memory: Z3 starts from it and must beat it."""
+    fitting = [c for c in _starts(graph, topo, model, tiles, plans) if model.memory(c) <= model.memory_limit]
     return min(fitting, key=model.cost, default=None)
 
 
-def _starts(graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
+def _starts(
+    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]], plans: tuple[Plan, ...] = ()
+) -> list[dict[str, int]]:
     starts = [_greedy(graph, model), *_along_each_dim(graph, model)]
+    hints = list(plans)
     for name in ("megatron", "data"):
         try:
-            hint = strategies.build(graph, topo, name)
+            hints.append(strategies.build(graph, topo, name))
         except EdlError:
             continue
+    for hint in hints:
         choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
         if all(i is not None for i in choice.values()):
             starts.append({k: i for k, i in choice.items() if i is not None})
@@ -190,7 +203,7 @@ def _along_each_dim(graph: Graph, model: _Model) -> list[dict[str, int]]:
 
             choice[node.name] = min(range(len(opts)), key=lambda k: fit(opts[k]))
         for rel in graph.relations:  # tied producers share one pick
-            producers = graph.producers(rel.name) if rel.kind == "derived" else ()
+            producers = graph.producers(rel.name) if model.tied.get(rel.name) else ()
             for p in producers[1:]:
                 choice[p.name] = choice[producers[0].name]
         out.append(choice)
@@ -212,7 +225,8 @@ def _greedy(graph: Graph, model: _Model) -> dict[str, int]:
                     total += costs.transfer(acc.relation, model._held_of(acc.relation, choice[producers[0].name]), need)
             return total
 
-        tied = next((choice[p.name] for p in graph.producers(node.out) if p.name in choice), None)
+        together = model.tied.get(node.out, False)
+        tied = next((choice[p.name] for p in graph.producers(node.out) if p.name in choice), None) if together else None
         choice[node.name] = tied if tied is not None else min(range(len(model.options[node.name])), key=price)
     return choice
 
@@ -279,29 +293,32 @@ class _Model:
         self._memory()
 
     def _held_of(self, relation: str, k: int) -> Held:
-        """The layout of a relation when its producers pick candidate ``k`` (tied producers
-        each contribute their blocks)."""
+        """The layout of a relation when its (first) producer picks candidate ``k``: tied
+        producers each contribute their blocks; an untied one is left out of the estimate."""
         boxes: dict[int, list[Box]] = {}
-        for p in self.graph.producers(relation):
+        producers = self.graph.producers(relation)
+        for p in producers if self.tied.get(relation) else producers[:1]:
             for d, bs in self.options[p.name][k].held:
                 boxes.setdefault(d, []).extend(bs)
         return tuple((d, tuple(bs)) for d, bs in sorted(boxes.items()))
 
     def _tie_producers(self) -> None:
-        """Rules that write one relation ('=' pieces, rotary halves) pick the same partition, so
-        the relation has one layout; they must have the same candidates for that."""
+        """Rules that write one relation ('=' pieces, rotary halves) pick the same partition when
+        they have the same candidates, so the relation has one layout.  Rules over different join
+        spaces choose freely; the relation's layout is then estimated from its first rule."""
+        self.tied: dict[str, bool] = {}
         for rel in self.graph.relations:
             producers = self.graph.producers(rel.name) if rel.kind == "derived" else ()
-            for p in producers[1:]:
-                a, b = self.options[producers[0].name], self.options[p.name]
-                if [o.cand for o in a] != [o.cand for o in b]:
-                    raise EdlError(
-                        f"the rules for {rel.name} split different join spaces; the solver needs them alike",
-                        help="use --strategy megatron|data|replicate for this program",
+            if len(producers) < 2:
+                continue
+            first = self.options[producers[0].name]
+            same = all([o.cand for o in self.options[p.name]] == [o.cand for o in first] for p in producers[1:])
+            self.tied[rel.name] = same
+            if same:
+                for p in producers[1:]:
+                    self.asserts.extend(
+                        f"(= {u} {v})" for u, v in zip(self.x[producers[0].name], self.x[p.name], strict=True)
                     )
-                self.asserts.extend(
-                    f"(= {u} {v})" for u, v in zip(self.x[producers[0].name], self.x[p.name], strict=True)
-                )
 
     def _memory(self) -> None:
         """At every step (node order), resident inputs and params plus the live relations fit."""
@@ -360,6 +377,8 @@ class _Model:
             for name, i in warm.items():
                 for k, v in enumerate(xs[name]):
                     s.set_initial_value(v, k == i)
+            if best_cost <= bound:  # the start is at the lower bound already
+                return best, bound, True, 0
         names = list(self.x)
         window = 0  # large-neighbourhood search: free WINDOW consecutive nodes, fix the rest
         quiet = 0  # windows in a row that found nothing better
@@ -372,7 +391,7 @@ class _Model:
                 best_ms = best_cost / NS * 1e3 if best_cost is not None else None
                 on_progress(Progress(time.monotonic() - start, best_ms, bound / NS * 1e3, found))
             # Keep a little of the budget for turning the answer into a plan.
-            left = time_limit * 0.97 - 0.2 - (time.monotonic() - start)
+            left = time_limit * 0.95 - 0.3 - (time.monotonic() - start)
             if left <= 0:
                 break
             whole = best is None or quiet >= len(names)
@@ -394,6 +413,9 @@ class _Model:
                 best_cost = self.cost(best)
                 found += 1
                 quiet = 0
+                if best_cost <= bound:  # at the lower bound: nothing can be faster
+                    optimal = True
+                    break
             elif result == z3.unsat and whole:
                 optimal = best is not None
                 if best_cost is not None:

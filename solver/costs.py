@@ -197,6 +197,8 @@ class Costs:
         return hit[1], hit[2]
 
     def _transfer(self, item: int, pieces: _Pieces, need: Need) -> float:
+        if not pieces.boxes or not need:
+            return 0.0  # nothing is held (no block has a point) or nothing is needed
         devs, wants = self._need(need)
         if wants is not None and pieces.array is not None:  # need device x piece: cells in both
             lo = np.maximum(wants[:, None, :, 0], pieces.array[None, :, :, 0])

@@ -70,7 +70,7 @@ def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
         # Split one index of the batch dim: a rule can have two (s and t of S in attention scores).
         chosen = next((i.name for i in node.indices if i.symbol == batch), None)
         splits = [Split.even(i.name, i.extent, n if i.name == chosen else 1) for i in node.indices]
-        tile_parts = max(s.parts for s in splits)
+        tile_parts = max((s.parts for s in splits), default=1)
         if tile_parts == 1:
             tiles[node.name] = Tile.whole(node.box, range(n))  # no batch index: replicate
         else:
