@@ -181,9 +181,11 @@ def _solved(
         fitting = [p for p in checked if not p.over_memory()]
         if fitting:
             plan = min(fitting, key=lambda p: p.report.seconds)
-            solution.chosen_by = "solver" if plan is checked[0] else "timeline"
+            solution.chosen_by = "solver" if plan is checked[0] and not solution.infeasible else "timeline"
             plan.solution = solution
             return plan
+        if solution.infeasible:
+            auto.raise_infeasible(solution, space)
         peak = max(max(p.report.peak_memory.values()) for p in checked)
         budget = int(budget * limit / peak * 0.97)
     raise EdlError(

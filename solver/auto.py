@@ -14,7 +14,6 @@ optimal within that step.  On the deadline the best plan found so far is returne
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -37,8 +36,6 @@ NS = 1e9  # the objective is in nanoseconds
 KB = 1024  # memory constraints count kilobytes
 WINDOW = 6  # nodes freed at a time while improving the incumbent
 WINDOW_SECONDS = 1.0  # the most one neighbourhood may take
-COARSE = 0.3  # the share of a join solve spent first on the mesh space
-COARSE_MIN = 3.0  # seconds: below this, the join search starts from the baselines alone
 
 _Term = tuple[str, int, tuple[str, object]]  # literal, kilobytes, what it stands for
 
@@ -68,6 +65,8 @@ class Solution:
     # (its estimate adds steps up, so the two can swap places once overlap is counted).
     shortlist: tuple[Plan, ...] = ()
     chosen_by: str = "solver"  # "solver", or "timeline" when the re-check preferred the start
+    build_seconds: float = 0.0  # of ``seconds``: costing the candidates and building the model
+    infeasible: str = ""  # when no plan fits by the estimate: why (the shortlist is the leanest starts)
 
     @property
     def gap(self) -> float:
@@ -86,18 +85,14 @@ def solve(
     on_progress: Callable[[Progress], None] | None = None,
 ) -> Solution:
     """The fastest plan the solver finds in ``time_limit`` seconds, keeping every device under
-    ``memory`` bytes (default: each device's capacity)."""
+    ``memory`` bytes (default: each device's capacity).  The limit covers costing the candidates
+    and building the model too; when that alone takes longer, the best starting plan is returned
+    unsearched (``build_seconds`` says how long it took)."""
     if space not in SPACES:
         raise EdlError(f"unknown search space '{space}'", help="spaces: join (any partition) or mesh (GSPMD-style)")
     start = time.monotonic()
     n = topo.n
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
-    # Coarse to fine: the mesh space is a small part of the join space and solves well quickly;
-    # its answer is one of the join search's starting points, so the join plan is never worse.
-    coarse: tuple[Plan, ...] = ()
-    if space == "join" and time_limit >= COARSE_MIN:
-        with contextlib.suppress(EdlError):  # no mesh plan fits: the join space may still have one
-            coarse = (solve(graph, topo, memory, time_limit * COARSE, seed, "mesh", on_progress).plan,)
     costs = Costs(graph, topo)
     rank = dim_order(graph)
     options: dict[str, list[Option]] = {}
@@ -106,22 +101,28 @@ def solve(
         opts = [costs.option(node, Layout(node, c, rank)) for c in candidates(node, n, mesh=space == "mesh")]
         options[node.name], tiles[node.name] = _prune(opts)
     model = _Model(graph, costs, options, limit)
-    warm = _warm_start(graph, topo, model, tiles, coarse)
+    warm = _warm_start(graph, topo, model, tiles)
+    built = time.monotonic() - start
     best, bound, optimal, found = model.search(start, time_limit, seed, warm, on_progress)
+    shortlist: tuple[Plan, ...] = ()
+    infeasible = ""
     if best is None:
+        # Nothing fits by the estimate, which errs high: hand the leanest starts to the caller to
+        # check exactly, with the message to give if none of them fits either.
         need, top = least_bytes(graph, n)
         heavy = ", ".join(f"{name} {_fmt(b)}" for name, b in top[:3])
-        leanest = min(model.memory(c) for c in _starts(graph, topo, model, tiles))
+        starts = sorted(_starts(graph, topo, model, tiles), key=model.memory)
         where = "" if space == "join" else " in the mesh space (even splits that divide the extents)"
-        raise EdlError(
+        infeasible = (
             f"no plan{where} fits in {_fmt(limit)} per device: any plan needs at least {_fmt(need)} per device "
             f"for inputs and params split {n} ways ({heavy}), plus live activations; the leanest plan "
-            f"the solver started from needs about {_fmt(leanest)} by its estimate",
-            help="give each device more memory (--memory), use more devices, shrink the dims"
-            + (", or search the join space (--space join)" if space == "mesh" else ""),
+            f"the solver started from needs about {_fmt(model.memory(starts[0]))} by its estimate"
         )
+        best = starts[0]
+        shortlist = tuple(_plan(graph, topo, options, c, space) for c in starts[:3])
     plan = _plan(graph, topo, options, best, space)
-    shortlist = (plan,) if warm is None or warm == best else (plan, _plan(graph, topo, options, warm, space))
+    if not shortlist:
+        shortlist = (plan,) if warm is None or warm == best else (plan, _plan(graph, topo, options, warm, space))
     cost = model.cost(best)
     return Solution(
         plan,
@@ -134,6 +135,17 @@ def solve(
         best,
         found,
         shortlist,
+        build_seconds=built,
+        infeasible=infeasible,
+    )
+
+
+def raise_infeasible(solution: Solution, space: str) -> None:
+    """The error for a solve where nothing fits, once the exact check agrees."""
+    raise EdlError(
+        solution.infeasible,
+        help="give each device more memory (--memory), use more devices, shrink the dims"
+        + (", or search the join space (--space join)" if space == "mesh" else ""),
     )
 
 
@@ -160,19 +172,17 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
 
 
 def _warm_start(
-    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]], plans: tuple[Plan, ...] = ()
+    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]
 ) -> dict[str, int] | None:
-    """The cheapest of a greedy pass, the hand-written baselines and ``plans`` that the space
-    can express and that fit in memory: Z3 starts from it and must beat it."""
-    fitting = [c for c in _starts(graph, topo, model, tiles, plans) if model.memory(c) <= model.memory_limit]
+    """The cheapest of a greedy pass and the hand-written baselines that the space can express
+    and that fit in memory: Z3 starts from it and must beat it."""
+    fitting = [c for c in _starts(graph, topo, model, tiles) if model.memory(c) <= model.memory_limit]
     return min(fitting, key=model.cost, default=None)
 
 
-def _starts(
-    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]], plans: tuple[Plan, ...] = ()
-) -> list[dict[str, int]]:
+def _starts(graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
     starts = [_greedy(graph, model), *_along_each_dim(graph, model)]
-    hints = list(plans)
+    hints = []
     for name in ("megatron", "data"):
         try:
             hints.append(strategies.build(graph, topo, name))

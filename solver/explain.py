@@ -19,6 +19,7 @@ class Priced:
     """One partition of a rule and what it costs where it stands in the plan (seconds)."""
 
     tile: Tile
+    reduce_axis: int | None  # the output axis partials are reduce-scattered along (None: longest)
     compute: float
     reduce: float
     inbound: float  # bringing its inputs from the producers' layouts
@@ -29,9 +30,13 @@ class Priced:
     def total(self) -> float:
         return self.compute + self.reduce + self.inbound + self.outbound
 
+    def describe(self, n_devices: int) -> str:
+        axis = f", reduce along axis {self.reduce_axis}" if self.reduce_axis is not None and self.reduce > 0 else ""
+        return self.tile.describe(n_devices) + axis
+
 
 def explain(graph: Graph, topo: Topology, plan: Plan, rule: str) -> list[Priced]:
-    """Every candidate for ``rule`` (and the plan's own tile), cheapest first."""
+    """Every distinct candidate for ``rule`` (the plan's own first among equals), cheapest first."""
     names = [n.name for n in graph.nodes]
     if rule not in names:
         close = did_you_mean(rule, names)
@@ -51,8 +56,12 @@ def explain(graph: Graph, topo: Topology, plan: Plan, rule: str) -> list[Priced]
         if (layout.tile, c.reduce_axis) != (own.tile, own.reduce_axis):
             layouts.append(layout)
     out = []
+    seen: set[tuple[object, ...]] = set()  # candidates alike in layout and needs are one choice
     for k, layout in enumerate(layouts):
         o = costs.option(node, layout)
+        if (o.held, o.needs) in seen:
+            continue
+        seen.add((o.held, o.needs))
         out.append(_price(graph, costs, plan, fixed, o, chosen=k == 0))
     out.sort(key=lambda p: (p.total, not p.chosen))
     return out
@@ -71,4 +80,4 @@ def _price(graph: Graph, costs: Costs, plan: Plan, fixed: dict[str, Option], o: 
                 outbound += costs.transfer(node.out, o.held, need)
     if node.out in {p.relation for p in plan.outputs}:
         outbound += costs.transfer(node.out, o.held, costs.replicated_need[node.out])
-    return Priced(o.layout.tile, o.compute, o.reduce, inbound, outbound, chosen)
+    return Priced(o.layout.tile, o.cand.reduce_axis, o.compute, o.reduce, inbound, outbound, chosen)

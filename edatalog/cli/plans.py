@@ -11,7 +11,7 @@ from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.regions import Region
 from edatalog.plans import Plan, load_plan, make_plan
 from edatalog.solver import auto
-from edatalog.solver.explain import explain
+from edatalog.solver.explain import Priced, explain
 
 EPILOG_PLAN = """\
 A plan splits every rule's join space into blocks and gives each block a device; inputs and
@@ -189,7 +189,12 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
         f"solver: {sol.plans_found} improving plan{'s' if sol.plans_found != 1 else ''} in {sol.seconds:.1f} s, "
         f"estimate {sol.predicted_ms:.4g} ms, {proof}; memory estimate {human(sol.memory_estimate)}B per device"
     )
-    if sol.chosen_by == "timeline":
+    if sol.infeasible:
+        print(
+            "note: by the solver's memory estimate (which errs high) no plan fitted; checked exactly in "
+            "the simulator's accounting, this starting plan does"
+        )
+    elif sol.chosen_by == "timeline":
         print(
             "note: the plan the solver started from (a baseline in its space) ran faster in the timeline, "
             "which overlaps steps the solver's estimate adds up; it is the one kept"
@@ -209,30 +214,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
         priced = explain(graph, plan.topology, plan.ir, rule)
         out[rule] = priced
     if args.json:
-        print(json.dumps({rule: [_priced_json(p) for p in ps] for rule, ps in out.items()}, indent=1))
+        n = plan.ir.n_devices
+        print(json.dumps({rule: [_priced_json(p, n) for p in ps] for rule, ps in out.items()}, indent=1))
         return 0
+    n = plan.ir.n_devices
     for rule, priced in out.items():
         chosen = next(p for p in priced if p.chosen)
         runner = next((p for p in priced if not p.chosen), None)
-        rows = [
-            [
-                "*" if p.chosen else "",
-                p.tile.describe(plan.ir.n_devices),
-                *(f"{v * 1e6:.1f}" for v in (p.compute, p.reduce, p.inbound, p.outbound, p.total)),
-            ]
-            for p in priced[:12]
-        ]
-        if chosen not in priced[:12]:
-            rows.append(
-                [
-                    "*",
-                    chosen.tile.describe(plan.ir.n_devices),
-                    *(
-                        f"{v * 1e6:.1f}"
-                        for v in (chosen.compute, chosen.reduce, chosen.inbound, chosen.outbound, chosen.total)
-                    ),
-                ]
-            )
+        shown = priced[:12] if chosen in priced[:12] else [*priced[:12], chosen]
+        rows = [_priced_row(p, n) for p in shown]
         print(f"rule {rule}: {graph.node(rule)}")
         print(
             table(
@@ -243,15 +233,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
             verdict = "cheaper than" if chosen.total <= runner.total else "dearer than"
             print(
                 f"the plan's choice costs {chosen.total * 1e6:.1f} us, {verdict} the runner-up "
-                f"({runner.tile.describe(plan.ir.n_devices)}) at {runner.total * 1e6:.1f} us"
+                f"({runner.describe(plan.ir.n_devices)}) at {runner.total * 1e6:.1f} us"
             )
         print()
     return 0
 
 
-def _priced_json(p: Any) -> dict[str, Any]:
+def _priced_row(p: Priced, n_devices: int) -> list[str]:
+    costs = (p.compute, p.reduce, p.inbound, p.outbound, p.total)
+    return ["*" if p.chosen else "", p.describe(n_devices), *(f"{v * 1e6:.1f}" for v in costs)]
+
+
+def _priced_json(p: Priced, n_devices: int) -> dict[str, Any]:
     return {
-        "partition": p.tile.describe(0 if False else max(max(ds) for ds in p.tile.devices) + 1),
+        "partition": p.describe(n_devices),
+        "reduce_axis": p.reduce_axis,
         "splits": {s.index: list(s.cuts) for s in p.tile.splits},
         "devices": [list(ds) for ds in p.tile.devices],
         "compute_us": p.compute * 1e6,
