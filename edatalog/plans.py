@@ -82,6 +82,7 @@ class Plan:
         assert sol is not None
         return {
             "solve_seconds": sol.seconds,
+            "build_seconds": sol.build_seconds,
             "solver_estimate_ms": sol.predicted_ms,
             "lower_bound_ms": sol.lower_bound_ms,
             "optimal": sol.optimal,

@@ -325,7 +325,8 @@ def test_plan_json_has_the_solver_summary_and_megatron(auto_plan: tuple[Path, di
     summary, megatron = data["summary"], data["megatron"]
     assert isinstance(summary, dict) and isinstance(megatron, dict)
     assert summary["strategy"] == "auto" and megatron["strategy"] == "megatron"
-    keys = {"solve_seconds", "solver_estimate_ms", "lower_bound_ms", "optimal", "gap", "memory_estimate"}
+    keys = {"solve_seconds", "build_seconds", "solver_estimate_ms", "lower_bound_ms", "optimal", "gap"}
+    keys |= {"memory_estimate", "chosen_by"}
     assert keys <= set(summary)
     assert "solve_seconds" not in megatron
     assert 0 < summary["lower_bound_ms"] <= summary["solver_estimate_ms"]
