@@ -1,15 +1,18 @@
 """Time, traffic and memory of a schedule under the topology's cost model.
 
-Every device has a compute engine and, per link class, an egress and an ingress port.  Tasks run
-in program order on the resources they need (a kernel on its device's engine; a transfer on the
-sender's egress and the receiver's ingress port), as soon as their inputs exist: compute and
-communication overlap wherever dependencies allow.  Memory counts every buffer from the start of
+Every device has a compute engine and, per link class, an egress and an ingress port.  Tasks take
+the resources they need (a kernel its device's engine; a transfer the sender's egress and the
+receiver's ingress port) in the order their inputs become ready, program order among equals, and
+start as soon as both inputs and resources are free: compute and communication overlap wherever
+dependencies allow, and no transfer waits behind one whose data comes later.  Memory counts every buffer from the start of
 the task that makes it to the end of its last reader; loaded inputs and params, and outputs, stay.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +51,7 @@ def analyze(s: Schedule) -> Report:
     sent = dict.fromkeys(range(n), 0)
     received = dict.fromkeys(range(n), 0)
     per_link: dict[tuple[int, int], int] = {}
-    for t in s.tasks:
+    for t in _by_readiness(s, times):
         ready = max((times[d].end for d in t.deps), default=0.0)
         duration, resources = _cost(s, t)
         start = max([ready, *(free.get(r, 0.0) for r in resources)])
@@ -76,6 +79,26 @@ def analyze(s: Schedule) -> Report:
         _peak_memory(s, times),
         {k: len(v) for k, v in blocks.items()},
     )
+
+
+def _by_readiness(s: Schedule, times: dict[int, Span]) -> Iterator[Task]:
+    """Tasks in the order their inputs become ready (program order among equals): each resource
+    runs what is ready first, so a transfer never waits behind one whose data comes later.
+    ``times`` is filled by the caller as each task is placed."""
+    pending = {t.id: len(set(t.deps)) for t in s.tasks}
+    readers: dict[int, list[int]] = {}
+    for t in s.tasks:
+        for d in set(t.deps):
+            readers.setdefault(d, []).append(t.id)
+    heap = [(0.0, t.id) for t in s.tasks if not pending[t.id]]
+    heapq.heapify(heap)
+    while heap:
+        _, k = heapq.heappop(heap)
+        yield s.tasks[k]
+        for r in readers.get(k, ()):
+            pending[r] -= 1
+            if not pending[r]:
+                heapq.heappush(heap, (max(times[d].end for d in s.tasks[r].deps), r))
 
 
 def _cost(s: Schedule, t: Task) -> tuple[float, list[tuple[Any, ...]]]:
