@@ -4,8 +4,9 @@ Every device has a compute engine and, per link class, an egress and an ingress 
 the resources they need (a kernel its device's engine; a transfer the sender's egress and the
 receiver's ingress port) in the order their inputs become ready, program order among equals, and
 start as soon as both inputs and resources are free: compute and communication overlap wherever
-dependencies allow, and no transfer waits behind one whose data comes later.  Memory counts every buffer from the start of
-the task that makes it to the end of its last reader; loaded inputs and params, and outputs, stay.
+dependencies allow, and no transfer waits behind one whose data comes later.  Memory counts every
+buffer from the start of the task that makes it to the end of its last reader; loaded inputs and
+params, and outputs, stay.
 """
 
 from __future__ import annotations

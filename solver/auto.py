@@ -62,9 +62,10 @@ class Solution:
     chosen: dict[str, int] = field(default_factory=dict)  # node -> index into options[node]
     plans_found: int = 0
     # Plans worth checking in the exact timeline: the solver's best, then the plan it started from
-    # (its estimate adds steps up, so the two can swap places once overlap is counted).
+    # and the baselines in its space (its estimate adds steps up, so plans can swap places once
+    # overlap is counted).
     shortlist: tuple[Plan, ...] = ()
-    chosen_by: str = "solver"  # "solver", or "timeline" when the re-check preferred the start
+    chosen_by: str = "solver"  # "solver", or "timeline" when the re-check preferred another shortlisted plan
     build_seconds: float = 0.0  # of ``seconds``: costing the candidates and building the model
     infeasible: str = ""  # when no plan fits by the estimate: why (the shortlist is the leanest starts)
 
@@ -122,7 +123,12 @@ def solve(
         shortlist = tuple(_plan(graph, topo, options, c, space) for c in starts[:3])
     plan = _plan(graph, topo, options, best, space)
     if not shortlist:
-        shortlist = (plan,) if warm is None or warm == best else (plan, _plan(graph, topo, options, warm, space))
+        # The solver's best, the plan it started from and the baselines it can express that fit
+        # by the estimate: the exact check keeps the fastest, so auto is never slower than them.
+        extra = [warm, *(c for c in _baselines(graph, topo, tiles) if model.memory(c) <= limit)]
+        picks = [best, *(c for c in extra if c is not None)]
+        unique = [c for k, c in enumerate(picks) if c not in picks[:k]]
+        shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in unique[1:]))
     cost = model.cost(best)
     return Solution(
         plan,
@@ -181,18 +187,21 @@ def _warm_start(
 
 
 def _starts(graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
-    starts = [_greedy(graph, model), *_along_each_dim(graph, model)]
-    hints = []
+    return [_greedy(graph, model), *_along_each_dim(graph, model), *_baselines(graph, topo, tiles)]
+
+
+def _baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
+    """The megatron and data plans, where the space can express them."""
+    out = []
     for name in ("megatron", "data"):
         try:
-            hints.append(strategies.build(graph, topo, name))
+            hint = strategies.build(graph, topo, name)
         except EdlError:
             continue
-    for hint in hints:
         choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
         if all(i is not None for i in choice.values()):
-            starts.append({k: i for k, i in choice.items() if i is not None})
-    return starts
+            out.append({k: i for k, i in choice.items() if i is not None})
+    return out
 
 
 def _along_each_dim(graph: Graph, model: _Model) -> list[dict[str, int]]:

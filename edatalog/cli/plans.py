@@ -196,8 +196,8 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
         )
     elif sol.chosen_by == "timeline":
         print(
-            "note: the plan the solver started from (a baseline in its space) ran faster in the timeline, "
-            "which overlaps steps the solver's estimate adds up; it is the one kept"
+            "note: another plan on the solver's shortlist (its start, or a baseline in its space) ran faster "
+            "in the timeline, which overlaps steps the solver's estimate adds up; it is the one kept"
         )
 
 
