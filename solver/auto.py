@@ -102,7 +102,8 @@ def solve(
         opts = [costs.option(node, Layout(node, c, rank)) for c in candidates(node, n, mesh=space == "mesh")]
         options[node.name], tiles[node.name] = _prune(opts)
     model = _Model(graph, costs, options, limit)
-    warm = _warm_start(graph, topo, model, tiles)
+    baselines = _baselines(graph, topo, tiles)
+    warm = _warm_start(graph, model, baselines)
     built = time.monotonic() - start
     best, bound, optimal, found = model.search(start, time_limit, seed, warm, on_progress)
     shortlist: tuple[Plan, ...] = ()
@@ -112,7 +113,7 @@ def solve(
         # check exactly, with the message to give if none of them fits either.
         need, top = least_bytes(graph, n)
         heavy = ", ".join(f"{name} {_fmt(b)}" for name, b in top[:3])
-        starts = sorted(_starts(graph, topo, model, tiles), key=model.memory)
+        starts = sorted(_starts(graph, model, baselines), key=model.memory)
         where = "" if space == "join" else " in the mesh space (even splits that divide the extents)"
         infeasible = (
             f"no plan{where} fits in {_fmt(limit)} per device: any plan needs at least {_fmt(need)} per device "
@@ -125,7 +126,7 @@ def solve(
     if not shortlist:
         # The solver's best, the plan it started from and the baselines it can express that fit
         # by the estimate: the exact check keeps the fastest, so auto is never slower than them.
-        extra = [warm, *(c for c in _baselines(graph, topo, tiles) if model.memory(c) <= limit)]
+        extra = [warm, *(c for c in baselines if model.memory(c) <= limit)]
         picks = [best, *(c for c in extra if c is not None)]
         unique = [c for k, c in enumerate(picks) if c not in picks[:k]]
         shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in unique[1:]))
@@ -177,22 +178,20 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
     return kept, {o.layout.tile: where[id(best[(o.held, o.needs)])] for o in opts if o.cand.reduce_axis is None}
 
 
-def _warm_start(
-    graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]
-) -> dict[str, int] | None:
+def _warm_start(graph: Graph, model: _Model, baselines: list[dict[str, int]]) -> dict[str, int] | None:
     """The cheapest of a greedy pass and the hand-written baselines that the space can express
     and that fit in memory: Z3 starts from it and must beat it."""
-    fitting = [c for c in _starts(graph, topo, model, tiles) if model.memory(c) <= model.memory_limit]
+    fitting = [c for c in _starts(graph, model, baselines) if model.memory(c) <= model.memory_limit]
     return min(fitting, key=model.cost, default=None)
 
 
-def _starts(graph: Graph, topo: Topology, model: _Model, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
-    return [_greedy(graph, model), *_along_each_dim(graph, model), *_baselines(graph, topo, tiles)]
+def _starts(graph: Graph, model: _Model, baselines: list[dict[str, int]]) -> list[dict[str, int]]:
+    return [_greedy(graph, model), *_along_each_dim(graph, model), *baselines]
 
 
 def _baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
     """The megatron and data plans, where the space can express them."""
-    out = []
+    out: list[dict[str, int]] = []
     for name in ("megatron", "data"):
         try:
             hint = strategies.build(graph, topo, name)
@@ -410,7 +409,7 @@ class _Model:
                 best_ms = best_cost / NS * 1e3 if best_cost is not None else None
                 on_progress(Progress(time.monotonic() - start, best_ms, bound / NS * 1e3, found))
             # Keep a little of the budget for turning the answer into a plan.
-            left = time_limit * 0.95 - 0.3 - (time.monotonic() - start)
+            left = time_limit * 0.9 - 0.5 - (time.monotonic() - start)
             if left <= 0:
                 break
             whole = best is None or quiet >= len(names)
