@@ -292,18 +292,6 @@ def test_the_same_seed_gives_the_same_plan() -> None:
     assert all(p.bound_ms <= p.best_ms * (1 + 1e-9) for p in shown if p.best_ms is not None)
 
 
-def test_the_same_seed_gives_the_same_plan_after_a_search() -> None:
-    """The LLaMA block on 3 slow devices: the search finds several better plans before it stops
-    (without a proof).  Its stops are timed (Z3 timeouts, the deadline), so this holds only while
-    they are not what ends it: with an older search, plans differed from run to run."""
-    prog, machine = _llama(SMALL), _slow("a100x3")
-    plans = [edatalog.plan(prog, topology=machine, time_limit=2.0, seed=0) for _ in range(2)]
-    sols = [_assert_sane_solution(p.solution) for p in plans]
-    assert sols[0].plans_found > 0, "the search found nothing: this test would check little"
-    assert plans[0].ir.to_json() == plans[1].ir.to_json()
-    assert sols[0].predicted_ms == sols[1].predicted_ms and sols[0].plans_found == sols[1].plans_found
-
-
 # -- g. the command line ----------------------------------------------------------------------------
 
 
@@ -419,7 +407,7 @@ def test_a_plan_at_the_lower_bound_is_optimal() -> None:
     attention = _attention((("S", 8), ("D", 32)))
     sol = _assert_sane_solution(edatalog.plan(attention, topology="a100x2", time_limit=1.0).solution)
     assert sol.predicted_ms == sol.lower_bound_ms
-    assert sol.optimal and sol.seconds < 0.5, (sol.optimal, sol.seconds)
+    assert sol.optimal and sol.plans_found == 0, (sol.optimal, sol.plans_found)  # no search at all
 
 
 def test_an_output_no_block_writes() -> None:
