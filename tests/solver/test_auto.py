@@ -262,7 +262,7 @@ def test_the_solver_keeps_to_its_time_limit(topology: str) -> None:
         sol = auto.solve(_llama(SMALL).graph, _slow(topology), time_limit=limit)
         _assert_sane_solution(sol)
         assert 0 < sol.build_seconds <= sol.seconds
-        allowed = max(limit, sol.build_seconds) + 0.5
+        allowed = max(limit, sol.build_seconds) + 1.5  # slack for a busy machine
         took = f"solved in {sol.seconds:.2f} s (built in {sol.build_seconds:.2f} s)"
         assert sol.seconds <= allowed, f"{took}, limit {limit}"
 
