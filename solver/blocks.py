@@ -232,7 +232,6 @@ class Layout:
         layout.node, layout.splits, layout.tile = node, tile.splits, tile
         replicas = len(tile.devices[0]) if tile.devices else 1
         layout.cand = Candidate(tuple(s.parts for s in tile.splits), replicas, reduce_axis=reduce_axis)
-        layout.names = [i.name for i in node.indices]
         return layout
 
     def __init__(self, node: JoinAgg, cand: Candidate, rank: Mapping[str, int]) -> None:
@@ -253,7 +252,6 @@ class Layout:
                 linear = linear * cand.parts[k] + combo[k] // per[k]
             devices.append(tuple(range(linear * cand.replicas, (linear + 1) * cand.replicas)))
         self.tile = Tile(self.splits, tuple(devices))
-        self.names = names
 
     @cached_property
     def per_device(self) -> list[DeviceBlock]:

@@ -12,7 +12,6 @@ over devices.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -265,7 +264,3 @@ def least_bytes(graph: Graph, n: int) -> tuple[int, list[tuple[str, int]]]:
     sizes = [(r.name, math.ceil(r.nbytes / n)) for r in graph.relations if r.kind != "derived"]
     sizes.sort(key=lambda kv: -kv[1])
     return sum(s for _, s in sizes), sizes
-
-
-def ranges_of(layout: Layout) -> Mapping[int, Mapping[str, tuple[int, int]]]:
-    return {b.device: b.ranges for b in layout.per_device}
