@@ -18,11 +18,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import z3
 
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.ir.printer import human
 from edatalog.solver import strategies
 from edatalog.solver.blocks import Box, Layout, candidates, dim_order
 from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
@@ -157,10 +159,7 @@ def raise_infeasible(solution: Solution, space: str) -> None:
 
 
 def _fmt(nbytes: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g}{unit}"
-    return f"{nbytes}B"
+    return f"{human(nbytes)}B"
 
 
 def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
@@ -262,6 +261,7 @@ class _Model:
         self.held: dict[str, dict[Held, str]] = {}
         self.need: dict[str, dict[Need, str]] = {}
         self.step_terms: list[list[_Term]] = []
+        self._layouts: dict[tuple[str, int], Held] = {}
         self._encode()
         self.decls = "".join(f"(declare-const {v} Bool)" for v in self.names)
         self.objective = (" ".join(str(ns) for _, ns in self.terms), " ".join(v for v, _ in self.terms))
@@ -270,6 +270,13 @@ class _Model:
         name = f"{prefix}{len(self.names)}"
         self.names.append(name)
         return name
+
+    def _class(self, classes: dict[Any, str], key: Held | Need, prefix: str) -> str:
+        """The literal standing for one layout or need class (made on first use)."""
+        lit = classes.get(key)
+        if lit is None:
+            lit = classes[key] = self._fresh(prefix)
+        return lit
 
     # -- encoding -----------------------------------------------------------------------------------
 
@@ -283,22 +290,16 @@ class _Model:
         for rel in g.relations:
             if rel.kind == "derived":
                 first = g.producers(rel.name)[0]
-                classes: dict[Held, str] = {}
+                classes = self.held.setdefault(rel.name, {})
                 for k, v in enumerate(self.x[first.name]):
-                    key = self._held_of(rel.name, k)
-                    lit = classes.get(key) or classes.setdefault(key, self._fresh("h"))
-                    self.asserts.append(f"(=> {v} {lit})")
-                self.held[rel.name] = classes
+                    self.asserts.append(f"(=> {v} {self._class(classes, self._held_of(rel.name, k), 'h')})")
         for node in g.nodes:
             for v, o in zip(self.x[node.name], self.options[node.name], strict=True):
                 for acc, need in o.needs:
-                    needs = self.need.setdefault(acc.relation, {})
-                    lit = needs.get(need) or needs.setdefault(need, self._fresh("n"))
+                    lit = self._class(self.need.setdefault(acc.relation, {}), need, "n")
                     self.asserts.append(f"(=> {v} {lit})")
         for name, need in self.costs.replicated_need.items():
-            needs = self.need.setdefault(name, {})
-            lit = needs.get(need) or needs.setdefault(need, self._fresh("n"))
-            self.asserts.append(lit)
+            self.asserts.append(self._class(self.need.setdefault(name, {}), need, "n"))
         # Transfers: a (layout, need) pair that both hold costs its transfer.
         for rel_name, helds in self.held.items():
             for held, h in helds.items():
@@ -312,13 +313,17 @@ class _Model:
 
     def _held_of(self, relation: str, k: int) -> Held:
         """The layout of a relation when its (first) producer picks candidate ``k``: tied
-        producers each contribute their blocks; an untied one is left out of the estimate."""
-        boxes: dict[int, list[Box]] = {}
-        producers = self.graph.producers(relation)
-        for p in producers if self.tied.get(relation) else producers[:1]:
-            for d, bs in self.options[p.name][k].held:
-                boxes.setdefault(d, []).extend(bs)
-        return tuple((d, tuple(bs)) for d, bs in sorted(boxes.items()))
+        producers each contribute their blocks; an untied one is left out of the estimate.
+        Built once per (relation, k): transfer costs are cached by the layout's identity."""
+        hit = self._layouts.get((relation, k))
+        if hit is None:
+            boxes: dict[int, list[Box]] = {}
+            producers = self.graph.producers(relation)
+            for p in producers if self.tied.get(relation) else producers[:1]:
+                for d, bs in self.options[p.name][k].held:
+                    boxes.setdefault(d, []).extend(bs)
+            hit = self._layouts[(relation, k)] = tuple((d, tuple(bs)) for d, bs in sorted(boxes.items()))
+        return hit
 
     def _tie_producers(self) -> None:
         """Rules that write one relation ('=' pieces, rotary halves) pick the same partition when
@@ -453,30 +458,29 @@ class _Model:
     def cost(self, choice: dict[str, int]) -> int:
         """The objective of a choice, in nanoseconds, computed directly (not by Z3)."""
         total = sum(math.ceil((self.options[n][i].compute + self.options[n][i].reduce) * NS) for n, i in choice.items())
-        for rel_name in self.held:
-            held = self._held_of(rel_name, choice[self.graph.producers(rel_name)[0].name])
-            needs = {
-                need
-                for node in self.graph.nodes
-                for acc, need in self.options[node.name][choice[node.name]].needs
-                if acc.relation == rel_name
-            }
-            if rel_name in self.costs.replicated_need:
-                needs.add(self.costs.replicated_need[rel_name])
-            total += sum(math.ceil(self.costs.transfer(rel_name, held, need) * NS) for need in needs)
+        for rel_name, needs in self._chosen_needs(choice).items():
+            if rel_name in self.held:
+                held = self._held_of(rel_name, choice[self.graph.producers(rel_name)[0].name])
+                total += sum(math.ceil(self.costs.transfer(rel_name, held, need) * NS) for need in needs)
         return total
+
+    def _chosen_needs(self, choice: dict[str, int]) -> dict[str, set[Need]]:
+        """Every relation's distinct needs under a choice, outputs' final placement included."""
+        out: dict[str, set[Need]] = {}
+        for name, i in choice.items():
+            for acc, need in self.options[name][i].needs:
+                out.setdefault(acc.relation, set()).add(need)
+        for name, need in self.costs.replicated_need.items():
+            out.setdefault(name, set()).add(need)
+        return out
 
     def memory(self, choice: dict[str, int]) -> int:
         """The estimated peak bytes of one device under a choice."""
         g = self.graph
         used: set[tuple[str, object]] = set(choice.items())
-        for node in g.nodes:
-            for acc, need in self.options[node.name][choice[node.name]].needs:
-                used.add((acc.relation, need))
+        used.update((rel, need) for rel, needs in self._chosen_needs(choice).items() for need in needs)
         for rel_name in self.held:
             used.add((rel_name, self._held_of(rel_name, choice[g.producers(rel_name)[0].name])))
-        for name, need in self.costs.replicated_need.items():
-            used.add((name, need))
         return max((sum(kb for _, kb, key in live if key in used) for live in self.step_terms), default=0) * KB
 
 

@@ -54,14 +54,6 @@ def print_warnings(prog: Any) -> None:
         print(w.render(), file=sys.stderr)
 
 
-def human(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T", "P"):
-        if abs(n) < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}E"
-
-
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 

@@ -6,8 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from edatalog.cli.common import Progress, check_writable, compile_args, human, print_warnings, table
+from edatalog.cli.common import Progress, check_writable, compile_args, print_warnings, table
 from edatalog.errors import EdlError, did_you_mean
+from edatalog.ir.printer import human
 from edatalog.ir.regions import Region
 from edatalog.plans import Plan, load_plan, make_plan
 from edatalog.solver import auto

@@ -17,7 +17,6 @@ from edatalog.cli.common import (
     check_array_file,
     check_writable,
     compile_args,
-    human,
     load_inputs,
     print_warnings,
     save_outputs,
@@ -26,6 +25,7 @@ from edatalog.cli.common import (
 )
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
+from edatalog.ir.printer import human
 from edatalog.plans import load_plan
 
 EPILOG_CHECK = """\

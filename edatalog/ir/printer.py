@@ -45,3 +45,12 @@ def render_graph(graph: Graph) -> str:
         lines.append("")
         lines.append("output " + ", ".join(graph.outputs))
     return "\n".join(lines)
+
+
+def human(n: float) -> str:
+    """``2.25G``, ``940M``, ``512``: three significant digits and a decimal prefix."""
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}E"
