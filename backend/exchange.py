@@ -18,7 +18,6 @@ guards or supports leave empty are never computed or sent.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -26,10 +25,10 @@ import numpy as np
 
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
-from edatalog.ir.affine import Affine
 from edatalog.ir.cost import flops_per_point
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.regions import Region
+from edatalog.solver.blocks import tighten
 from edatalog.solver.plan import Plan, Tile
 from edatalog.solver.topology import Topology
 
@@ -183,7 +182,7 @@ class _Synthesizer:
         out_item = dtypes.itemsize(node.dtype)
         entries = []
         for block in tile.blocks():
-            ranges, points = _tighten(node, block.ranges)
+            ranges, points = tighten(node, block.ranges)
             if points == 0:
                 continue  # guards and supports leave this block empty: nothing to compute or send
             out = Region.through(node.out_axes, ranges)
@@ -372,27 +371,6 @@ class _Synthesizer:
             region.size * item * (len(bufs) + 1),
         )
         return self._add(task, relation, region)
-
-
-def _tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[str, tuple[int, int]], int]:
-    """Shrink a block's ranges to where its effective guard has points; and count the points."""
-    out = dict(ranges)
-    dense = math.prod(hi - lo for lo, hi in ranges.values())
-    guard = node.guard
-    if guard.is_true:
-        return out, dense
-    order = sorted(guard.vars)
-    shift = {v: Affine.var(v) + ranges[v][0] for v in order}
-    box = {v: ranges[v][1] - ranges[v][0] for v in order}
-    mask = np.broadcast_to(guard.substitute(shift).mask(order, box), tuple(box[v] for v in order))
-    inside = int(np.count_nonzero(mask))
-    if inside == 0:
-        return out, 0
-    for k, v in enumerate(order):
-        hit = np.flatnonzero(mask.any(axis=tuple(j for j in range(len(order)) if j != k)))
-        out[v] = (ranges[v][0] + int(hit[0]), ranges[v][0] + int(hit[-1]) + 1)
-    others = math.prod(hi - lo for v, (lo, hi) in ranges.items() if v not in box)
-    return out, inside * others
 
 
 def _cell_groups(regions: list[Region]) -> list[tuple[Region, list[int]]]:

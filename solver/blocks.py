@@ -271,8 +271,8 @@ _TIGHTEN_CACHE: dict[tuple[object, ...], tuple[object, dict[str, tuple[int, int]
 
 
 def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[str, tuple[int, int]], int]:
-    """A block's ranges shrunk to where the node's guard has points, and the number of points
-    (what the backend computes: blocks with no points are skipped)."""
+    """A block's ranges shrunk to where the node's guard has points, and the number of points.
+    Exact: the backend computes and skips blocks by it, the solver prices them by it."""
     dense = math.prod(hi - lo for lo, hi in ranges.values())
     guard = node.guard
     if guard.is_true:
@@ -284,19 +284,16 @@ def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[
     if hit is None and len(guard.conjs) == 1 and 1 <= len(gvars) <= 2:
         hit = _tighten_conj(guard.conjs[0].constraints, gvars, ranges)
         _TIGHTEN_CACHE[key] = (guard, *hit)
-    if hit is None:
+    if hit is None:  # any other guard: look at every point of the block's guard variables
         shift = {v: Affine.var(v) + ranges[v][0] for v in gvars}
         box = {v: ranges[v][1] - ranges[v][0] for v in gvars}
-        shifted = guard.substitute(shift)
-        inside, _ = shifted.count_bound(box)
+        mask = np.broadcast_to(guard.substitute(shift).mask(gvars, box), tuple(box[v] for v in gvars))
+        inside = int(np.count_nonzero(mask))
         tight: dict[str, tuple[int, int]] = {}
         if inside:
-            for v in gvars:
-                shadow, _ = shifted.project([v], box)
-                mask = np.broadcast_to(shadow.mask([v], box), (box[v],))
-                idx = np.flatnonzero(mask)
-                if len(idx):
-                    tight[v] = (ranges[v][0] + int(idx[0]), ranges[v][0] + int(idx[-1]) + 1)
+            for k, v in enumerate(gvars):
+                idx = np.flatnonzero(mask.any(axis=tuple(j for j in range(len(gvars)) if j != k)))
+                tight[v] = (ranges[v][0] + int(idx[0]), ranges[v][0] + int(idx[-1]) + 1)
         hit = (tight, inside)
         if len(_TIGHTEN_CACHE) > 100_000:
             _TIGHTEN_CACHE.clear()
