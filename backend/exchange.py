@@ -134,6 +134,7 @@ class _Synthesizer:
         # What each device received of each piece of a final layout: (region, buffer), disjoint.
         self.received: dict[tuple[int, Entry], list[tuple[Region, int]]] = {}
         self.egress = [0] * topology.n  # bytes each device has sent, to spread replicated sources
+        self.bounds: dict[str, tuple[list[Entry], np.ndarray, np.ndarray]] = {}  # per layout: piece boxes
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class _Synthesizer:
     def _pieces(self, relation: str, need: Region, d: int) -> list[tuple[Entry, int, Region]]:
         """As :meth:`_fetch`, with the piece of the layout each part comes from."""
         parts = []
-        for entry in self.s.layout[relation]:
+        for entry in self._near(relation, need):
             part = entry.region.intersect(need)
             if part.empty:
                 continue
@@ -246,6 +247,24 @@ class _Synthesizer:
                 received.append((m, buf))
                 parts.append((entry, buf, m))
         return parts
+
+    def _near(self, relation: str, need: Region) -> list[Entry]:
+        """The pieces of a relation's layout whose bounding boxes meet ``need``'s, in layout
+        order: a cheap filter before exact intersection (layouts of pipelined plans have
+        hundreds of pieces, and every block of every reader asks)."""
+        layout = self.s.layout[relation]
+        if len(layout) < 8 or not need.axes or need.empty:
+            return layout
+        hit = self.bounds.get(relation)
+        if hit is None or hit[0] is not layout:
+            lo = np.array([[a[0] if len(a) else 1 for a in e.region.axes] for e in layout], dtype=np.int64)
+            hi = np.array([[a[-1] if len(a) else 0 for a in e.region.axes] for e in layout], dtype=np.int64)
+            hit = self.bounds[relation] = (layout, lo, hi)
+        _, lo, hi = hit
+        nlo = np.array([a[0] for a in need.axes], dtype=np.int64)
+        nhi = np.array([a[-1] for a in need.axes], dtype=np.int64)
+        meets = ((lo <= nhi) & (hi >= nlo)).all(axis=1)
+        return [layout[k] for k in np.flatnonzero(meets)]
 
     def _source(self, holders: Mapping[int, int], d: int) -> int:
         """The holder to send from: the same node first, then the least busy sender."""

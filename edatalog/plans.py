@@ -22,7 +22,7 @@ from edatalog.backend.reference import Value
 from edatalog.backend.timeline import Report, analyze, write_trace
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
-from edatalog.solver import auto, strategies
+from edatalog.solver import auto, refine, strategies
 from edatalog.solver import topology as machines
 from edatalog.solver.plan import Plan as PlanIR
 from edatalog.solver.topology import Topology
@@ -89,6 +89,7 @@ class Plan:
             "gap": sol.gap,
             "memory_estimate": sol.memory_estimate,
             "chosen_by": sol.chosen_by,
+            "refined": sol.refined,
         }
 
     def over_memory(self) -> list[int]:
@@ -129,6 +130,7 @@ class Plan:
 
 
 STRATEGIES = ("auto", *strategies.STRATEGIES)
+REFINE_TRIES = 3  # the fastest shortlisted plans whose refinements are checked
 
 
 def make_plan(
@@ -181,8 +183,12 @@ def _solved(
         checked = [Plan(ir, graph, machine, reduction) for ir in solution.shortlist]
         fitting = [p for p in checked if not p.over_memory()]
         if fitting:
-            plan = min(fitting, key=lambda p: p.report.seconds)
+            fitting.sort(key=lambda p: p.report.seconds)
+            plan = fitting[0]
             solution.chosen_by = "solver" if plan is checked[0] and not solution.infeasible else "timeline"
+            refined = _refined(graph, machine, reduction, fitting[:REFINE_TRIES])
+            if refined is not None and refined[0].report.seconds < plan.report.seconds:
+                plan, solution.refined = refined
             plan.solution = solution
             return plan
         if solution.infeasible:
@@ -194,6 +200,46 @@ def _solved(
         f"(the best needs {peak / 1e9:.3g}GB)",
         help="give each device more memory (--memory), use more devices, or shrink the dims",
     )
+
+
+def _refined(graph: Graph, machine: Topology, reduction: str, plans: list[Plan]) -> tuple[Plan, str] | None:
+    """The fastest refinement of ``plans`` that fits, and what it is: each plan balanced along
+    guarded dims, and each of those pipelined in 2 chunks along a dim every rule has, then 4
+    while that keeps helping (see :mod:`edatalog.solver.refine`).  Checked in the timeline."""
+    best: tuple[Plan, str] | None = None
+
+    def consider(plan: Plan, what: str) -> bool:
+        nonlocal best
+        if plan.over_memory():
+            return False
+        if best is None or plan.report.seconds < best[0].report.seconds:
+            best = (plan, what)
+        return True
+
+    for base in plans:
+        variants = [(base, "")]
+        for dim in refine.guarded_dims(graph):
+            ir = refine.balanced(graph, base.ir, dim)
+            if ir is not None:
+                plan = Plan(ir, graph, machine, reduction)
+                if consider(plan, f"{dim} balanced"):
+                    variants.append((plan, f"{dim} balanced"))
+        for plan, what in variants:
+            for dim in refine.every_rule_dims(graph):
+                last = plan.report.seconds
+                for chunks in refine.CHUNKS:
+                    ir = refine.pipelined(graph, plan.ir, dim, chunks)
+                    if ir is None:
+                        break
+                    piped = Plan(ir, graph, machine, reduction)
+                    if piped.report.seconds >= last or not consider(piped, _join(what, f"{dim} in {chunks} chunks")):
+                        break
+                    last = piped.report.seconds
+    return best
+
+
+def _join(*parts: str) -> str:
+    return ", ".join(p for p in parts if p)
 
 
 def load_plan(path: str | Path, prog: Program | None = None) -> Plan:

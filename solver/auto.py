@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.printer import human
 from edatalog.solver import strategies
-from edatalog.solver.blocks import Box, Layout, candidates, dim_order
+from edatalog.solver.blocks import Box, Candidate, Layout, candidates, dim_order, guarded_dims
 from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
 from edatalog.solver.plan import NodePlan, Placement, Plan, Tile
 from edatalog.solver.strategies import place_by_consumers
@@ -38,6 +38,8 @@ NS = 1e9  # the objective is in nanoseconds
 KB = 1024  # memory constraints count kilobytes
 WINDOW = 6  # nodes freed at a time while improving the incumbent
 WINDOW_SECONDS = 1.0  # the most one neighbourhood may take
+MIX_SECONDS = 2.0  # the most one step of recombining the starting plans may take
+SHORTLIST = 6  # best starting plans re-checked in the timeline with the solver's best
 
 _Term = tuple[str, int, tuple[str, object]]  # literal, kilobytes, what it stands for
 
@@ -70,6 +72,7 @@ class Solution:
     chosen_by: str = "solver"  # "solver", or "timeline" when the re-check preferred another shortlisted plan
     build_seconds: float = 0.0  # of ``seconds``: costing the candidates and building the model
     infeasible: str = ""  # when no plan fits by the estimate: why (the shortlist is the leanest starts)
+    refined: str = ""  # set by the caller when a refinement of the plan was kept ("S balanced, S in 2 chunks")
 
     @property
     def gap(self) -> float:
@@ -98,16 +101,20 @@ def solve(
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
     costs = Costs(graph, topo)
     rank = dim_order(graph)
+    balance = guarded_dims(graph)
     options: dict[str, list[Option]] = {}
     tiles: dict[str, dict[Tile, int]] = {}  # every candidate's tile -> the option that stands for it
     for node in graph.nodes:
-        opts = [costs.option(node, Layout(node, c, rank)) for c in candidates(node, n, mesh=space == "mesh")]
+        cands = candidates(node, n, mesh=space == "mesh", balance=balance)
+        opts = [costs.option(node, Layout(node, c, rank)) for c in cands]
         options[node.name], tiles[node.name] = _prune(opts)
     model = _Model(graph, costs, options, limit)
     baselines = _baselines(graph, topo, tiles)
-    warm = _warm_start(graph, model, baselines)
+    starts = [*_starts(graph, model, baselines), *_two_level(graph, topo, rank, tiles, balance)]
+    fitting = sorted((c for c in starts if model.memory(c) <= limit), key=model.cost)
+    warm = fitting[0] if fitting else None
     built = time.monotonic() - start
-    best, bound, optimal, found = model.search(start, time_limit, seed, warm, on_progress)
+    best, bound, optimal, found = model.search(start, time_limit, seed, warm, on_progress, pool=starts)
     shortlist: tuple[Plan, ...] = ()
     infeasible = ""
     if best is None:
@@ -115,7 +122,7 @@ def solve(
         # check exactly, with the message to give if none of them fits either.
         need, top = least_bytes(graph, n)
         heavy = ", ".join(f"{name} {_fmt(b)}" for name, b in top[:3])
-        starts = sorted(_starts(graph, model, baselines), key=model.memory)
+        starts.sort(key=model.memory)
         where = "" if space == "join" else " in the mesh space (even splits that divide the extents)"
         infeasible = (
             f"no plan{where} fits in {_fmt(limit)} per device: any plan needs at least {_fmt(need)} per device "
@@ -126,9 +133,9 @@ def solve(
         shortlist = tuple(_plan(graph, topo, options, c, space) for c in starts[:3])
     plan = _plan(graph, topo, options, best, space)
     if not shortlist:
-        # The solver's best, the plan it started from and the baselines it can express that fit
-        # by the estimate: the exact check keeps the fastest, so auto is never slower than them.
-        extra = [warm, *(c for c in baselines if model.memory(c) <= limit)]
+        # The solver's best, the best starts and the baselines it can express that fit by the
+        # estimate: the exact check keeps the fastest, so auto is never slower than them.
+        extra = [*fitting[:SHORTLIST], *(c for c in baselines if model.memory(c) <= limit)]
         picks = [best, *(c for c in extra if c is not None)]
         unique = [c for k, c in enumerate(picks) if c not in picks[:k]]
         shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in unique[1:]))
@@ -177,15 +184,70 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
     return kept, {o.layout.tile: where[id(best[(o.held, o.needs)])] for o in opts if o.cand.reduce_axis is None}
 
 
-def _warm_start(graph: Graph, model: _Model, baselines: list[dict[str, int]]) -> dict[str, int] | None:
-    """The cheapest of a greedy pass and the hand-written baselines that the space can express
-    and that fit in memory: Z3 starts from it and must beat it."""
-    fitting = [c for c in _starts(graph, model, baselines) if model.memory(c) <= model.memory_limit]
-    return min(fitting, key=model.cost, default=None)
-
-
 def _starts(graph: Graph, model: _Model, baselines: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Plans to start from: a greedy pass, one dim split everywhere, the baselines.  Z3 starts
+    from the cheapest that fits and must beat it."""
     return [_greedy(graph, model), *_along_each_dim(graph, model), *baselines]
+
+
+def _two_level(
+    graph: Graph,
+    topo: Topology,
+    rank: dict[str, int],
+    tiles: dict[str, dict[Tile, int]],
+    balance: frozenset[str],
+) -> list[dict[str, int]]:
+    """Two-level starts, as on a 2D device mesh: the N devices form ``a`` groups of ``b``, one dim
+    is split ``a`` ways across the groups (zigzag too, for a dim in ``balance``), and
+    Megatron-style tensor parallelism runs inside each group.  With long sequences these move
+    far less than Megatron over all N devices (each all-reduce spans b devices and 1/a of the
+    rows), and no single-node move leads there."""
+    n = topo.n
+    out: list[dict[str, int]] = []
+    for a in (d for d in range(2, n) if n % d == 0):
+        try:
+            inner = strategies.megatron_tiles(graph, n // a)
+        except EdlError:
+            return out
+        for dim, _ in graph.dims:
+            for zigzag in (False, True) if dim in balance else (False,):
+                choice = _lifted(graph, rank, tiles, inner, dim, a, zigzag)
+                if choice is not None:
+                    out.append(choice)
+    return out
+
+
+def _lifted(
+    graph: Graph,
+    rank: dict[str, int],
+    tiles: dict[str, dict[Tile, int]],
+    inner: dict[str, Tile],
+    dim: str,
+    a: int,
+    zigzag: bool,
+) -> dict[str, int] | None:
+    """The inner tiles with ``dim`` split ``a`` ways on top, when the space has every one of them
+    and some rule has ``dim``."""
+    choice: dict[str, int] = {}
+    split = False
+    for node in graph.nodes:
+        tile = inner[node.name]
+        parts = [s.parts for s in tile.splits]
+        replicas = len(tile.devices[0]) if tile.devices else 1
+        k = next(
+            (j for j, i in enumerate(node.indices) if i.symbol == dim and parts[j] == 1 and i.extent >= 2 * a),
+            None,
+        )
+        if k is None:
+            replicas *= a
+        else:
+            parts[k], split = a, True
+        zig = (k,) if zigzag and k is not None else ()
+        pick = tiles[node.name].get(Layout(node, Candidate(tuple(parts), replicas, balanced=zig), rank).tile)
+        if pick is None:
+            return None
+        choice[node.name] = pick
+    return choice if split else None
 
 
 def _baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
@@ -262,6 +324,12 @@ class _Model:
         self.need: dict[str, dict[Need, str]] = {}
         self.step_terms: list[list[_Term]] = []
         self._layouts: dict[tuple[str, int], Held] = {}
+        # What a pick implies, by literal: its own, its needs' classes and its output's layout
+        # class; and each layout class's transfers (need class, ns).  cost() and memory() read
+        # these rather than hashing layouts.
+        self.implied: dict[str, list[str]] = {v: [v] for v in self.names}
+        self.always: list[str] = []  # the outputs' final placements
+        self.pairs: dict[str, list[tuple[str, int]]] = {}
         self._encode()
         self.decls = "".join(f"(declare-const {v} Bool)" for v in self.names)
         self.objective = (" ".join(str(ns) for _, ns in self.terms), " ".join(v for v, _ in self.terms))
@@ -292,23 +360,31 @@ class _Model:
                 first = g.producers(rel.name)[0]
                 classes = self.held.setdefault(rel.name, {})
                 for k, v in enumerate(self.x[first.name]):
-                    self.asserts.append(f"(=> {v} {self._class(classes, self._held_of(rel.name, k), 'h')})")
+                    lit = self._class(classes, self._held_of(rel.name, k), "h")
+                    self.asserts.append(f"(=> {v} {lit})")
+                    self.implied[v].append(lit)
         for node in g.nodes:
             for v, o in zip(self.x[node.name], self.options[node.name], strict=True):
                 for acc, need in o.needs:
                     lit = self._class(self.need.setdefault(acc.relation, {}), need, "n")
                     self.asserts.append(f"(=> {v} {lit})")
+                    self.implied[v].append(lit)
         for name, need in self.costs.replicated_need.items():
-            self.asserts.append(self._class(self.need.setdefault(name, {}), need, "n"))
+            lit = self._class(self.need.setdefault(name, {}), need, "n")
+            self.asserts.append(lit)
+            self.always.append(lit)
         # Transfers: a (layout, need) pair that both hold costs its transfer.
         for rel_name, helds in self.held.items():
+            needs = list(self.need.get(rel_name, {}).items())
             for held, h in helds.items():
-                for need, lit in self.need.get(rel_name, {}).items():
-                    ns = math.ceil(self.costs.transfer(rel_name, held, need) * NS)
+                seconds = self.costs.transfers(rel_name, held, [need for need, _ in needs])
+                for (_, lit), sec in zip(needs, seconds, strict=True):
+                    ns = math.ceil(sec * NS)
                     if ns:
                         y = self._fresh("y")
                         self.asserts.append(f"(or (not {h}) (not {lit}) {y})")
                         self.terms.append((y, ns))
+                        self.pairs.setdefault(h, []).append((lit, ns))
         self._memory()
 
     def _held_of(self, relation: str, k: int) -> Held:
@@ -387,7 +463,11 @@ class _Model:
         seed: int,
         warm: dict[str, int] | None,
         on_progress: Callable[[Progress], None] | None,
+        pool: Sequence[dict[str, int]] = (),
     ) -> tuple[dict[str, int] | None, float, bool, int]:
+        """Improve on ``warm``: first the best mix of the plans in ``pool`` (each node may take
+        any pick one of them makes: Z3 recombines, say, one plan's attention with another's
+        MLP), then large-neighbourhood search around the incumbent, then the whole space."""
         ctx = z3.Context()
         s = z3.Solver(ctx=ctx)
         s.set("random_seed", seed)
@@ -403,6 +483,9 @@ class _Model:
             if best_cost <= bound:  # the start is at the lower bound already
                 return best, bound, True, 0
         names = list(self.x)
+        allowed = {name: {c[name] for c in pool if name in c} for name in names}
+        mixing = len(pool) > 1  # the first phase: the best mix of the pool
+        restrict = [z3.Not(v) for name, vs in xs.items() for k, v in enumerate(vs) if k not in allowed[name]]
         window = 0  # large-neighbourhood search: free WINDOW consecutive nodes, fix the rest
         quiet = 0  # windows in a row that found nothing better
         while True:
@@ -417,8 +500,11 @@ class _Model:
             left = time_limit * 0.9 - 0.5 - (time.monotonic() - start)
             if left <= 0:
                 break
-            whole = best is None or quiet >= len(names)
-            if whole:
+            whole = not mixing and (best is None or quiet >= len(names))
+            if mixing:
+                assumptions = restrict
+                s.set("timeout", max(1, int(min(left, MIX_SECONDS) * 1000)))
+            elif whole:
                 assumptions = []
                 s.set("timeout", max(1, int(left * 1000)))
             else:
@@ -439,6 +525,8 @@ class _Model:
                 if best_cost <= bound:  # at the lower bound: nothing can be faster
                     optimal = True
                     break
+            elif mixing:
+                mixing = False  # the best mix is found (unsat) or out of its time
             elif result == z3.unsat and whole:
                 optimal = best is not None
                 if best_cost is not None:
@@ -455,33 +543,23 @@ class _Model:
         """A lower bound: every node at its cheapest candidate, no transfers."""
         return float(sum(min(math.ceil((o.compute + o.reduce) * NS) for o in opts) for opts in self.options.values()))
 
+    def _true(self, choice: dict[str, int]) -> set[str]:
+        """The literals a choice makes true: its picks, their needs and layouts."""
+        out = set(self.always)
+        for name, i in choice.items():
+            out.update(self.implied[self.x[name][i]])
+        return out
+
     def cost(self, choice: dict[str, int]) -> int:
         """The objective of a choice, in nanoseconds, computed directly (not by Z3)."""
         total = sum(math.ceil((self.options[n][i].compute + self.options[n][i].reduce) * NS) for n, i in choice.items())
-        for rel_name, needs in self._chosen_needs(choice).items():
-            if rel_name in self.held:
-                held = self._held_of(rel_name, choice[self.graph.producers(rel_name)[0].name])
-                total += sum(math.ceil(self.costs.transfer(rel_name, held, need) * NS) for need in needs)
-        return total
-
-    def _chosen_needs(self, choice: dict[str, int]) -> dict[str, set[Need]]:
-        """Every relation's distinct needs under a choice, outputs' final placement included."""
-        out: dict[str, set[Need]] = {}
-        for name, i in choice.items():
-            for acc, need in self.options[name][i].needs:
-                out.setdefault(acc.relation, set()).add(need)
-        for name, need in self.costs.replicated_need.items():
-            out.setdefault(name, set()).add(need)
-        return out
+        true = self._true(choice)
+        return total + sum(ns for h in true if h in self.pairs for lit, ns in self.pairs[h] if lit in true)
 
     def memory(self, choice: dict[str, int]) -> int:
         """The estimated peak bytes of one device under a choice."""
-        g = self.graph
-        used: set[tuple[str, object]] = set(choice.items())
-        used.update((rel, need) for rel, needs in self._chosen_needs(choice).items() for need in needs)
-        for rel_name in self.held:
-            used.add((rel_name, self._held_of(rel_name, choice[g.producers(rel_name)[0].name])))
-        return max((sum(kb for _, kb, key in live if key in used) for live in self.step_terms), default=0) * KB
+        true = self._true(choice)
+        return max((sum(kb for lit, kb, _ in live if lit in true) for live in self.step_terms), default=0) * KB
 
 
 def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:

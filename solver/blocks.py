@@ -128,6 +128,7 @@ class Candidate:
     chunk: int = 1
     chunked: tuple[int, ...] = ()
     reduce_axis: int | None = None  # output axis partials are reduce-scattered along (None: longest)
+    balanced: tuple[int, ...] = ()  # indices split zigzag: 2p parts, j and 2p-1-j on one device part
 
     @property
     def blocks(self) -> int:
@@ -141,6 +142,12 @@ class Candidate:
 CHUNKS = (2, 4)  # chunkings tried for guarded rules
 
 
+def guarded_dims(graph: Graph) -> frozenset[str]:
+    """Dims of guard variables (``S`` for causal attention): a plain split of one gives the
+    devices unequal shares of the guard's points, so candidates also split them zigzag."""
+    return frozenset(i.symbol for node in graph.nodes for i in node.indices if i.name in node.guard.vars)
+
+
 def dim_order(graph: Graph) -> dict[str, int]:
     """The canonical rank of every dim symbol: its place among the program's dims."""
     order = {name: k for k, (name, _) in enumerate(graph.dims)}
@@ -150,11 +157,13 @@ def dim_order(graph: Graph) -> dict[str, int]:
     return order
 
 
-def candidates(node: JoinAgg, n: int, mesh: bool = False) -> list[Candidate]:
+def candidates(node: JoinAgg, n: int, mesh: bool = False, balance: frozenset[str] = frozenset()) -> list[Candidate]:
     """Every way to give ``n`` devices (or fewer, when extents are too small) blocks of the node:
     up to three split indices, parts at most the extent, the rest as replicas.  ``mesh`` keeps
     only what a device mesh can express: parts that divide the extent, and products of the prime
-    factors of ``n``."""
+    factors of ``n``.  Splits of indices of the dims in ``balance`` also come zigzag: causal
+    attention split along the sequence then gives every device as many unmasked scores, and
+    since every rule with such an index has the same variant, layouts still line up."""
     extents = [i.extent for i in node.indices]
     out = []
     for total in sorted({d for d in range(1, n + 1) if n % d == 0}, reverse=True):
@@ -178,6 +187,15 @@ def candidates(node: JoinAgg, n: int, mesh: bool = False) -> list[Candidate]:
         for a in range(rank)
         if node.out_axes[a].extent >= c.devices and not mesh
     ]
+    if balance and not mesh:
+        for c in list(out):
+            zig = tuple(
+                k
+                for k, (p, i) in enumerate(zip(c.parts, node.indices, strict=True))
+                if p > 1 and i.symbol in balance and 2 * p <= i.extent
+            )
+            if zig:
+                out.append(Candidate(c.parts, c.replicas, reduce_axis=c.reduce_axis, balanced=zig))
     guarded = tuple(k for k, i in enumerate(node.indices) if i.name in node.guard.vars)
     if guarded and not mesh:
         out += [
@@ -237,7 +255,8 @@ class Layout:
     def __init__(self, node: JoinAgg, cand: Candidate, rank: Mapping[str, int]) -> None:
         self.node, self.cand = node, cand
         names = [i.name for i in node.indices]
-        per = [cand.chunk if k in cand.chunked else 1 for k in range(len(names))]  # chunks per device part
+        # Pieces per device part: chunks, or the two halves of a zigzag split.
+        per = [cand.chunk if k in cand.chunked else 2 if k in cand.balanced else 1 for k in range(len(names))]
         self.splits = tuple(
             Split.even(i.name, i.extent, p * c) for i, p, c in zip(node.indices, cand.parts, per, strict=True)
         )
@@ -249,7 +268,11 @@ class Layout:
         for combo in itertools.product(*(range(p * c) for p, c in zip(cand.parts, per, strict=True))):
             linear = 0
             for k in split_order:
-                linear = linear * cand.parts[k] + combo[k] // per[k]
+                part = combo[k] // per[k]
+                if k in cand.balanced:
+                    p = cand.parts[k]
+                    part = combo[k] if combo[k] < p else 2 * p - 1 - combo[k]
+                linear = linear * cand.parts[k] + part
             devices.append(tuple(range(linear * cand.replicas, (linear + 1) * cand.replicas)))
         self.tile = Tile(self.splits, tuple(devices))
 

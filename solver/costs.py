@@ -12,6 +12,7 @@ over devices.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -44,7 +45,7 @@ class _Pieces:
     by: np.ndarray  # piece x device: holds it
     on_node: np.ndarray  # piece x node: some device of the node holds it
     first: np.ndarray  # piece x node: the holder that sends to that node
-    array: np.ndarray | None  # piece x axis x (lo, hi) when every axis is one interval
+    array: np.ndarray | None  # piece x axis x interval x (lo, hi) (see _as_array), None when too many
 
 
 @dataclass(frozen=True)
@@ -156,12 +157,26 @@ class Costs:
     def transfer(self, relation: str, held: Held, need: Need) -> float:
         """Seconds to bring every device what it needs of ``relation`` and lacks: the busiest
         receiving or sending port, latency per source included."""
-        key = (self.itemsize(relation), id(held), id(need))  # layouts are big: hashing them is slow
-        hit = self._pairs.get(key)
-        if hit is None or hit[0] is not held or hit[1] is not need:
-            hit = (held, need, self._transfer(key[0], self._pieces(held), need))
-            self._pairs[key] = hit
-        return hit[2]
+        return self.transfers(relation, held, [need])[0]
+
+    def transfers(self, relation: str, held: Held, needs: Sequence[Need]) -> list[float]:
+        """:meth:`transfer` from one layout to each of ``needs``, computed together."""
+        item = self.itemsize(relation)
+        out: list[float] = []
+        todo: list[int] = []
+        for k, need in enumerate(needs):
+            hit = self._pairs.get((item, id(held), id(need)))  # layouts are big: hashing them is slow
+            if hit is not None and hit[0] is held and hit[1] is need:
+                out.append(hit[2])
+            else:
+                out.append(0.0)
+                todo.append(k)
+        if todo:
+            pieces = self._pieces(held)
+            for k, seconds in zip(todo, self._transfer(item, pieces, [needs[k] for k in todo]), strict=True):
+                out[k] = seconds
+                self._pairs[(item, id(held), id(needs[k]))] = (held, needs[k], seconds)
+        return out
 
     def _pieces(self, held: Held) -> _Pieces:
         """The distinct boxes of a layout as arrays, with who holds them (cached per layout)."""
@@ -195,28 +210,44 @@ class Costs:
             self._needs[id(need)] = hit
         return hit[1], hit[2]
 
-    def _transfer(self, item: int, pieces: _Pieces, need: Need) -> float:
-        if not pieces.boxes or not need:
-            return 0.0  # nothing is held (no block has a point) or nothing is needed
-        devs, wants = self._need(need)
-        if wants is not None and pieces.array is not None:  # need device x piece: cells in both
-            lo = np.maximum(wants[:, None, :, 0], pieces.array[None, :, :, 0])
-            hi = np.minimum(wants[:, None, :, 1], pieces.array[None, :, :, 1])
-            overlap = np.clip(hi - lo, 0, None).prod(axis=2)
+    def _transfer(self, item: int, pieces: _Pieces, needs: list[Need]) -> list[float]:
+        out = [0.0] * len(needs)
+        if not pieces.boxes:
+            return out  # nothing is held (no block has a point)
+        rows = [(k, *self._need(need)) for k, need in enumerate(needs) if need]
+        if not rows:
+            return out
+        if pieces.array is not None and all(w is not None for _, _, w in rows):
+            # Every need device of every need against every piece, in one array.
+            arrays = [w for _, _, w in rows if w is not None]
+            shape = (sum(len(w) for w in arrays), pieces.array.shape[1], max(w.shape[2] for w in arrays), 2)
+            wants = np.zeros(shape, dtype=np.int64)
+            at = 0
+            for w in arrays:  # padded with empty intervals
+                wants[at : at + len(w), :, : w.shape[2]] = w
+                at += len(w)
+            overlap = _meet_arrays(wants, pieces.array)
         else:
-            overlap = _overlaps([box for _, box in need], pieces.boxes)
+            overlap = np.concatenate([_overlaps([box for _, box in needs[k]], pieces.boxes) for k, _, _ in rows])
+        devs = np.concatenate([d for _, d, _ in rows])
+        which = np.repeat(np.arange(len(rows)), [len(d) for _, d, _ in rows])  # need device -> its row
         fetch = (overlap > 0) & ~pieces.by[:, devs].T
         if not fetch.any():
-            return 0.0
+            return out
         intra, inter = self.topo.intra, self.topo.inter or self.topo.intra
         nodes = self._node_of[devs]
         near = pieces.on_node[:, nodes].T  # need device x piece: a holder on the same node
         latency = np.where(near, intra.latency, inter.latency)
         bandwidth = np.where(near, intra.bandwidth, inter.bandwidth)
         seconds = np.where(fetch, latency + overlap * item / bandwidth, 0.0)
-        sent = np.zeros(self.topo.n)
-        np.add.at(sent, pieces.first[:, nodes].T[fetch], seconds[fetch])
-        return float(max(seconds.sum(axis=1).max(), sent.max()))
+        received = np.zeros(len(rows))
+        np.maximum.at(received, which, seconds.sum(axis=1))
+        sent = np.zeros((len(rows), self.topo.n))
+        row, piece = np.nonzero(fetch)
+        np.add.at(sent, (which[row], pieces.first[:, nodes].T[row, piece]), seconds[row, piece])
+        for r, (k, _, _) in enumerate(rows):
+            out[k] = float(max(received[r], sent[r].max()))
+        return out
 
     @cached_property
     def replicated_need(self) -> dict[str, Need]:
@@ -229,23 +260,38 @@ class Costs:
         return out
 
 
+MOST_INTERVALS = 8  # per axis, for the vectorized overlap; boxes with more take the slow path
+
+
 def _as_array(boxes: list[Box]) -> np.ndarray | None:
-    """Boxes as a (box, axis, lo/hi) array, when every axis of every box is one interval."""
-    if not all(len(ax) == 1 for b in boxes for ax in b):
+    """Boxes as a (box, axis, interval, lo/hi) array, each axis's intervals padded with empty
+    ones, when no axis has more than :data:`MOST_INTERVALS` (zigzag splits have two)."""
+    if not boxes:
         return None
-    rank = len(boxes[0]) if boxes else 0
-    return np.array([[ax[0] for ax in b] for b in boxes], dtype=np.int64).reshape(len(boxes), rank, 2)
+    most = max((len(ax) for b in boxes for ax in b), default=1)
+    if most > MOST_INTERVALS:
+        return None
+    rank = len(boxes[0])
+    out = np.zeros((len(boxes), rank, max(most, 1), 2), dtype=np.int64)
+    for k, b in enumerate(boxes):
+        for j, ax in enumerate(b):
+            if ax:
+                out[k, j, : len(ax)] = ax
+    return out
+
+
+def _meet_arrays(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cells in both, for every pair of boxes of :func:`_as_array` arrays ``a`` and ``b``."""
+    lo = np.maximum(a[:, None, :, :, None, 0], b[None, :, :, None, :, 0])
+    hi = np.minimum(a[:, None, :, :, None, 1], b[None, :, :, None, :, 1])
+    return np.clip(hi - lo, 0, None).sum(axis=(3, 4)).prod(axis=2)
 
 
 def _overlaps(wants: list[Box], pieces: list[Box]) -> np.ndarray:
-    """Cells in both, for every (want, piece) pair: vectorized when every axis is one interval."""
-    if all(len(ax) == 1 for b in (*wants, *pieces) for ax in b):
-        rank = len(wants[0]) if wants else 0
-        a = np.array([[ax[0] for ax in b] for b in wants], dtype=np.int64).reshape(len(wants), rank, 2)
-        b = np.array([[ax[0] for ax in b] for b in pieces], dtype=np.int64).reshape(len(pieces), rank, 2)
-        lo = np.maximum(a[:, None, :, 0], b[None, :, :, 0])
-        hi = np.minimum(a[:, None, :, 1], b[None, :, :, 1])
-        return np.clip(hi - lo, 0, None).prod(axis=2)
+    """Cells in both, for every (want, piece) pair: vectorized unless an axis has many intervals."""
+    a, b = _as_array(wants), _as_array(pieces)
+    if a is not None and b is not None:
+        return _meet_arrays(a, b)
     return np.array([[box_meet(w, p) for p in pieces] for w in wants], dtype=np.int64).reshape(len(wants), len(pieces))
 
 

@@ -37,7 +37,7 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
     if strategy == "data":
         return _finish(graph, topology, strategy, _data_tiles(graph, n), outputs=False)
     if strategy == "megatron":
-        return _finish(graph, topology, strategy, _megatron_tiles(graph, n), outputs=True)
+        return _finish(graph, topology, strategy, megatron_tiles(graph, n), outputs=True)
     if strategy == "random":
         return random_plan(graph, topology, seed)
     close = did_you_mean(strategy, STRATEGIES)
@@ -81,7 +81,7 @@ def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
 # -- Megatron-LM tensor parallelism ---------------------------------------------------------------
 
 
-def _megatron_tiles(graph: Graph, n: int) -> dict[str, Tile]:
+def megatron_tiles(graph: Graph, n: int) -> dict[str, Tile]:
     """Heads: the key/value head index (symbol KVH, else H) is split first; when it has fewer heads
     than devices, the query heads that share a key/value head (symbol G) are split too."""
     symbols = {i.symbol for node in graph.nodes for i in node.indices}

@@ -44,7 +44,7 @@ class Region:
                     part = np.arange(lo, hi, dtype=np.int64) * stride
                 coords = (part[:, None] + coords[None, :]).ravel()
                 stride *= p.extent
-            out.append(np.unique(coords))
+            out.append(coords if _increasing(coords) else np.unique(coords))
         return Region(tuple(out))
 
     @property
@@ -60,9 +60,7 @@ class Region:
         return self.size == 0
 
     def intersect(self, other: Region) -> Region:
-        return Region(
-            tuple(np.intersect1d(a, b, assume_unique=True) for a, b in zip(self.axes, other.axes, strict=True))
-        )
+        return Region(tuple(_meet(a, b) for a, b in zip(self.axes, other.axes, strict=True)))
 
     def contains(self, other: Region) -> bool:
         return all(_subset(b, a) for a, b in zip(self.axes, other.axes, strict=True))
@@ -70,7 +68,7 @@ class Region:
     def minus(self, other: Region) -> list[Region]:
         """The cells of this region that ``other`` lacks, as disjoint regions (at most one per
         axis): those outside ``other`` on axis ``k`` and inside it on every axis before ``k``."""
-        inside = [np.intersect1d(a, b, assume_unique=True) for a, b in zip(self.axes, other.axes, strict=True)]
+        inside = [_meet(a, b) for a, b in zip(self.axes, other.axes, strict=True)]
         if any(len(c) == 0 for c in inside):
             return [] if self.empty else [self]
         out = []
@@ -107,6 +105,24 @@ class Region:
             else:
                 parts.append(f"{len(a)} of {a[0]}..{a[-1]}")
         return "[" + ", ".join(parts) + "]"
+
+
+def _increasing(coords: np.ndarray) -> bool:
+    return len(coords) < 2 or bool((coords[1:] > coords[:-1]).all())
+
+
+def _dense(a: np.ndarray) -> bool:
+    """Whether sorted unique coordinates form one run ``lo .. hi-1``."""
+    return len(a) > 0 and int(a[-1]) - int(a[0]) + 1 == len(a)
+
+
+def _meet(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The coordinates in both (sorted, unique); a slice of ``a`` when both are one run, which
+    is most of what exchange synthesis intersects.  Coordinate arrays are never written to."""
+    if _dense(a) and _dense(b):
+        lo, hi = max(int(a[0]), int(b[0])), min(int(a[-1]), int(b[-1])) + 1
+        return a[lo - int(a[0]) : max(lo, hi) - int(a[0])]
+    return np.intersect1d(a, b, assume_unique=True)
 
 
 def _subset(small: np.ndarray, big: np.ndarray) -> bool:
