@@ -94,23 +94,11 @@ def solve(
     ``memory`` bytes (default: each device's capacity).  The limit covers costing the candidates
     and building the model too; when that alone takes longer, the best starting plan is returned
     unsearched (``build_seconds`` says how long it took)."""
-    if space not in SPACES:
-        raise EdlError(f"unknown search space '{space}'", help="spaces: join (any partition) or mesh (GSPMD-style)")
     start = time.monotonic()
     n = topo.n
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
-    costs = Costs(graph, topo)
-    rank = dim_order(graph)
-    balance = guarded_dims(graph)
-    options: dict[str, list[Option]] = {}
-    tiles: dict[str, dict[Tile, int]] = {}  # every candidate's tile -> the option that stands for it
-    for node in graph.nodes:
-        cands = candidates(node, n, mesh=space == "mesh", balance=balance)
-        opts = [costs.option(node, Layout(node, c, rank)) for c in cands]
-        options[node.name], tiles[node.name] = _prune(opts)
-    model = _Model(graph, costs, options, limit)
-    baselines = _baselines(graph, topo, tiles)
-    starts = [*_starts(graph, model, baselines), *_two_level(graph, topo, rank, tiles, balance)]
+    setup = _Setup(graph, topo, limit, space)
+    model, options, baselines, starts = setup.model, setup.options, setup.baselines, setup.starts
     fitting = sorted((c for c in starts if model.memory(c) <= limit), key=model.cost)
     warm = fitting[0] if fitting else None
     built = time.monotonic() - start
@@ -154,6 +142,33 @@ def solve(
         build_seconds=built,
         infeasible=infeasible,
     )
+
+
+class _Setup:
+    """What a solve starts from: every node's costed candidates, the model, and starting plans."""
+
+    def __init__(self, graph: Graph, topo: Topology, limit: int, space: str) -> None:
+        if space not in SPACES:
+            raise EdlError(f"unknown search space '{space}'", help="spaces: join (any partition) or mesh (GSPMD-style)")
+        costs = Costs(graph, topo)
+        rank = dim_order(graph)
+        balance = guarded_dims(graph)
+        self.options: dict[str, list[Option]] = {}
+        tiles: dict[str, dict[Tile, int]] = {}  # every candidate's tile -> the option that stands for it
+        for node in graph.nodes:
+            cands = candidates(node, topo.n, mesh=space == "mesh", balance=balance)
+            opts = [costs.option(node, Layout(node, c, rank)) for c in cands]
+            self.options[node.name], tiles[node.name] = _prune(opts)
+        self.model = _Model(graph, costs, self.options, limit)
+        self.baselines = _baselines(graph, topo, tiles)
+        self.starts = [*_starts(graph, self.model, self.baselines), *_two_level(graph, topo, rank, tiles, balance)]
+
+
+def starting_plans(graph: Graph, topo: Topology, space: str = "join") -> list[Plan]:
+    """The plans a solve starts from and recombines (greedy, one dim split everywhere, the
+    baselines, two-level), as plans: for tests and for looking at what the search begins with."""
+    setup = _Setup(graph, topo, min(d.memory for d in topo.devices), space)
+    return [_plan(graph, topo, setup.options, c, space) for c in setup.starts]
 
 
 def raise_infeasible(solution: Solution, space: str) -> None:

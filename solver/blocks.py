@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -157,7 +158,7 @@ def dim_order(graph: Graph) -> dict[str, int]:
     return order
 
 
-def candidates(node: JoinAgg, n: int, mesh: bool = False, balance: frozenset[str] = frozenset()) -> list[Candidate]:
+def candidates(node: JoinAgg, n: int, mesh: bool = False, balance: AbstractSet[str] = frozenset()) -> list[Candidate]:
     """Every way to give ``n`` devices (or fewer, when extents are too small) blocks of the node:
     up to three split indices, parts at most the extent, the rest as replicas.  ``mesh`` keeps
     only what a device mesh can express: parts that divide the extent, and products of the prime

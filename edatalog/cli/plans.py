@@ -197,8 +197,13 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
         )
     elif sol.chosen_by == "timeline":
         print(
-            "note: another plan on the solver's shortlist (its start, or a baseline in its space) ran faster "
-            "in the timeline, which overlaps steps the solver's estimate adds up; it is the one kept"
+            "note: another plan on the solver's shortlist (a starting plan, or a baseline in its space) ran "
+            "faster in the timeline, which overlaps steps the solver's estimate adds up; it is the one kept"
+        )
+    if sol.refined:
+        print(
+            f"refined: {sol.refined} (checked in the timeline: chunks let one chunk's exchange overlap the "
+            "next one's compute; a balanced split deals guarded work out evenly)"
         )
 
 

@@ -91,6 +91,34 @@ def test_causal_chunks_skip_empty_blocks() -> None:
     assert per_device == {0: 10, 1: 10}
 
 
+def test_zigzag_splits_give_every_device_as_much_causal_work() -> None:
+    """Split along s, causal scores give the last device most of the work; dealt out zigzag
+    (parts j and 2p-1-j together) every device gets as many unmasked scores."""
+    prog = edatalog.compile(LLAMA, dims={**SMALL, "S": 32})
+    graph = prog.graph
+    assert blocks.guarded_dims(graph) == {"S"}
+    node = graph.node("sc")
+    k = [i.name for i in node.indices].index("s")
+    parts = tuple(4 if j == k else 1 for j in range(len(node.indices)))
+    found = candidates(node, 4, balance=blocks.guarded_dims(graph))
+    plain = next(c for c in found if c.parts == parts and not c.balanced and c.chunk == 1)
+    zigzag = next(c for c in found if c.parts == parts and c.balanced == (k,))
+
+    def points(cand: blocks.Candidate) -> list[int]:
+        layout = Layout(node, cand, dim_order(graph))
+        return [sum(b.points for b in layout.per_device if b.device == d) for d in range(4)]
+
+    per_row = 2 * 2 * 8  # g, r, e
+    assert points(plain) == [per_row * p for p in (36, 100, 164, 228)]  # (s, t) pairs with t <= s
+    assert sum(points(zigzag)) == sum(points(plain))
+    assert len(set(points(zigzag))) == 1
+    tile = Layout(node, zigzag, dim_order(graph)).tile
+    assert tile.devices == ((0,), (1,), (2,), (3,), (3,), (2,), (1,), (0,))
+    # Every rule with an S index has the variant; none without (or in the mesh space).
+    assert any(c.balanced for c in candidates(graph.node("q"), 4, balance={"S"}))
+    assert not any(c.balanced for c in candidates(node, 4, mesh=True, balance={"S"}))
+
+
 def _slow_transfer(costs: Costs, item: int, held: Held, need: Need) -> float:
     """Transfer cost, one cell set at a time."""
     topo = costs.topo
@@ -124,7 +152,7 @@ def test_transfer_costs_match_a_direct_count(machine: str) -> None:
     helds: dict[str, list[Held]] = {}
     needs: dict[str, list[Need]] = {}
     for node in graph.nodes:
-        for cand in candidates(node, topo.n):
+        for cand in candidates(node, topo.n, balance=blocks.guarded_dims(graph)):  # zigzag: 2 intervals
             o = costs.option(node, Layout(node, cand, rank))
             helds.setdefault(node.out, []).append(o.held)
             for acc, need in o.needs:
@@ -135,3 +163,9 @@ def test_transfer_costs_match_a_direct_count(machine: str) -> None:
             held, need = rng.choice(hs), rng.choice(needs[rel])
             want = _slow_transfer(costs, costs.itemsize(rel), held, need)
             assert costs.transfer(rel, held, need) == pytest.approx(want, rel=1e-12, abs=1e-15)
+        # Many needs of one layout at once (as the model is built), fresh and cached alike.
+        if rel in needs:
+            held, batch = rng.choice(hs), rng.sample(needs[rel], min(12, len(needs[rel])))
+            want_all = [_slow_transfer(costs, costs.itemsize(rel), held, need) for need in batch]
+            assert Costs(graph, topo).transfers(rel, held, batch) == pytest.approx(want_all, rel=1e-12, abs=1e-15)
+            assert costs.transfers(rel, held, batch) == pytest.approx(want_all, rel=1e-12, abs=1e-15)
