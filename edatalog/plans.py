@@ -186,7 +186,8 @@ def _solved(
             fitting.sort(key=lambda p: p.report.seconds)
             plan = fitting[0]
             solution.chosen_by = "solver" if plan is checked[0] and not solution.infeasible else "timeline"
-            refined = _refined(graph, machine, reduction, fitting[:REFINE_TRIES])
+            # Refinements leave the mesh space (chunks on one device, zigzag parts): join only.
+            refined = _refined(graph, machine, reduction, fitting[:REFINE_TRIES]) if space == "join" else None
             if refined is not None and refined[0].report.seconds < plan.report.seconds:
                 plan, solution.refined = refined
             plan.solution = solution

@@ -39,6 +39,7 @@ KB = 1024  # memory constraints count kilobytes
 WINDOW = 6  # nodes freed at a time while improving the incumbent
 WINDOW_SECONDS = 1.0  # the most one neighbourhood may take
 MIX_SECONDS = 2.0  # the most one step of recombining the starting plans may take
+COARSE_SHARE = 0.4  # of the search time left after recombining, spent in the mesh-style picks first
 SHORTLIST = 6  # best starting plans re-checked in the timeline with the solver's best
 
 _Term = tuple[str, int, tuple[str, object]]  # literal, kilobytes, what it stands for
@@ -102,7 +103,9 @@ def solve(
     fitting = sorted((c for c in starts if model.memory(c) <= limit), key=model.cost)
     warm = fitting[0] if fitting else None
     built = time.monotonic() - start
-    best, bound, optimal, found = model.search(start, time_limit, seed, warm, on_progress, pool=starts)
+    best, bound, optimal, found = model.search(
+        start, time_limit, seed, warm, on_progress, pool=starts, coarse=setup.coarse
+    )
     shortlist: tuple[Plan, ...] = ()
     infeasible = ""
     if best is None:
@@ -159,6 +162,13 @@ class _Setup:
             cands = candidates(node, topo.n, mesh=space == "mesh", balance=balance)
             opts = [costs.option(node, Layout(node, c, rank)) for c in cands]
             self.options[node.name], tiles[node.name] = _prune(opts)
+        # The picks a mesh could make (the join search looks among them first).
+        self.coarse: dict[str, set[int]] | None = None
+        if space == "join":
+            self.coarse = {
+                node.name: {tiles[node.name][Layout(node, c, rank).tile] for c in candidates(node, topo.n, mesh=True)}
+                for node in graph.nodes
+            }
         self.model = _Model(graph, costs, self.options, limit)
         self.baselines = _baselines(graph, topo, tiles)
         self.starts = [*_starts(graph, self.model, self.baselines), *_two_level(graph, topo, rank, tiles, balance)]
@@ -479,10 +489,13 @@ class _Model:
         warm: dict[str, int] | None,
         on_progress: Callable[[Progress], None] | None,
         pool: Sequence[dict[str, int]] = (),
+        coarse: dict[str, set[int]] | None = None,
     ) -> tuple[dict[str, int] | None, float, bool, int]:
-        """Improve on ``warm``: first the best mix of the plans in ``pool`` (each node may take
-        any pick one of them makes: Z3 recombines, say, one plan's attention with another's
-        MLP), then large-neighbourhood search around the incumbent, then the whole space."""
+        """Improve on ``warm``, in phases: the best mix of the plans in ``pool`` (each node may
+        take any pick one of them makes: Z3 recombines, say, one plan's attention with another's
+        MLP); large-neighbourhood search limited to the picks in ``coarse`` (the mesh-style
+        ones: a smaller space, searched further in the same time) for a share of the time;
+        then large-neighbourhood search over every pick; then the whole space at once."""
         ctx = z3.Context()
         s = z3.Solver(ctx=ctx)
         s.set("random_seed", seed)
@@ -498,9 +511,18 @@ class _Model:
             if best_cost <= bound:  # the start is at the lower bound already
                 return best, bound, True, 0
         names = list(self.x)
-        allowed = {name: {c[name] for c in pool if name in c} for name in names}
-        mixing = len(pool) > 1  # the first phase: the best mix of the pool
-        restrict = [z3.Not(v) for name, vs in xs.items() for k, v in enumerate(vs) if k not in allowed[name]]
+
+        def only(allowed: dict[str, set[int]]) -> list[z3.BoolRef]:
+            return [z3.Not(v) for name, vs in xs.items() for k, v in enumerate(vs) if k not in allowed[name]]
+
+        phases: list[tuple[str, list[z3.BoolRef], float]] = []  # name, restriction, share of the time left
+        if len(pool) > 1:
+            phases.append(("mix", only({n: {c[n] for c in pool if n in c} for n in names}), 0.0))
+        if coarse is not None and any(len(coarse[n]) < len(xs[n]) for n in names):
+            phases.append(("coarse", only(coarse), COARSE_SHARE))
+        phases.append(("fine", [], 1.0))
+        phase, restrict, share = phases.pop(0)
+        until = math.inf  # when the current phase ends
         window = 0  # large-neighbourhood search: free WINDOW consecutive nodes, fix the rest
         quiet = 0  # windows in a row that found nothing better
         while True:
@@ -515,17 +537,25 @@ class _Model:
             left = time_limit * 0.9 - 0.5 - (time.monotonic() - start)
             if left <= 0:
                 break
-            whole = not mixing and (best is None or quiet >= len(names))
-            if mixing:
+            if phase == "coarse" and (until == math.inf or time.monotonic() >= until or quiet >= len(names)):
+                if until != math.inf:  # the coarse phase is over
+                    phase, restrict, share = phases.pop(0)
+                    quiet = 0
+                else:
+                    until = time.monotonic() + share * left
+            whole = phase == "fine" and (best is None or quiet >= len(names))
+            if phase == "mix":
                 assumptions = restrict
                 s.set("timeout", max(1, int(min(left, MIX_SECONDS) * 1000)))
             elif whole:
                 assumptions = []
                 s.set("timeout", max(1, int(left * 1000)))
+            elif best is None:  # a coarse phase with nothing to improve on: search all of it
+                assumptions = restrict
+                s.set("timeout", max(1, int(min(left, max(0.001, until - time.monotonic())) * 1000)))
             else:
-                assert best is not None
                 free = {names[(window + k) % len(names)] for k in range(WINDOW)}
-                assumptions = [xs[n][i] for n, i in best.items() if n not in free]
+                assumptions = [xs[n][i] for n, i in best.items() if n not in free] + restrict
                 s.set("timeout", max(1, int(min(left, WINDOW_SECONDS) * 1000)))
             result = s.check(*assumptions)
             if result == z3.sat:
@@ -540,8 +570,8 @@ class _Model:
                 if best_cost <= bound:  # at the lower bound: nothing can be faster
                     optimal = True
                     break
-            elif mixing:
-                mixing = False  # the best mix is found (unsat) or out of its time
+            elif phase == "mix":
+                phase, restrict, share = phases.pop(0)  # the best mix is found (unsat) or out of its time
             elif result == z3.unsat and whole:
                 optimal = best is not None
                 if best_cost is not None:
@@ -549,6 +579,8 @@ class _Model:
                 break
             elif whole:
                 break  # out of time
+            elif best is None:
+                quiet = len(names)  # the coarse space has nothing that fits: move on
             else:
                 window = (window + WINDOW // 2) % len(names)
                 quiet += WINDOW // 2

@@ -178,15 +178,16 @@ def candidates(node: JoinAgg, n: int, mesh: bool = False, balance: AbstractSet[s
     if not out:
         out.append(Candidate((1,) * len(extents), n))
     # Partial results can be reduce-scattered along any output axis long enough: the one the
-    # readers split is free of a reshuffle.
+    # readers split is free of a reshuffle.  (The longest is what None does already.)
     agg = set(node.agg_indices) if node.agg else set()
-    rank = len(node.out_axes)
+    extents_out = [ax.extent for ax in node.out_axes]
+    longest = max(range(len(extents_out)), key=lambda a: extents_out[a], default=None)
     out += [
         Candidate(c.parts, c.replicas, reduce_axis=a)
         for c in list(out)
         if any(p > 1 for p, i in zip(c.parts, node.indices, strict=True) if i.name in agg)
-        for a in range(rank)
-        if node.out_axes[a].extent >= c.devices and not mesh
+        for a in range(len(extents_out))
+        if extents_out[a] >= c.devices and a != longest and not mesh
     ]
     if balance and not mesh:
         for c in list(out):

@@ -20,7 +20,7 @@ import numpy as np
 
 from edatalog.ir import dtypes
 from edatalog.ir.cost import flops_per_point
-from edatalog.ir.graph import Access, Graph, JoinAgg
+from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.solver.blocks import (
     Box,
     Candidate,
@@ -71,6 +71,9 @@ class Costs:
         self._held: dict[int, tuple[Held, _Pieces]] = {}
         self._needs: dict[int, tuple[Need, np.ndarray, np.ndarray | None]] = {}
         self._node_of = np.array([d.node for d in topology.devices], dtype=np.int64)
+        # Boxes an access reaches, by (access axes, ranges of their indices); axes live as long as the graph.
+        self._reached: dict[tuple[object, ...], tuple[Box, int]] = {}
+        self._indices: dict[int, tuple[tuple[AxisMap, ...], tuple[str, ...]]] = {}
 
     def itemsize(self, relation: str) -> int:
         return dtypes.itemsize(self.graph.relation(relation).dtype)
@@ -79,28 +82,30 @@ class Costs:
         blocks = layout.per_device
         out_item = dtypes.itemsize(node.dtype)
         accesses = tuple(dict.fromkeys(node.inputs))
+        items = [self.itemsize(a.relation) for a in accesses]
         per_device: dict[int, float] = {}
-        needs: dict[Access, dict[int, Box]] = {a: {} for a in accesses}
+        # Per access (by position: hashing accesses is slow), each device's need.
+        needs: list[dict[int, Box]] = [{} for _ in accesses]
         out_boxes: dict[int, list[Box]] = {}
         in_bytes: dict[str, int] = {}
         made: dict[int, int] = {}  # output bytes per device
         fpp = flops_per_point(node)
         for b in blocks:
-            out = through(node.out_axes, b.ranges)
+            out, size = self._reach(node.out_axes, b.ranges)
             out_boxes.setdefault(b.device, []).append(out)
-            nbytes = box_size(out) * out_item
+            nbytes = size * out_item
             made[b.device] = made.get(b.device, 0) + nbytes
-            for acc in accesses:
-                need = through(acc.axes, b.ranges)
-                nbytes += box_size(need) * self.itemsize(acc.relation)
-                have = needs[acc].get(b.device)
-                needs[acc][b.device] = need if have is None else box_hull(have, need)
+            for k, acc in enumerate(accesses):
+                need, size = self._reach(acc.axes, b.ranges)
+                nbytes += size * items[k]
+                have = needs[k].get(b.device)
+                needs[k][b.device] = need if have is None else box_hull(have, need)
             dev = self.topo.devices[b.device]
             per_device[b.device] = per_device.get(b.device, 0.0) + compute_seconds(
                 b.points * fpp, nbytes, dev, self.topo
             )
-        for acc in accesses:
-            size = max((box_size(n) for n in needs[acc].values()), default=0) * self.itemsize(acc.relation)
+        for k, acc in enumerate(accesses):
+            size = max((box_size(n) for n in needs[k].values()), default=0) * items[k]
             in_bytes[acc.relation] = max(in_bytes.get(acc.relation, 0), size)
         compute = max(per_device.values(), default=0.0)
         held, reduce = self._finish(node, layout, out_boxes, out_item)
@@ -110,10 +115,25 @@ class Costs:
             compute,
             reduce,
             held,
-            tuple((a, tuple(sorted(needs[a].items()))) for a in accesses),
+            tuple((a, tuple(sorted(needs[k].items()))) for k, a in enumerate(accesses)),
             max(made.values(), default=0),
             in_bytes,
         )
+
+    def _reach(self, axes: tuple[AxisMap, ...], ranges: dict[str, tuple[int, int]]) -> tuple[Box, int]:
+        """:func:`through` and its size, cached: candidates of a node share most block ranges."""
+        names = self._indices.get(id(axes))
+        if names is None or names[0] is not axes:
+            names = self._indices[id(axes)] = (
+                axes,
+                tuple(dict.fromkeys(p.index for ax in axes for p in ax.parts if p.index is not None)),
+            )
+        key = (id(axes), *(ranges[i] for i in names[1]))
+        hit = self._reached.get(key)
+        if hit is None:
+            box = through(axes, ranges)
+            hit = self._reached[key] = (box, box_size(box))
+        return hit
 
     def _finish(self, node: JoinAgg, layout: Layout, out_boxes: dict[int, list[Box]], item: int) -> tuple[Held, float]:
         """Where the output ends, and the time to reduce partials: blocks that differ only in
