@@ -24,6 +24,7 @@ from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
 from edatalog.solver import auto, refine, strategies
 from edatalog.solver import topology as machines
+from edatalog.solver.blocks import guarded_dims
 from edatalog.solver.plan import Plan as PlanIR
 from edatalog.solver.topology import Topology
 
@@ -219,7 +220,7 @@ def _refined(graph: Graph, machine: Topology, reduction: str, plans: list[Plan])
 
     for base in plans:
         variants = [(base, "")]
-        for dim in refine.guarded_dims(graph):
+        for dim in sorted(guarded_dims(graph)):
             ir = refine.balanced(graph, base.ir, dim)
             if ir is not None:
                 plan = Plan(ir, graph, machine, reduction)

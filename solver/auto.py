@@ -7,9 +7,14 @@ and v all reading ``xn``) is paid once.  The objective is the sum, in nanosecond
 the busiest device per node, reductions and transfers.  Memory is a constraint at every step of
 the program: resident inputs and params, plus every relation alive at that step, must fit.
 
-Z3 runs as an iterated solver with a tightening bound, in its own context, with a seed and a
-deadline: each model found must beat the best so far by :data:`STEP`; "unsat" proves the best
-optimal within that step.  On the deadline the best plan found so far is returned with its gap.
+The search starts from plans built without search (a greedy pass, one dim split everywhere, the
+baselines, and two-level plans: a dim split across groups of devices, Megatron inside each).  Z3
+runs as an iterated solver with a tightening bound, in its own context, with a seed and a
+deadline: each model found must beat the best so far by :data:`STEP`.  It first recombines the
+starting plans, then searches neighbourhoods of the best plan among mesh-style picks, then among
+all picks, then the whole space, where "unsat" proves the best optimal within that step.  On
+the deadline the best plan found so far is returned with its gap, and a shortlist (it, the best
+starts, the baselines) for the caller to check in the exact timeline.
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ from typing import Any
 import z3
 
 from edatalog.errors import EdlError
-from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.ir.graph import Graph
 from edatalog.ir.printer import human
-from edatalog.solver import strategies
-from edatalog.solver.blocks import Box, Candidate, Layout, candidates, dim_order, guarded_dims
+from edatalog.solver import starts
+from edatalog.solver.blocks import Box, Layout, candidates, dim_order, guarded_dims
 from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
 from edatalog.solver.plan import NodePlan, Placement, Plan, Tile
 from edatalog.solver.strategies import place_by_consumers
@@ -169,9 +174,12 @@ class _Setup:
                 node.name: {tiles[node.name][Layout(node, c, rank).tile] for c in candidates(node, topo.n, mesh=True)}
                 for node in graph.nodes
             }
-        self.model = _Model(graph, costs, self.options, limit)
-        self.baselines = _baselines(graph, topo, tiles)
-        self.starts = [*_starts(graph, self.model, self.baselines), *_two_level(graph, topo, rank, tiles, balance)]
+        self.model = Model(graph, costs, self.options, limit)
+        self.baselines = starts.baselines(graph, topo, tiles)
+        self.starts = [
+            *starts.simple(graph, self.model, self.baselines),
+            *starts.two_level(graph, topo, rank, tiles, balance),
+        ]
 
 
 def starting_plans(graph: Graph, topo: Topology, space: str = "join") -> list[Plan]:
@@ -209,133 +217,7 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
     return kept, {o.layout.tile: where[id(best[(o.held, o.needs)])] for o in opts if o.cand.reduce_axis is None}
 
 
-def _starts(graph: Graph, model: _Model, baselines: list[dict[str, int]]) -> list[dict[str, int]]:
-    """Plans to start from: a greedy pass, one dim split everywhere, the baselines.  Z3 starts
-    from the cheapest that fits and must beat it."""
-    return [_greedy(graph, model), *_along_each_dim(graph, model), *baselines]
-
-
-def _two_level(
-    graph: Graph,
-    topo: Topology,
-    rank: dict[str, int],
-    tiles: dict[str, dict[Tile, int]],
-    balance: frozenset[str],
-) -> list[dict[str, int]]:
-    """Two-level starts, as on a 2D device mesh: the N devices form ``a`` groups of ``b``, one dim
-    is split ``a`` ways across the groups (zigzag too, for a dim in ``balance``), and
-    Megatron-style tensor parallelism runs inside each group.  With long sequences these move
-    far less than Megatron over all N devices (each all-reduce spans b devices and 1/a of the
-    rows), and no single-node move leads there."""
-    n = topo.n
-    out: list[dict[str, int]] = []
-    for a in (d for d in range(2, n) if n % d == 0):
-        try:
-            inner = strategies.megatron_tiles(graph, n // a)
-        except EdlError:
-            return out
-        for dim, _ in graph.dims:
-            for zigzag in (False, True) if dim in balance else (False,):
-                choice = _lifted(graph, rank, tiles, inner, dim, a, zigzag)
-                if choice is not None:
-                    out.append(choice)
-    return out
-
-
-def _lifted(
-    graph: Graph,
-    rank: dict[str, int],
-    tiles: dict[str, dict[Tile, int]],
-    inner: dict[str, Tile],
-    dim: str,
-    a: int,
-    zigzag: bool,
-) -> dict[str, int] | None:
-    """The inner tiles with ``dim`` split ``a`` ways on top, when the space has every one of them
-    and some rule has ``dim``."""
-    choice: dict[str, int] = {}
-    split = False
-    for node in graph.nodes:
-        tile = inner[node.name]
-        parts = [s.parts for s in tile.splits]
-        replicas = len(tile.devices[0]) if tile.devices else 1
-        k = next(
-            (j for j, i in enumerate(node.indices) if i.symbol == dim and parts[j] == 1 and i.extent >= 2 * a),
-            None,
-        )
-        if k is None:
-            replicas *= a
-        else:
-            parts[k], split = a, True
-        zig = (k,) if zigzag and k is not None else ()
-        pick = tiles[node.name].get(Layout(node, Candidate(tuple(parts), replicas, balanced=zig), rank).tile)
-        if pick is None:
-            return None
-        choice[node.name] = pick
-    return choice if split else None
-
-
-def _baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
-    """The megatron and data plans, where the space can express them."""
-    out: list[dict[str, int]] = []
-    for name in ("megatron", "data"):
-        try:
-            hint = strategies.build(graph, topo, name)
-        except EdlError:
-            continue
-        choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
-        if all(i is not None for i in choice.values()):
-            out.append({k: i for k, i in choice.items() if i is not None})
-    return out
-
-
-def _along_each_dim(graph: Graph, model: _Model) -> list[dict[str, int]]:
-    """For every dim, the plan that splits it everywhere (its first index in each rule, over all
-    devices) and replicates rules without it: data parallelism along any dim."""
-    out = []
-    for dim, _ in graph.dims:
-        choice: dict[str, int] = {}
-        for node in graph.nodes:
-            opts = model.options[node.name]
-            first = next((k for k, i in enumerate(node.indices) if i.symbol == dim), None)
-
-            def fit(o: Option, first: int | None = first) -> tuple[int, float]:
-                parts = o.cand.parts
-                split = first is not None and parts[first] == o.cand.blocks and o.cand.replicas == 1
-                whole = o.cand.blocks == 1
-                return (0 if split else 1 if whole else 2, o.compute)
-
-            choice[node.name] = min(range(len(opts)), key=lambda k: fit(opts[k]))
-        for rel in graph.relations:  # tied producers share one pick
-            producers = graph.producers(rel.name) if model.tied.get(rel.name) else ()
-            for p in producers[1:]:
-                choice[p.name] = choice[producers[0].name]
-        out.append(choice)
-    return out
-
-
-def _greedy(graph: Graph, model: _Model) -> dict[str, int]:
-    """Each node in order takes the candidate cheapest given what came before it."""
-    choice: dict[str, int] = {}
-    costs = model.costs
-    for node in graph.nodes:
-
-        def price(k: int, node: JoinAgg = node) -> float:
-            o = model.options[node.name][k]
-            total = o.compute + o.reduce
-            for acc, need in o.needs:
-                producers = graph.producers(acc.relation)
-                if producers and producers[0].name in choice:
-                    total += costs.transfer(acc.relation, model._held_of(acc.relation, choice[producers[0].name]), need)
-            return total
-
-        together = model.tied.get(node.out, False)
-        tied = next((choice[p.name] for p in graph.producers(node.out) if p.name in choice), None) if together else None
-        choice[node.name] = tied if tied is not None else min(range(len(model.options[node.name])), key=price)
-    return choice
-
-
-class _Model:
+class Model:
     """The pseudo-Boolean encoding of one solve, written as SMT-LIB for its own Z3 context (far
     faster than building thousands of terms through the Python API)."""
 
@@ -385,7 +267,7 @@ class _Model:
                 first = g.producers(rel.name)[0]
                 classes = self.held.setdefault(rel.name, {})
                 for k, v in enumerate(self.x[first.name]):
-                    lit = self._class(classes, self._held_of(rel.name, k), "h")
+                    lit = self._class(classes, self.held_of(rel.name, k), "h")
                     self.asserts.append(f"(=> {v} {lit})")
                     self.implied[v].append(lit)
         for node in g.nodes:
@@ -412,7 +294,7 @@ class _Model:
                         self.pairs.setdefault(h, []).append((lit, ns))
         self._memory()
 
-    def _held_of(self, relation: str, k: int) -> Held:
+    def held_of(self, relation: str, k: int) -> Held:
         """The layout of a relation when its (first) producer picks candidate ``k``: tied
         producers each contribute their blocks; an untied one is left out of the estimate.
         Built once per (relation, k): transfer costs are cached by the layout's identity."""

@@ -32,16 +32,6 @@ def every_rule_dims(graph: Graph) -> list[str]:
     return [name for name, extent in graph.dims if extent > 1 and all(name in s for s in every)]
 
 
-def guarded_dims(graph: Graph) -> list[str]:
-    """Dims of guard variables (``S`` for causal attention): splits of them can be unbalanced."""
-    out: list[str] = []
-    for node in graph.nodes:
-        for i in node.indices:
-            if i.name in node.guard.vars and i.symbol not in out:
-                out.append(i.symbol)
-    return out
-
-
 def pipelined(graph: Graph, plan: Plan, dim: str, chunks: int) -> Plan | None:
     """``plan`` with every block cut into ``chunks`` along the rule's first index of ``dim``, each
     chunk on its block's devices.  None when no block can be cut."""

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import numpy as np
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 if TYPE_CHECKING:
@@ -46,6 +48,20 @@ _UNARY_FNS = (
     *("tanh", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "gelu_tanh"),
     *("relu", "erf", "abs", "sin", "cos"),
 )
+
+
+def example_settings(env: str, default: int) -> settings:
+    """Hypothesis settings for a property test: ``default`` derandomized examples (what CI runs),
+    or, with the environment variable ``env`` set to N, N random ones for a longer hunt."""
+    long = os.environ.get(env)
+    return settings(
+        max_examples=int(long) if long else default,
+        derandomize=not long,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 # -- structure -------------------------------------------------------------------------------------

@@ -11,28 +11,19 @@ CI runs a fixed, derandomized set of examples.  For a longer, random run::
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 
 import edatalog
 from edatalog.backend.reference import Value
 from edatalog.errors import EdlWarning
 from edatalog.ir.graph import Graph
-from tests.strategies import GeneratedProgram, programs
+from tests.strategies import GeneratedProgram, example_settings, programs
 
-_LONG = os.environ.get("EDL_PROPERTY_EXAMPLES")
-_SETTINGS = settings(
-    max_examples=int(_LONG) if _LONG else 200,
-    derandomize=not _LONG,
-    deadline=None,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+_SETTINGS = example_settings("EDL_PROPERTY_EXAMPLES", 200)
 RTOL, ATOL = 1e-9, 1e-12
 
 

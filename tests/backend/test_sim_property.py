@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import warnings
 from collections.abc import Mapping
 from typing import TypeAlias
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import edatalog
@@ -49,17 +48,9 @@ from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.strategies import random_plan
 from edatalog.solver.topology import preset
-from tests.strategies import GeneratedProgram, programs
+from tests.strategies import GeneratedProgram, example_settings, programs
 
-_LONG = os.environ.get("EDL_SIM_EXAMPLES")
-_SETTINGS = settings(
-    max_examples=int(_LONG) if _LONG else 150,
-    derandomize=not _LONG,
-    deadline=None,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+_SETTINGS = example_settings("EDL_SIM_EXAMPLES", 150)
 RTOL, ATOL = 1e-9, 1e-12
 
 

@@ -19,12 +19,11 @@ import io
 import itertools
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import edatalog
@@ -34,7 +33,7 @@ from edatalog.backend.timeline import analyze
 from edatalog.cli import main
 from edatalog.solver import auto
 from edatalog.solver.topology import Topology, preset
-from tests.strategies import GeneratedProgram, programs
+from tests.strategies import GeneratedProgram, example_settings, programs
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PATH = ROOT / "programs" / "llama_block.edl"
@@ -158,15 +157,7 @@ def test_every_starting_plan_equals_the_reference(topology: str) -> None:
 
 # -- b. random programs on 1-8 devices ----------------------------------------------------------------
 
-_LONG = os.environ.get("EDL_AUTO_EXAMPLES")
-_SETTINGS = settings(
-    max_examples=int(_LONG) if _LONG else 100,
-    derandomize=not _LONG,
-    deadline=None,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+_SETTINGS = example_settings("EDL_AUTO_EXAMPLES", 100)
 _DEVICES = (8, 3, 4, 5, 2, 6, 7, 1)  # several devices first: hypothesis favours the first options
 
 

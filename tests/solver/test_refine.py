@@ -4,36 +4,30 @@ cost model says they should (long sequences)."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import edatalog
 from edatalog.plans import Plan
 from edatalog.solver import refine, strategies
+from edatalog.solver.blocks import guarded_dims
+from edatalog.solver.plan import NodePlan, Split, Tile
 from edatalog.solver.plan import Plan as PlanIR
 from edatalog.solver.topology import preset
-from tests.strategies import GeneratedProgram, programs
+from tests.strategies import GeneratedProgram, example_settings, programs
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = (ROOT / "programs" / "llama_block.edl").read_text()
 SMALL = {"B": 1, "S": 8, "D": 32, "H": 4, "KVH": 2, "F": 48}
 RTOL, ATOL = 1e-9, 1e-12
 
-_LONG = os.environ.get("EDL_REFINE_EXAMPLES")
-_SETTINGS = settings(
-    max_examples=int(_LONG) if _LONG else 150,
-    derandomize=not _LONG,
-    deadline=None,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+_SETTINGS = example_settings("EDL_REFINE_EXAMPLES", 150)
 
 
 def _cells_per_device(graph: edatalog.ir.graph.Graph, ir: PlanIR) -> dict[str, Counter[int]]:
@@ -95,7 +89,7 @@ def test_refined_megatron_llama_block_equals_the_reference(topology: str) -> Non
     machine = preset(topology)
     base = strategies.build(graph, machine, "megatron")
     assert refine.every_rule_dims(graph) == ["S"]
-    assert refine.guarded_dims(graph) == ["S"]
+    assert guarded_dims(graph) == {"S"}
     for ir in (refine.pipelined(graph, base, "S", 2), refine.pipelined(graph, base, "S", 4)):
         assert ir is not None
         _assert_same_results(prog, Plan(ir, graph, machine), prog.random_inputs(0))
@@ -105,25 +99,18 @@ def test_balanced_splits_deal_parts_out_zigzag() -> None:
     prog = edatalog.compile_string(LLAMA, name="llama_block.edl", dims=SMALL)
     graph = prog.graph
     machine = preset("a100x2")
-    base = strategies.build(graph, machine, "data")  # B = 1: nothing split, so nothing to balance
-    assert refine.balanced(graph, base, "S") is None
-    tiles = dict(strategies.megatron_tiles(graph, 2))
+    data = strategies.build(graph, machine, "data")  # B = 1: nothing split, so nothing to balance
+    assert refine.balanced(graph, data, "S") is None
+    base = strategies.build(graph, machine, "megatron")
     node = graph.node("sc")
-    splits = tuple(edatalog.solver.plan.Split.even(i.name, i.extent, 2 if i.name == "s" else 1) for i in node.indices)
-    tiles["sc"] = edatalog.solver.plan.Tile(splits, ((0,), (1,)))
-    split_s = PlanIR(
-        base.program,
-        2,
-        "a100x2",
-        "hand",
-        tuple(edatalog.solver.plan.NodePlan(k, t) for k, t in tiles.items()),
-        base.inputs,
-    )
-    ir = refine.balanced(graph, split_s, "S")
+    splits = tuple(Split.even(i.name, i.extent, 2 if i.name == "s" else 1) for i in node.indices)
+    nodes = tuple(NodePlan("sc", Tile(splits, ((0,), (1,)))) if p.node == "sc" else p for p in base.nodes)
+    ir = refine.balanced(graph, dataclasses.replace(base, nodes=nodes), "S")
     assert ir is not None
     sc = ir.node("sc").tile
     assert [s.cuts for s in sc.splits if s.index == "s"] == [(0, 2, 4, 6, 8)]
     assert sc.devices == ((0,), (1,), (1,), (0,))
+    assert ir.node("q").tile == base.node("q").tile  # q splits no S index: unchanged
 
 
 def test_pipelining_pays_for_long_sequences_and_moves_the_same_bytes() -> None:

@@ -1,0 +1,143 @@
+"""Starting plans for the solver, built without search: a greedy pass, one dim split everywhere,
+the hand-written baselines, and two-level plans.  The search starts from the cheapest that fits,
+recombines them all, and shortlists the best for the exact timeline check."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from edatalog.errors import EdlError
+from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.solver import strategies
+from edatalog.solver.blocks import Candidate, Layout
+from edatalog.solver.costs import Option
+from edatalog.solver.plan import Tile
+from edatalog.solver.topology import Topology
+
+if TYPE_CHECKING:
+    from edatalog.solver.auto import Model
+
+
+def simple(graph: Graph, model: Model, hand: list[dict[str, int]]) -> list[dict[str, int]]:
+    """A greedy pass, one dim split everywhere, and ``hand`` (the baselines' picks)."""
+    return [_greedy(graph, model), *_along_each_dim(graph, model), *hand]
+
+
+def two_level(
+    graph: Graph,
+    topo: Topology,
+    rank: dict[str, int],
+    tiles: dict[str, dict[Tile, int]],
+    balance: frozenset[str],
+) -> list[dict[str, int]]:
+    """Two-level starts, as on a 2D device mesh: the N devices form ``a`` groups of ``b``, one dim
+    is split ``a`` ways across the groups (zigzag too, for a dim in ``balance``), and
+    Megatron-style tensor parallelism runs inside each group.  With long sequences these move
+    far less than Megatron over all N devices (each all-reduce spans b devices and 1/a of the
+    rows), and no single-node move leads there."""
+    n = topo.n
+    out: list[dict[str, int]] = []
+    for a in (d for d in range(2, n) if n % d == 0):
+        try:
+            inner = strategies.megatron_tiles(graph, n // a)
+        except EdlError:
+            return out
+        for dim, _ in graph.dims:
+            for zigzag in (False, True) if dim in balance else (False,):
+                choice = _lifted(graph, rank, tiles, inner, dim, a, zigzag)
+                if choice is not None:
+                    out.append(choice)
+    return out
+
+
+def _lifted(
+    graph: Graph,
+    rank: dict[str, int],
+    tiles: dict[str, dict[Tile, int]],
+    inner: dict[str, Tile],
+    dim: str,
+    a: int,
+    zigzag: bool,
+) -> dict[str, int] | None:
+    """The inner tiles with ``dim`` split ``a`` ways on top, when the space has every one of them
+    and some rule has ``dim``."""
+    choice: dict[str, int] = {}
+    split = False
+    for node in graph.nodes:
+        tile = inner[node.name]
+        parts = [s.parts for s in tile.splits]
+        replicas = len(tile.devices[0]) if tile.devices else 1
+        k = next(
+            (j for j, i in enumerate(node.indices) if i.symbol == dim and parts[j] == 1 and i.extent >= 2 * a),
+            None,
+        )
+        if k is None:
+            replicas *= a
+        else:
+            parts[k], split = a, True
+        zig = (k,) if zigzag and k is not None else ()
+        pick = tiles[node.name].get(Layout(node, Candidate(tuple(parts), replicas, balanced=zig), rank).tile)
+        if pick is None:
+            return None
+        choice[node.name] = pick
+    return choice if split else None
+
+
+def baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
+    """The megatron and data plans, where the space can express them."""
+    out: list[dict[str, int]] = []
+    for name in ("megatron", "data"):
+        try:
+            hint = strategies.build(graph, topo, name)
+        except EdlError:
+            continue
+        choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
+        if all(i is not None for i in choice.values()):
+            out.append({k: i for k, i in choice.items() if i is not None})
+    return out
+
+
+def _along_each_dim(graph: Graph, model: Model) -> list[dict[str, int]]:
+    """For every dim, the plan that splits it everywhere (its first index in each rule, over all
+    devices) and replicates rules without it: data parallelism along any dim."""
+    out = []
+    for dim, _ in graph.dims:
+        choice: dict[str, int] = {}
+        for node in graph.nodes:
+            opts = model.options[node.name]
+            first = next((k for k, i in enumerate(node.indices) if i.symbol == dim), None)
+
+            def fit(o: Option, first: int | None = first) -> tuple[int, float]:
+                parts = o.cand.parts
+                split = first is not None and parts[first] == o.cand.blocks and o.cand.replicas == 1
+                whole = o.cand.blocks == 1
+                return (0 if split else 1 if whole else 2, o.compute)
+
+            choice[node.name] = min(range(len(opts)), key=lambda k: fit(opts[k]))
+        for rel in graph.relations:  # tied producers share one pick
+            producers = graph.producers(rel.name) if model.tied.get(rel.name) else ()
+            for p in producers[1:]:
+                choice[p.name] = choice[producers[0].name]
+        out.append(choice)
+    return out
+
+
+def _greedy(graph: Graph, model: Model) -> dict[str, int]:
+    """Each node in order takes the candidate cheapest given what came before it."""
+    choice: dict[str, int] = {}
+    costs = model.costs
+    for node in graph.nodes:
+
+        def price(k: int, node: JoinAgg = node) -> float:
+            o = model.options[node.name][k]
+            total = o.compute + o.reduce
+            for acc, need in o.needs:
+                producers = graph.producers(acc.relation)
+                if producers and producers[0].name in choice:
+                    total += costs.transfer(acc.relation, model.held_of(acc.relation, choice[producers[0].name]), need)
+            return total
+
+        together = model.tied.get(node.out, False)
+        tied = next((choice[p.name] for p in graph.producers(node.out) if p.name in choice), None) if together else None
+        choice[node.name] = tied if tied is not None else min(range(len(model.options[node.name])), key=price)
+    return choice
