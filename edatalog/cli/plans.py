@@ -23,6 +23,11 @@ strategies: auto (default: the Z3 solver chooses every partition and device, min
 predicted time within each device's memory), or a baseline: replicate (device 0 does
 everything), data (split the batch), megatron (tensor parallelism for transformers), random
 (seeded random uneven blocks, for testing).  An auto plan is shown next to megatron's.
+The solver's best plans are checked in the timeline, which overlaps steps its estimate adds
+up; there a plan may also be pipelined (blocks cut into chunks along a dim every rule has,
+such as the sequence, so that one chunk's exchange overlaps the next one's compute) or
+balanced (causal work dealt out evenly), and the fastest that fits is kept: the "refined:"
+line says which.
 
 --space mesh limits the solver to what a device mesh can express (GSPMD, Alpa): even splits
 that divide every extent.  The default, join, allows any partition of any join space.
