@@ -47,7 +47,7 @@ MIX_SECONDS = 2.0  # the most one step of recombining the starting plans may tak
 COARSE_SHARE = 0.4  # of the search time left after recombining, spent in the mesh-style picks first
 SHORTLIST = 6  # best starting plans re-checked in the timeline with the solver's best
 
-_Term = tuple[str, int, tuple[str, object]]  # literal, kilobytes, what it stands for
+_Term = tuple[str, int]  # literal, kilobytes
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Solution:
     options: dict[str, list[Option]] = field(repr=False, default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # node -> index into options[node]
     plans_found: int = 0
-    # Plans worth checking in the exact timeline: the solver's best, then the plan it started from
+    # Plans worth checking in the exact timeline: the solver's best, then the best starting plans
     # and the baselines in its space (its estimate adds steps up, so plans can swap places once
     # overlap is counted).
     shortlist: tuple[Plan, ...] = ()
@@ -132,7 +132,7 @@ def solve(
         # The solver's best, the best starts and the baselines it can express that fit by the
         # estimate: the exact check keeps the fastest, so auto is never slower than them.
         extra = [*fitting[:SHORTLIST], *(c for c in baselines if model.memory(c) <= limit)]
-        picks = [best, *(c for c in extra if c is not None)]
+        picks = [best, *extra]
         unique = [c for k, c in enumerate(picks) if c not in picks[:k]]
         shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in unique[1:]))
     cost = model.cost(best)
@@ -335,7 +335,7 @@ class Model:
             if rel.kind != "derived":
                 item = self.costs.itemsize(rel.name)
                 for need, lit in self.need.get(rel.name, {}).items():
-                    resident.append((lit, math.ceil(need_bytes(need, item) / KB), (rel.name, need)))
+                    resident.append((lit, math.ceil(need_bytes(need, item) / KB)))
         last = {rel.name: -1 for rel in g.relations}
         for node in g.nodes:
             for acc in node.inputs:
@@ -348,17 +348,15 @@ class Model:
                 born = min(order[p.name] for p in g.producers(rel_name))
                 if born < t <= last[rel_name]:
                     item = self.costs.itemsize(rel_name)
-                    live.extend(
-                        (lit, math.ceil(held_bytes(held, item) / KB), (rel_name, held)) for held, lit in helds.items()
-                    )
-            for i, (v, o) in enumerate(zip(self.x[node.name], self.options[node.name], strict=True)):
+                    live.extend((lit, math.ceil(held_bytes(held, item) / KB)) for held, lit in helds.items())
+            for v, o in zip(self.x[node.name], self.options[node.name], strict=True):
                 received = sum(b for r, b in o.in_bytes.items() if g.relation(r).kind == "derived")
-                live.append((v, math.ceil((o.out_bytes + received) / KB), (node.name, i)))
+                live.append((v, math.ceil((o.out_bytes + received) / KB)))
             self.step_terms.append(live)
         cap = self.memory_limit // KB
         for live in self.step_terms:
             self.asserts.append(
-                f"((_ pble {cap} {' '.join(str(kb) for _, kb, _ in live)}) {' '.join(v for v, _, _ in live)})"
+                f"((_ pble {cap} {' '.join(str(kb) for _, kb in live)}) {' '.join(v for v, _ in live)})"
             )
 
     # -- search ---------------------------------------------------------------------------------------
@@ -488,7 +486,7 @@ class Model:
     def memory(self, choice: dict[str, int]) -> int:
         """The estimated peak bytes of one device under a choice."""
         true = self._true(choice)
-        return max((sum(kb for lit, kb, _ in live if lit in true) for live in self.step_terms), default=0) * KB
+        return max((sum(kb for lit, kb in live if lit in true) for live in self.step_terms), default=0) * KB
 
 
 def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:

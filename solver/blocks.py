@@ -143,6 +143,12 @@ class Candidate:
 CHUNKS = (2, 4)  # chunkings tried for guarded rules
 
 
+def zigzag(p: int) -> list[int]:
+    """For each of the ``2p`` parts of a zigzag split, the part of a plain ``p``-way split whose
+    devices hold it: parts ``j`` and ``2p-1-j`` go together."""
+    return [j if j < p else 2 * p - 1 - j for j in range(2 * p)]
+
+
 def guarded_dims(graph: Graph) -> frozenset[str]:
     """Dims of guard variables (``S`` for causal attention): a plain split of one gives the
     devices unequal shares of the guard's points, so candidates also split them zigzag."""
@@ -266,14 +272,12 @@ class Layout:
             (k for k, p in enumerate(cand.parts) if p > 1),
             key=lambda k: (rank[node.indices[k].symbol], k),
         )
+        zig = {k: zigzag(cand.parts[k]) for k in cand.balanced}
         devices = []
         for combo in itertools.product(*(range(p * c) for p, c in zip(cand.parts, per, strict=True))):
             linear = 0
             for k in split_order:
-                part = combo[k] // per[k]
-                if k in cand.balanced:
-                    p = cand.parts[k]
-                    part = combo[k] if combo[k] < p else 2 * p - 1 - combo[k]
+                part = zig[k][combo[k]] if k in zig else combo[k] // per[k]
                 linear = linear * cand.parts[k] + part
             devices.append(tuple(range(linear * cand.replicas, (linear + 1) * cand.replicas)))
         self.tile = Tile(self.splits, tuple(devices))

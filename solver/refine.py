@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Callable
 
 from edatalog.ir.graph import Graph
+from edatalog.solver.blocks import zigzag
 from edatalog.solver.plan import NodePlan, Plan, Split, Tile
 
 CHUNKS = (2, 4)  # chunk counts worth trying, in order
@@ -55,7 +56,7 @@ def balanced(graph: Graph, plan: Plan, dim: str) -> Plan | None:
         p = split.parts
         if p == 1 or 2 * p > split.extent:
             return None
-        return Split.even(split.index, split.extent, 2 * p), [j if j < p else 2 * p - 1 - j for j in range(2 * p)]
+        return Split.even(split.index, split.extent, 2 * p), zigzag(p)
 
     return _resplit(graph, plan, dim, cut)
 

@@ -224,11 +224,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for rule in rules:
         priced = explain(graph, plan.topology, plan.ir, rule)
         out[rule] = priced
+    n = plan.ir.n_devices
     if args.json:
-        n = plan.ir.n_devices
         print(json.dumps({rule: [_priced_json(p, n) for p in ps] for rule, ps in out.items()}, indent=1))
         return 0
-    n = plan.ir.n_devices
     for rule, priced in out.items():
         chosen = next(p for p in priced if p.chosen)
         runner = next((p for p in priced if not p.chosen), None)
@@ -244,7 +243,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             verdict = "cheaper than" if chosen.total <= runner.total else "dearer than"
             print(
                 f"the plan's choice costs {chosen.total * 1e6:.1f} us, {verdict} the runner-up "
-                f"({runner.describe(plan.ir.n_devices)}) at {runner.total * 1e6:.1f} us"
+                f"({runner.describe(n)}) at {runner.total * 1e6:.1f} us"
             )
         print()
     return 0
