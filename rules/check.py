@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from edatalog.errors import Diagnostic, EdlError, Note, Span, did_you_mean
 from edatalog.lang import ast
 from edatalog.lang.parser import KEYWORDS
+from edatalog.rules.indexexpr import INDEX, affine_of, index_names
 from edatalog.rules.scope import BUILTIN_CONSTS, Scope, check_call
 
 
@@ -45,6 +46,24 @@ def _vars_of(atom: ast.Atom) -> list[ast.Component]:
     return [c for p in atom.positions for c in p.components if c.var is not None]
 
 
+def _expr_vars(atom: ast.Atom, scope: Scope) -> list[ast.Name]:
+    """The index variables named inside the index expressions of an atom (``l`` and ``k`` in
+    ``x[b, l + k]``; dims such as ``K`` in ``t + K - 1`` are numbers)."""
+    return [n for p in atom.positions for c in p.components if c.expr is not None for n in index_names(c.expr, scope)]
+
+
+def _check_head_positions(head: ast.Atom) -> None:
+    for p in head.positions:
+        for c in p.components:
+            if c.expr is not None:
+                raise EdlError(
+                    f"index expression '{c.expr.span.text}' in the head of a rule",
+                    c.expr.span,
+                    help="a head names the cells it defines with variables, literals and composites; "
+                    "shift in the body instead: write 'y[t] = x[t - 1].', not 'y[t + 1] = x[t].'",
+                )
+
+
 def check_rules(scope: Scope) -> Checked:
     heads: dict[str, ast.Rule] = {}
     for r in scope.rules:
@@ -72,7 +91,8 @@ def check_rules(scope: Scope) -> Checked:
     order = _dependency_order(by_head)
     outputs = _outputs(scope, by_head)
     checked = Checked(scope, infos, {n: a for n, (a, _) in arity.items()}, by_head, order, outputs)
-    checked.warnings.extend(_unused(scope, infos, outputs))
+    empty = _no_rules(scope)
+    checked.warnings.extend([empty] if empty is not None else _unused(scope, infos, outputs))
     return checked
 
 
@@ -124,6 +144,7 @@ def _check_rule(
                 atom.span,
                 notes=[Note(f"'{atom.relation}' {how} {want} ax{'i' if want == 1 else 'e'}s here", where)],
             )
+    _check_head_positions(rule.head)
     first: dict[str, Span] = {}
     for atom in (rule.head, *atoms):
         for c in _vars_of(atom):
@@ -138,6 +159,14 @@ def _check_rule(
                     if c.var.lower() != c.var
                     else "rename the index",
                 )
+    for atom in atoms:
+        for n in _expr_vars(atom, scope):
+            first.setdefault(n.ident, n.span)
+    for atom in atoms:  # every index expression is affine in the rule's variables
+        for p in atom.positions:
+            for c in p.components:
+                if c.expr is not None:
+                    affine_of(c.expr, first, scope, INDEX)
     info = RuleInfo(k, rule, tuple(atoms), tuple(first), first)
     names = _check_expr(rule.body, info, scope, cond=False)
     for g in rule.guards:
@@ -151,7 +180,7 @@ def _check_rule(
                 else "compare index expressions with < <= > >= == or !=, e.g. 'where i + 1 < N'",
             )
         names |= _check_expr(g, info, scope, cond=True)
-    _check_binding(info, names)
+    _check_binding(info, names, scope)
     return info
 
 
@@ -183,7 +212,7 @@ def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[st
             raise EdlError(
                 f"comparison '{e.op}' outside where(...)",
                 e.span,
-                help=f"to choose between two values write where({' '.join(e.span.text.split())}, a, b); "
+                help=f"to choose between two values write where({_unwrapped(e.span.text)}, a, b); "
                 "to keep only some cells, put a guard on index variables after the body: '... where i < j.'",
             )
         used |= _check_expr(e.lhs, info, scope, False) | _check_expr(e.rhs, info, scope, False)
@@ -206,10 +235,22 @@ def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[st
     return used
 
 
-def _check_binding(info: RuleInfo, named: set[str]) -> None:
+def _unwrapped(text: str) -> str:
+    """Source text on one line, without the parentheses around the whole of it."""
+    text = " ".join(text.split())
+    depth = 0
+    for k, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0 and k < len(text) - 1:
+            return text  # the first parenthesis closes before the end: '(a) < (b)'
+    return text[1:-1] if text.startswith("(") and text.endswith(")") else text
+
+
+def _check_binding(info: RuleInfo, named: set[str], scope: Scope) -> None:
     rule = info.rule
     head_vars = {c.var for c in _vars_of(rule.head)}
     body_vars = {c.var for a in info.atoms for c in _vars_of(a)}
+    body_vars |= {n.ident for a in info.atoms for n in _expr_vars(a, scope)}
     annotated = {c.var for c in _vars_of(rule.head) if c.extent is not None}
     for c in _vars_of(rule.head):
         if c.var not in body_vars and c.var not in named and c.var not in annotated:
@@ -219,13 +260,30 @@ def _check_binding(info: RuleInfo, named: set[str]) -> None:
                 help=f"use '{c.var}' in the body, or give its range in the head ({c.var}:N) to broadcast",
             )
     if rule.aggop == "=":
+        # An index that an equality guard may define (``where u == t - 1``) is substituted away
+        # when it can be (pass 4b); the compiler checks the rest once that is known.
+        in_equalities = {
+            n.ident
+            for g in rule.guards
+            if isinstance(g, ast.Compare) and g.op == "=="
+            for n in ast.walk(g)
+            if isinstance(n, ast.Name)
+        }
         for v in info.vars:
-            if v not in head_vars:
-                raise EdlError(
-                    f"index '{v}' is aggregated, but '=' does not aggregate",
-                    info.first[v],
-                    help=f"keep '{v}' in the head, or aggregate it with +=, max=, min= or *=",
-                )
+            if v not in head_vars and v not in in_equalities:
+                raise aggregated_by_assignment(info, v)
+
+
+def aggregated_by_assignment(info: RuleInfo, var: str, in_equality: bool = False) -> EdlError:
+    """``var`` is left aggregated in an ``=`` rule; ``in_equality``: although an equality guard
+    names it (it did not define it: its coefficient there is not 1 or -1)."""
+    fix = f"keep '{var}' in the head, or aggregate it with +=, max=, min= or *="
+    if in_equality:
+        fix += (
+            f"; an equality guard defines an index (and so does not aggregate it) only where the index has "
+            f"coefficient 1 or -1, e.g. '{var} == i - 1'"
+        )
+    return EdlError(f"index '{var}' is aggregated, but '=' does not aggregate", info.first[var], help=fix)
 
 
 def _dependency_order(by_head: dict[str, list[RuleInfo]]) -> list[str]:
@@ -279,6 +337,23 @@ def _outputs(scope: Scope, by_head: dict[str, list[RuleInfo]]) -> list[str]:
         return [n for n, _ in scope.outputs]
     read = {a.relation for group in by_head.values() for info in group for a in info.atoms}
     return [rel for rel in by_head if rel not in read]
+
+
+def _no_rules(scope: Scope) -> Diagnostic | None:
+    """A program without rules and without outputs computes nothing: one warning says so (rather
+    than one per declaration, each "never used").  Without rules but with outputs, the program
+    hands its inputs back: an identity, which is not a mistake, so no warning."""
+    if scope.rules or scope.outputs:
+        return None
+    spans = [d.span for d in scope.decls.values()]
+    spans += [d.span for d in scope.dims.values() if d.span is not None]
+    spans += [c.span for c in scope.consts.values() if c.span is not None]
+    return Diagnostic(
+        "warning",
+        "the program has no rules: it computes nothing and has no outputs",
+        min(spans, key=lambda s: s.start) if spans else None,
+        help="add rules that define what it computes, e.g. 'y[i] = x[i] * 2.0.' (see docs/language.md)",
+    )
 
 
 def _unused(scope: Scope, infos: list[RuleInfo], outputs: list[str]) -> list[Diagnostic]:

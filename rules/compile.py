@@ -1,6 +1,6 @@
 """The rule compiler: parsed program in, verified join-agg graph out.
 
-    scope -> check -> extents -> lower -> support -> verify
+    scope -> check -> extents -> lower -> eliminate -> support -> verify
 
 Each pass lives in its own module and raises :class:`~edatalog.errors.EdlError` for the
 mistakes it is the first to see.
@@ -16,7 +16,8 @@ from edatalog.ir import dtypes
 from edatalog.ir.affine import Guard
 from edatalog.ir.graph import Graph, JoinAgg, Relation
 from edatalog.lang import ast
-from edatalog.rules.check import Checked, check_rules
+from edatalog.rules.check import Checked, aggregated_by_assignment, check_rules
+from edatalog.rules.eliminate import eliminate_defined
 from edatalog.rules.extents import Extents, infer_extents
 from edatalog.rules.lower import lower_rule
 from edatalog.rules.scope import build_scope
@@ -92,6 +93,10 @@ def _derive(
     lowered = [
         lower_rule(info, n, checked.scope, ext, rel_dtype, default_float) for info, n in zip(group, names, strict=True)
     ]
+    lowered = [dataclasses.replace(lw, node=eliminate_defined(lw.node)) for lw in lowered]
+    for lw in lowered:
+        if lw.node.aggop == "=" and lw.node.agg_indices:  # an equality guard did not define it
+            raise aggregated_by_assignment(lw.info, lw.node.agg_indices[0], in_equality=True)
     dtype = lowered[0].node.dtype
     for lw in lowered[1:]:
         dtype = dtypes.promote(dtype, lw.node.dtype)

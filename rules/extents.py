@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from edatalog.errors import EdlError, Note, Span
 from edatalog.lang import ast
 from edatalog.rules.check import Checked
-from edatalog.rules.scope import MAX_EXTENT, dim_symbol, eval_dim
+from edatalog.rules.indexexpr import INDEX, affine_of, index_names
+from edatalog.rules.scope import MAX_EXTENT, Scope, dim_symbol, eval_dim
 from edatalog.rules.symbols import Symbols
 
 Key = Hashable  # ("var", rule, name) | ("axis", relation, k) | ("lit", rule, atom, pos, comp)
@@ -172,7 +173,20 @@ def infer_extents(checked: Checked) -> Extents:
 
 
 def _name(comp: ast.Component) -> str:
-    return f"index '{comp.var}'" if comp.var is not None else f"the literal part {comp.literal}"
+    if comp.var is not None:
+        return f"index '{comp.var}'"
+    if comp.expr is not None:
+        return f"the index expression '{comp.expr.span.text}'"
+    return f"the literal part {comp.literal}"
+
+
+def _fixed_place(comp: ast.Component, scope: Scope) -> int | None:
+    """The place a literal or an index expression without variables (``S - 1``) fixes."""
+    if comp.literal is not None:
+        return comp.literal
+    if comp.expr is not None and not index_names(comp.expr, scope):
+        return affine_of(comp.expr, (), scope, INDEX).const
+    return None
 
 
 def _propagate(s: _Solver) -> None:
@@ -298,6 +312,7 @@ def _default_head_literals(s: _Solver, checked: Checked) -> bool:
 
 
 def _collect(checked: Checked, s: _Solver) -> Extents:
+    scope = checked.scope
     ext = Extents({}, {}, {})
     for info in checked.rules:
         for v in info.vars:
@@ -312,6 +327,21 @@ def _collect(checked: Checked, s: _Solver) -> Extents:
                         p.span,
                     )
                     for p in in_composite[:1]
+                ]
+                in_exprs = [
+                    c.expr
+                    for atom in info.atoms
+                    for pos in atom.positions
+                    for c in pos.components
+                    if c.expr is not None and any(n.ident == v for n in index_names(c.expr, scope))
+                ]
+                notes += [
+                    Note(
+                        f"'{v}' is used in the index expression '{e.span.text}', which does not fix its range: "
+                        "the expression's values only have to fall inside the axis",
+                        e.span,
+                    )
+                    for e in in_exprs[:1]
                 ]
                 raise EdlError(
                     f"cannot infer the extent of index '{v}'",
@@ -342,13 +372,15 @@ def _collect(checked: Checked, s: _Solver) -> Extents:
                     c = s.get(key)
                     if c.value is None:
                         raise EdlError(
-                            f"cannot infer the extent of the literal part {comp.literal} of {pos.span.text}",
+                            f"cannot infer the extent of {_name(comp)} of {pos.span.text}",
                             comp.span,
-                            help=f"annotate it, e.g. {comp.literal}:2",
+                            help=f"annotate it, e.g. {comp}:N with N a dim",
                         )
-                    if comp.literal is not None and comp.literal >= c.value:
+                    place = _fixed_place(comp, scope)
+                    if place is not None and not 0 <= place < c.value:
+                        shown = str(place) if comp.literal is not None else f"{comp} = {place}"
                         raise EdlError(
-                            f"index {comp.literal} is out of range: "
+                            f"index {shown} is out of range: "
                             + (f"axis {k} of '{atom.relation}'" if len(pos.components) == 1 else "this composite part")
                             + f" has extent {c.value}",
                             comp.span,

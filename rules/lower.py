@@ -10,12 +10,13 @@ import numpy as np
 
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
-from edatalog.ir.affine import Affine, Constraint, Guard
+from edatalog.ir.affine import Constraint, Guard
 from edatalog.ir.graph import Access, AxisMap, Index, JoinAgg, Part
 from edatalog.ir.scalar import BINARY, COMPARISONS, Const, ExprBuilder, IndexValue, Load, Op, ScalarExpr
 from edatalog.lang import ast
 from edatalog.rules.check import RuleInfo
 from edatalog.rules.extents import Extents
+from edatalog.rules.indexexpr import GUARD, INDEX, affine_of
 from edatalog.rules.scope import BUILTIN_CONSTS, Scope
 
 # Functions that keep integers integral; everything else computes in floating point.
@@ -33,6 +34,7 @@ def lower_rule(
 ) -> Lowered:
     rule = info.rule
     indices = tuple(Index(v, *ext.var[(info.index, v)]) for v in info.vars)
+    rule_vars = set(info.vars)
     atoms = (info.head, *info.atoms)
 
     def axes(a_no: int) -> tuple[AxisMap, ...]:
@@ -42,7 +44,13 @@ def lower_rule(
             parts = []
             for c_no, comp in enumerate(pos.components):
                 size = ext.part[(info.index, a_no, k, c_no)]
-                parts.append(Part(comp.var, comp.literal, size))
+                if comp.var is not None:
+                    parts.append(Part.of_index(comp.var, size))
+                elif comp.literal is not None:
+                    parts.append(Part.fixed(comp.literal, size))
+                else:
+                    assert comp.expr is not None
+                    parts.append(Part(affine_of(comp.expr, rule_vars, scope, INDEX), size))
             maps.append(AxisMap(tuple(parts)))
         return tuple(maps)
 
@@ -161,8 +169,8 @@ def _max_kind(a: str, b: str) -> str:
 
 
 def guard_of(g: ast.Compare, rule_vars: set[str], scope: Scope) -> Guard:
-    lhs = _affine(g.lhs, rule_vars, scope)
-    rhs = _affine(g.rhs, rule_vars, scope)
+    lhs = affine_of(g.lhs, rule_vars, scope, GUARD)
+    rhs = affine_of(g.rhs, rule_vars, scope, GUARD)
     if g.op == "<":
         return Guard.of([Constraint(rhs - lhs - 1)])
     if g.op == "<=":
@@ -174,47 +182,3 @@ def guard_of(g: ast.Compare, rule_vars: set[str], scope: Scope) -> Guard:
     if g.op == "==":
         return Guard.of([Constraint(lhs - rhs, eq=True)])
     return Guard.of([Constraint(lhs - rhs - 1)]) | Guard.of([Constraint(rhs - lhs - 1)])
-
-
-def _affine(e: ast.Expr, rule_vars: set[str], scope: Scope) -> Affine:
-    help_text = "a guard compares sums of index variables times integers, dims and integers, e.g. 't <= s', 'i + j < N'"
-    if isinstance(e, ast.Num):
-        if isinstance(e.value, float):
-            raise EdlError(f"guards use whole numbers, not {e.text}", e.span, help=help_text)
-        return Affine((), e.value)
-    if isinstance(e, ast.Name):
-        if e.ident in rule_vars:
-            return Affine.var(e.ident)
-        if e.ident in scope.dims:
-            return Affine((), scope.dims[e.ident].value)
-        raise EdlError(f"guards may not use the const '{e.ident}'", e.span, help=help_text)
-    if isinstance(e, ast.Unary) and e.op == "-":
-        return -_affine(e.arg, rule_vars, scope)
-    if isinstance(e, ast.Binary) and e.op in "+-":
-        a, b = _affine(e.lhs, rule_vars, scope), _affine(e.rhs, rule_vars, scope)
-        return a + b if e.op == "+" else a - b
-    if isinstance(e, ast.Binary) and e.op == "*":
-        a, b = _affine(e.lhs, rule_vars, scope), _affine(e.rhs, rule_vars, scope)
-        if a.terms and b.terms:
-            raise EdlError(f"guard is not affine: '{e.span.text}' multiplies index variables", e.span, help=help_text)
-        return b.scale(a.const) if not a.terms else a.scale(b.const)
-    if isinstance(e, ast.Binary) and e.op == "/":
-        a, b = _affine(e.lhs, rule_vars, scope), _affine(e.rhs, rule_vars, scope)
-        if b.terms or b.const == 0:
-            raise EdlError(
-                f"guard is not affine: '{e.span.text}' divides by an index or by zero", e.span, help=help_text
-            )
-        if a.const % b.const or any(c % b.const for _, c in a.terms):
-            raise EdlError(
-                f"guard is not integral: '{e.span.text}' does not divide evenly",
-                e.span,
-                help="multiply both sides instead, e.g. 'i < 2 * j' rather than 'i / 2 < j'",
-            )
-        return Affine(tuple((v, c // b.const) for v, c in a.terms), a.const // b.const)
-    if isinstance(e, ast.Atom):
-        raise EdlError(
-            f"guards cannot read relations ('{e.relation}')",
-            e.span,
-            help="use where(cond, a, b) in the body to select on values",
-        )
-    raise EdlError(f"guard is not affine: '{e.span.text}'", e.span, help=help_text)

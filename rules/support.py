@@ -18,9 +18,12 @@ from edatalog.ir.graph import JoinAgg, Relation
 
 
 def effective_guard(node: JoinAgg, relations: Mapping[str, Relation]) -> Guard:
-    """The user's guards and the supports of everything the node reads."""
+    """The user's guards, the supports of everything the node reads, and where its index
+    expressions land inside the relations (``x[t - 1]`` reads nothing at ``t = 0``)."""
     guard = node.guard
     for acc in node.inputs:
+        for ax in acc.axes:
+            guard = guard & ax.range_guard()
         rel = relations[acc.relation]
         if not rel.support.is_true:
             mapping = {name: ax.affine() for name, ax in zip(rel.axis_names, acc.axes, strict=True)}

@@ -69,11 +69,25 @@ def example_settings(env: str, default: int) -> settings:
 
 @dataclass(frozen=True)
 class Part:
-    """One component of an index position: a variable or an integer literal, and its extent."""
+    """One component of an index position: a variable, an integer literal, or (in bodies) an
+    index expression such as ``i + j - 1``; and its extent.  An expression that lands outside
+    ``0 .. extent - 1`` reads a cell that does not exist."""
 
     var: str | None
     lit: int | None
     extent: int
+    lin: Lin | None = None
+
+    def place(self, env: Mapping[str, int]) -> int | None:
+        if self.var is not None:
+            return env[self.var]
+        if self.lin is not None:
+            v = self.lin.value(env)
+            return v if 0 <= v < self.extent else None
+        return _lit(self)
+
+    def render(self) -> str:
+        return self.var if self.var is not None else self.lin.render() if self.lin is not None else str(self.lit)
 
 
 @dataclass(frozen=True)
@@ -90,10 +104,14 @@ class Pos:
     def extent(self) -> int:
         return math.prod(p.extent for p in self.parts)
 
-    def coord(self, env: Mapping[str, int]) -> int:
+    def coord(self, env: Mapping[str, int]) -> int | None:
+        """The place addressed, or None when an index expression falls outside its part."""
         c = 0
         for p in self.parts:
-            c = c * p.extent + (env[p.var] if p.var is not None else _lit(p))
+            place = p.place(env)
+            if place is None:
+                return None
+            c = c * p.extent + place
         return c
 
 
@@ -107,8 +125,10 @@ class Atom:
     rel: str
     positions: tuple[Pos, ...]
 
-    def cell(self, env: Mapping[str, int]) -> tuple[int, ...]:
-        return tuple(pos.coord(env) for pos in self.positions)
+    def cell(self, env: Mapping[str, int]) -> tuple[int, ...] | None:
+        """The cell read or written, or None when it lies outside the relation."""
+        coords = [pos.coord(env) for pos in self.positions]
+        return None if any(c is None for c in coords) else tuple(c for c in coords if c is not None)
 
     @property
     def vars(self) -> list[str]:
@@ -259,7 +279,7 @@ class RuleSpec:
             for k, pos in enumerate(a.positions):
                 parts = []
                 for c, p in enumerate(pos.parts):
-                    text = p.var if p.var is not None else str(p.lit)
+                    text = p.render()
                     note = notes.get((no, k, c))
                     parts.append(text if note is None else f"{text}:{note}")
                 positions.append(f"({', '.join(parts)})" if pos.composite else parts[0])
@@ -447,7 +467,9 @@ def _eval(e: Expr, env: Mapping[str, int], data: Mapping[str, np.ndarray]) -> fl
     if isinstance(e, Idx):
         return float(env[e.var])
     if isinstance(e, Read):
-        return float(data[e.atom.rel][e.atom.cell(env)])
+        cell = e.atom.cell(env)
+        assert cell is not None, "evaluated only where every cell read exists"
+        return float(data[e.atom.rel][cell])
     if isinstance(e, Neg):
         return -_eval(e.arg, env, data)
     if isinstance(e, Bin):
@@ -489,6 +511,10 @@ class OracleResult:
     contributing: tuple[np.ndarray, ...]  # per rule: the points that contribute, over RuleSpec.extents
 
 
+def _present(mask: np.ndarray, cell: tuple[int, ...] | None) -> bool:
+    return cell is not None and bool(mask[cell])
+
+
 def oracle(spec: ProgramSpec, inputs: Mapping[str, np.ndarray]) -> OracleResult:
     """Evaluate ``spec`` by brute force: every point of every rule's join space contributes when its
     guards hold and every cell it reads is present; a cell is present when something contributes."""
@@ -514,10 +540,12 @@ def oracle(spec: ProgramSpec, inputs: Mapping[str, np.ndarray]) -> OracleResult:
                 env = dict(zip(names, point, strict=True))
                 if not all(g.holds(env) for g in rule.guards):
                     continue
-                if not all(present[a.rel][a.cell(env)] for a in atoms):
+                if not all(_present(present[a.rel], a.cell(env)) for a in atoms):
                     continue
                 mask[point] = True
-                cells.setdefault(rule.head.cell(env), []).append(_eval(rule.body, env, data))
+                head = rule.head.cell(env)
+                assert head is not None, "heads address cells with plain indices"
+                cells.setdefault(head, []).append(_eval(rule.body, env, data))
             contributing.append(mask)
         out = np.zeros(rel.shape, dtype=np.float64)
         pres = np.zeros(rel.shape, dtype=bool)
@@ -824,7 +852,19 @@ class _RuleGen:
         g = self.g
         same = [v for v, n in self.vars.items() if n == extent]
         can_new = not self.fixed and len(self.vars) < g.cfg.max_vars and self.points * extent <= g.cfg.max_points
-        how = g.weighted(("old", 4 if same else 0), ("new", 3 if can_new else 0), ("lit", 1))
+        how = g.weighted(
+            ("old", 4 if same else 0), ("new", 3 if can_new else 0), ("lit", 1), ("expr", 1 if self.vars else 0)
+        )
+        if how == "expr":  # l + k, t - 1, 2*i + j - 2: may reach outside the axis
+            names = sorted(self.vars)
+            terms = tuple((g.pick((1, 1, 1, -1, 2)), str(g.pick(names))) for _ in range(g.integer(1, 2)))
+            merged: dict[str, int] = {}
+            for c, name in terms:
+                merged[name] = merged.get(name, 0) + c
+            lin = Lin(tuple((c, name) for name, c in sorted(merged.items()) if c), g.integer(-2, 2))
+            if lin.terms and (len(lin.terms) > 1 or lin.terms[0][0] != 1 or lin.const):  # not a bare variable
+                return Part(None, None, extent, lin)
+            how = "lit"
         if how == "old":
             return Part(str(g.pick(same)), None, extent)
         if how == "new":

@@ -13,11 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from edatalog.ir import affine, dtypes, scalar, serialize
-from edatalog.ir.affine import Affine, Guard
+from edatalog.ir.affine import Affine, Constraint, Guard
 from edatalog.ir.cost import NodeCost, graph_costs
 from edatalog.ir.printer import render_graph
 from edatalog.ir.scalar import ScalarExpr
@@ -48,14 +49,59 @@ class Index:
 
 @dataclass(frozen=True)
 class Part:
-    """One component of an axis: a join index, or a fixed position ``const`` of a given extent."""
+    """One component of an axis: the place ``expr`` along it, in ``0 .. extent - 1``.
 
-    index: str | None
-    const: int | None
+    ``expr`` is an affine function of the join indices: a plain index (``s``), a fixed place
+    (``0``), or an expression such as ``l + k`` or ``t - 1``.  An index whose extent is the
+    part's, or a fixed place, always lands inside the part; otherwise a point where ``expr`` falls
+    outside reads a cell that does not exist (a failed join), exactly as if the rule had a guard
+    ``0 <= expr <= extent - 1`` (see :meth:`AxisMap.range_guard`).  Heads use only plain indices
+    and fixed places."""
+
+    expr: Affine
     extent: int
 
+    @staticmethod
+    def of_index(name: str, extent: int) -> Part:
+        return Part(Affine.var(name), extent)
+
+    @staticmethod
+    def fixed(place: int, extent: int) -> Part:
+        return Part(Affine((), place), extent)
+
+    @property
+    def index(self) -> str | None:
+        """The join index, when the part is a plain index."""
+        terms = self.expr.terms
+        return terms[0][0] if len(terms) == 1 and terms[0][1] == 1 and self.expr.const == 0 else None
+
+    @property
+    def const(self) -> int | None:
+        """The place, when the part is fixed."""
+        return None if self.expr.terms else self.expr.const
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return tuple(v for v, _ in self.expr.terms)
+
+    def places(self, ranges: Mapping[str, tuple[int, int]]) -> tuple[int, int]:
+        """The ``[lo, hi)`` places of the part that its indices reach while each runs over its
+        ``[lo, hi)`` range in ``ranges``, within the part.  Exact for plain parts and for sums of
+        unit multiples (``l + k``, ``t - 1``); for strides (``2 * l``) the hull of the places, a
+        superset.  Empty (``lo == hi``) when every place falls outside."""
+        lo = hi = self.expr.const
+        for v, c in self.expr.terms:
+            a, b = ranges[v]
+            lo += min(c * a, c * (b - 1))
+            hi += max(c * a, c * (b - 1))
+        lo, hi = max(lo, 0), min(hi + 1, self.extent)
+        return (lo, hi) if lo < hi else (lo, lo)
+
     def __str__(self) -> str:
-        return self.index if self.index is not None else str(self.const)
+        return str(self.expr)
+
+    def render(self, order: Sequence[str]) -> str:
+        return self.expr.render(order)
 
 
 @dataclass(frozen=True)
@@ -70,19 +116,31 @@ class AxisMap:
 
     @property
     def indices(self) -> tuple[str, ...]:
-        return tuple(p.index for p in self.parts if p.index is not None)
+        return tuple(dict.fromkeys(v for p in self.parts for v in p.indices))
 
     def affine(self) -> Affine:
         """The axis coordinate as an affine function of the join indices."""
         out = Affine()
         stride = 1
         for p in reversed(self.parts):
-            out = out + (Affine.var(p.index, stride) if p.index is not None else Affine((), stride * (p.const or 0)))
+            out = out + p.expr.scale(stride)
             stride *= p.extent
         return out
 
+    def range_guard(self) -> Guard:
+        """Where every part lands inside its range (simplify it against the join space's box:
+        for a plain index of the part's extent, it is true)."""
+        cons = []
+        for p in self.parts:
+            if p.expr.terms:
+                cons += [Constraint(p.expr), Constraint(-p.expr + (p.extent - 1))]
+        return Guard.of(cons)
+
     def __str__(self) -> str:
-        inner = ",".join(str(p) for p in self.parts)
+        return self.render(())
+
+    def render(self, order: Sequence[str]) -> str:
+        inner = ",".join(p.render(order) for p in self.parts)
         return f"({inner})" if len(self.parts) > 1 else inner
 
 
@@ -98,7 +156,11 @@ class Access:
         return tuple(dict.fromkeys(i for ax in self.axes for i in ax.indices))
 
     def __str__(self) -> str:
-        return f"{self.relation}[{','.join(str(a) for a in self.axes)}]"
+        return self.render(())
+
+    def render(self, order: Sequence[str]) -> str:
+        """The access with index expressions' terms in ``order``."""
+        return f"{self.relation}[{','.join(a.render(order) for a in self.axes)}]"
 
 
 @dataclass(frozen=True)
@@ -138,7 +200,8 @@ class JoinAgg:
         return f"{self.out}[{','.join(str(a) for a in self.out_axes)}]"
 
     def body(self) -> str:
-        return self.expr.render(lambda k: str(self.inputs[k]))
+        order = [i.name for i in self.indices]
+        return self.expr.render(lambda k: self.inputs[k].render(order))
 
     def __str__(self) -> str:
         where = "" if self.guard.is_true else f" where {self.guard}"
@@ -264,12 +327,15 @@ class Graph:
             for k, ax in enumerate(acc.axes):
                 _check(ax.extent == rel.shape[k], f"{where}: axis {k} of {acc} spans {ax.extent}, not {rel.shape[k]}")
                 for p in ax.parts:
-                    if p.index is None:
-                        _check(p.const is not None and 0 <= p.const < p.extent, f"{where}: bad constant part")
-                    else:
-                        _check(p.index in box, f"{where}: unknown index {p.index}")
-                        _check(box[p.index] == p.extent, f"{where}: {p.index} used with extent {p.extent}")
-                        used.add(p.index)
+                    _check(p.extent > 0, f"{where}: part {p} of {acc} has a non-positive extent")
+                    _check(set(p.indices) <= set(box), f"{where}: unknown index in {p}")
+                    if p.const is not None:
+                        _check(0 <= p.const < p.extent, f"{where}: bad constant part")
+                    elif acc.relation == n.out:  # heads address cells with plain indices
+                        index = p.index
+                        _check(index is not None, f"{where}: the head {acc} has an index expression")
+                        _check(box[str(index)] == p.extent, f"{where}: {index} used with extent {p.extent}")
+                    used.update(p.indices)
         for acc in n.inputs:
             _check(acc.relation in done, f"{where}: reads {acc.relation} before it is complete")
         _check(set(box) <= used, f"{where}: unused index {set(box) - used}")

@@ -8,8 +8,10 @@ node's inputs (``Load``), numbers (``Const``) and index values (``IndexValue``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from edatalog.ir.affine import Affine
 
 
 @dataclass(frozen=True)
@@ -157,8 +159,12 @@ class ScalarExpr:
 
     def live(self) -> list[int]:
         """Nodes reachable from the root, in topological order."""
-        seen = {self.root}
-        for k in range(self.root, -1, -1):
+        return self.under(self.root)
+
+    def under(self, root: int) -> list[int]:
+        """The nodes of the sub-DAG under ``root`` (itself included), in topological order."""
+        seen = {root}
+        for k in range(root, -1, -1):
             node = self.nodes[k]
             if k in seen and isinstance(node, Op):
                 seen.update(node.args)
@@ -252,3 +258,34 @@ class ExprBuilder:
 
     def build(self, root: int) -> ScalarExpr:
         return ScalarExpr(tuple(self.nodes), root)
+
+
+def substitute_indices(expr: ScalarExpr, mapping: Mapping[str, Affine]) -> ScalarExpr:
+    """``expr`` with the index values in ``mapping`` replaced by affine functions of others (an
+    index that a guard ``t == l + k`` defines is computed from ``l`` and ``k``)."""
+    b = ExprBuilder()
+    new: list[int] = []
+    for node in expr.nodes:
+        if isinstance(node, IndexValue) and node.index in mapping:
+            new.append(_affine_value(b, mapping[node.index]))
+        elif isinstance(node, Op):
+            new.append(b.add(Op(node.op, tuple(new[a] for a in node.args))))
+        else:
+            new.append(b.add(node))
+    return b.build(new[expr.root])
+
+
+def _affine_value(b: ExprBuilder, value: Affine) -> int:
+    terms = []
+    for var, coef in value.terms:
+        term = b.add(IndexValue(var))
+        terms.append(term if coef == 1 else b.add(Op("mul", (b.add(Const(coef)), term))))
+    if not terms:
+        return b.add(Const(value.const))
+    acc = terms[0]
+    for term in terms[1:]:
+        acc = b.add(Op("add", (acc, term)))
+    if value.const:
+        op = "add" if value.const > 0 else "sub"
+        acc = b.add(Op(op, (acc, b.add(Const(abs(value.const))))))
+    return acc

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-FORMAT = 1  # bump when the JSON layout changes
+FORMAT = 2  # bump when the JSON layout changes (2: index parts are affine expressions)
 
 
 def encode(obj: Any, *, with_origins: bool = True) -> Any:
@@ -51,6 +51,11 @@ def dumps(obj: Any) -> str:
 def loads(text: str, classes: Iterable[type]) -> Any:
     """Decode text written by :func:`dumps`; only instances of ``classes`` are built."""
     data = json.loads(text)
-    if not isinstance(data, dict) or data.get("format") != FORMAT or "ir" not in data:
-        raise ValueError(f"not an edatalog IR file of format {FORMAT}")
+    if not isinstance(data, dict) or "ir" not in data:
+        raise ValueError("not an edatalog IR file")
+    if data.get("format") != FORMAT:
+        raise ValueError(
+            f"IR format {data.get('format')!r}, but this edatalog reads format {FORMAT}: "
+            "write it again with this version (for a plan: make the plan again)"
+        )
     return decode(data["ir"], {c.__name__: c for c in classes})

@@ -63,15 +63,20 @@ class Compare:
 
 @dataclass(frozen=True)
 class Component:
-    """One component of an index position: a variable or an integer literal, maybe with an extent."""
+    """One component of an index position: a variable, an integer literal, or an index
+    expression such as ``l + k`` (``expr``; legal only in bodies); maybe with an extent."""
 
     var: str | None
     literal: int | None
     extent: Expr | None
     span: Span
+    expr: Expr | None = None
 
     def __str__(self) -> str:
-        core = self.var if self.var is not None else str(self.literal)
+        if self.expr is not None:
+            core = self.expr.span.text
+        else:
+            core = self.var if self.var is not None else str(self.literal)
         return core if self.extent is None else f"{core}:{self.extent.span.text}"
 
 

@@ -13,6 +13,7 @@ Syntax errors become :class:`~edatalog.errors.EdlError` saying what was expected
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,7 +129,6 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
         return ast.Num(value, text, span)
 
     num = _node(pp.Regex(r"\d+(?:\.\d+)?(?:[eE][+-]?\d+)?"), number, "a number")
-    integer = pp.Regex(r"\d+").set_name("an integer")
 
     expr: pp.Forward = pp.Forward()
 
@@ -138,13 +138,17 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
     def component(span: Span, t: pp.ParseResults) -> ast.Component:
         head = t[0]
         ext = t[1] if len(t) > 1 else None
-        if head.isdigit():
-            return ast.Component(None, int(head), ext, span)
-        return ast.Component(head, None, ext, span)
+        if isinstance(head, ast.Name):
+            return ast.Component(head.ident, None, ext, span)
+        if isinstance(head, ast.Num) and isinstance(head.value, int):
+            return ast.Component(None, head.value, ext, span)
+        return ast.Component(None, None, ext, span, head)  # an index expression: checked later
 
-    comp = _node((ident | integer).set_name("an index") + pp.Opt(colon - extent), component, "an index")
+    index_start = pp.FollowedBy(pp.Regex(r"[A-Za-z_0-9(-]").set_name("an index"))
+    comp = _node(index_start + expr + pp.Opt(colon - extent), component, "an index")
+    # A composite has a comma; `(l + k) * 2` is an index expression, not a composite.
     composite = _node(
-        lpar - _list(comp) - rpar,
+        lpar + comp + pp.Suppress(",") - _list(comp) - rpar,
         lambda sp, t: ast.Position(tuple(t), True, sp),
         "a composite index",
     )
@@ -173,7 +177,8 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
     call_trailer = (lpar - pp.Opt(_list(expr)) - rpar).add_parse_action(lambda t: [("(", tuple(t))])
     name_or_where = _tok_span(ident | pp.Keyword("where"), "a name")
     named_ref = _node(name_or_where + pp.Opt(index_trailer | call_trailer), named, "an operand")
-    paren = lpar - expr - rpar
+    # A parenthesized operand's span includes its parentheses: '(T - K) / 2' is one span.
+    paren = _node(lpar - expr - rpar, lambda sp, t: dataclasses.replace(t[0], span=sp), "an operand")
     primary = (num | named_ref | paren).set_name("an operand")
 
     neg: pp.Forward = pp.Forward()
@@ -438,11 +443,6 @@ def _syntax_error(source: Source, chunk: Chunk, text: str, exc: pp.ParseBaseExce
         help_text = "did you forget the '.' that ends the previous statement?"
     if found in KEYWORDS and ("name" in (expected or "") or "index" in (expected or "") or expected == "']'"):
         help_text = f"'{found}' is a reserved word; choose another name"
-    if found in ("+", "-", "*", "/") and expected in ("']'", "')'"):
-        help_text = (
-            "an index position holds an index variable, an integer or a composite (i, j); index "
-            "arithmetic such as 'i + 1' is not supported: shift with a composite or select with a guard"
-        )
     if found == "." and kind == "rule":
         help_text = "a statement ends with '.' followed by whitespace; write decimals as 1.0, not 1."
     if found == "==" and expected.startswith("an aggregation operator"):

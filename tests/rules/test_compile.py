@@ -169,7 +169,7 @@ def test_json_round_trip_and_fingerprint() -> None:
 
 def test_json_load_rejects_foreign_objects() -> None:
     with pytest.raises(ValueError, match="unknown IR object type"):
-        Graph.from_json('{"format": 1, "ir": {"$type": "os.system", "command": "true"}}')
+        Graph.from_json('{"format": 2, "ir": {"$type": "os.system", "command": "true"}}')
     with pytest.raises(ValueError, match="format"):
         Graph.from_json('{"format": 99, "ir": {}}')
 
