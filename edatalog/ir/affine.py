@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edatalog.ir import lattice
+
 Box = Mapping[str, int]  # variable -> extent
 
 
@@ -85,6 +87,11 @@ class Affine:
 
     def __str__(self) -> str:
         return _render_sum(list(self.terms), self.const)
+
+    def render(self, order: Sequence[str]) -> str:
+        """The text with terms in ``order`` (a rule's index order: ``l + k``, not ``k + l``)."""
+        rank = {v: k for k, v in enumerate(order)}
+        return _render_sum(sorted(self.terms, key=lambda t: (rank.get(t[0], len(rank)), t[0])), self.const)
 
 
 def _render_sum(terms: list[tuple[str, int]], const: int) -> str:
@@ -247,18 +254,29 @@ class Guard:
     def count(self, box: Box) -> int:
         """The exact number of points of the box that satisfy the guard.
 
-        Raises OverflowError when that would take too long (a huge box or many overlapping
-        pieces); :meth:`count_bound` never does."""
+        In closed form, in time independent of the extents, when every group of variables linked
+        by a conjunction's constraints has at most two (see :mod:`edatalog.ir.lattice`).  Raises
+        OverflowError when that would take too long (a huge group of three or more variables, or
+        many overlapping pieces); :meth:`count_bound` never does."""
         if self.is_false:
             return 0
         if self.is_true:
             return math.prod(box.values())
         involved = sorted(self.vars)
         free = math.prod(box[v] for v in box if v not in self.vars)
+        size = math.prod(box[v] for v in involved)
+        if size <= _MASK_LIMIT:  # tiny: look at every point
+            return free * self._count_mask(involved, box)
+        try:
+            return free * _count_union([c.constraints for c in self.conjs], involved, box)
+        except OverflowError:
+            if size > _ENUM_LIMIT:
+                raise
+            return free * self._count_mask(involved, box)
+
+    def _count_mask(self, involved: list[str], box: Box) -> int:
         shape = tuple(box[v] for v in involved)
-        if math.prod(shape) <= _ENUM_LIMIT:  # small enough to look at every point
-            return free * int(np.count_nonzero(np.broadcast_to(self.mask(involved, box), shape)))
-        return free * _count_union([c.constraints for c in self.conjs], involved, box)
+        return int(np.count_nonzero(np.broadcast_to(self.mask(involved, box), shape)))
 
     def count_bound(self, box: Box) -> tuple[int, bool]:
         """The exact count and True, or, when it cannot be had cheaply, the size of the box and
@@ -434,18 +452,18 @@ def _merge_pair(a: Conj, b: Conj, box: Box) -> Conj | None:
 
 # -- counting -----------------------------------------------------------------------------------
 
-_ENUM_LIMIT = 1 << 22
+_MASK_LIMIT = 1 << 12  # count() looks at every point of boxes this small
+_ENUM_LIMIT = 1 << 22  # ... and of boxes this small when the closed forms give up
 _COVER_LIMIT = 1 << 16  # simplify() checks coverage by counting only boxes this small
-
-
+_ROWS_LIMIT = 1 << 22  # rows (all variables but one) a group of 3+ variables may enumerate with numpy
+_PAIRS_LIMIT = 1 << 12  # ... else points of all variables but two, each counting a pair in closed form
 _MAX_INTERSECTIONS = 4096
 
 
 def _count_union(conjs: list[tuple[Constraint, ...]], order: list[str], box: Box) -> int:
     """Points of the box over ``order`` inside the union, by inclusion-exclusion over the pieces.
     An empty intersection prunes all its supersets, so disjoint pieces (as ``!=`` makes) cost one
-    count each.  Each intersection is counted by enumerating all variables but one, whose
-    feasible set is an interval."""
+    count each."""
     total = 0
     visited = 0
 
@@ -465,52 +483,92 @@ def _count_union(conjs: list[tuple[Constraint, ...]], order: list[str], box: Box
     return total
 
 
-def _count_conj(cons: tuple[Constraint, ...], order: list[str], box: Box) -> int:
-    """Points over ``order`` satisfying every constraint: a product over groups of variables that
-    share constraints (unconstrained variables count their whole extent)."""
+def _groups(cons: Iterable[Constraint]) -> list[tuple[list[str], list[Constraint]]]:
+    """The constraints with variables, grouped by connected variables (two constraints that
+    share a variable are in one group), with each group's variables sorted."""
     groups: list[tuple[set[str], list[Constraint]]] = []
     for c in cons:
         vs = set(c.expr.vars)
+        if not vs:
+            continue
         joined = [g for g in groups if g[0] & vs]
-        merged = (vs.union(*(g[0] for g in joined)), [c, *(x for g in joined for x in g[1])])
+        merged = (vs.union(*(g[0] for g in joined)), [*(x for g in joined for x in g[1]), c])
         groups = [g for g in groups if not g[0] & vs] + [merged]
-    total = 0 if any(not c.expr.vars and not bool(c.holds({})) for c in cons) else 1
-    constrained = set().union(*(g[0] for g in groups)) if groups else set()
+    return [(sorted(vs), group) for vs, group in groups]
+
+
+def _constants_hold(cons: Iterable[Constraint]) -> bool:
+    return all(bool(c.holds({})) for c in cons if not c.expr.vars)
+
+
+def _count_conj(cons: tuple[Constraint, ...], order: list[str], box: Box) -> int:
+    """Points over ``order`` satisfying every constraint: a product over groups of variables that
+    share constraints (unconstrained variables count their whole extent)."""
+    if not _constants_hold(cons):
+        return 0
+    total = 1
+    groups = _groups(cons)
+    constrained = {v for vs, _ in groups for v in vs}
     for v in order:
         if v not in constrained:
             total *= box[v]
     for vs, group in groups:
-        if vs:
-            total *= _count_group(tuple(group), sorted(vs), box)
+        total *= _count_group(tuple(group), vs, box)
     return total
 
 
+def _pair(cons: Iterable[Constraint], u: str, w: str | None) -> list[lattice.Ineq]:
+    """Constraints over ``u`` and ``w`` (or ``u`` alone) as the lattice module takes them."""
+    return [(c.expr.coef(u), c.expr.coef(w) if w else 0, c.expr.const, c.eq) for c in cons]
+
+
 def _count_group(cons: tuple[Constraint, ...], order: list[str], box: Box) -> int:
-    """Points of one group of connected constraints, by enumerating all variables but one (the
-    largest), whose feasible set for each outer point is an interval."""
-    last = max(order, key=lambda v: box[v])
-    outer = [v for v in order if v != last]
-    n_outer = math.prod(box[v] for v in outer)
-    if n_outer > _ENUM_LIMIT:
+    """Points of one group of connected constraints.  One or two variables: in closed form.
+    More: by enumerating all variables but one (the largest) with numpy when there are at most
+    ``_ROWS_LIMIT`` such rows, as each row's feasible set is an interval; else all variables but
+    two (the largest), counting each pair in closed form."""
+    if len(order) <= 2:
+        u, w = order[0], order[1] if len(order) == 2 else None
+        return lattice.count_points(_pair(cons, u, w), (0, box[u]), (0, box[w]) if w else (0, 1))
+    by_size = sorted(order, key=lambda v: box[v])
+    if math.prod(box[v] for v in by_size[:-1]) <= _ROWS_LIMIT:
+        return _count_rows(cons, by_size[:-1], by_size[-1], box)
+    outer, (u, w) = by_size[:-2], by_size[-2:]
+    if math.prod(box[v] for v in outer) > _PAIRS_LIMIT:
         raise OverflowError("support too large to count exactly")
+    inner = _pair(cons, u, w)
+    rests = [Affine(tuple((v, k) for v, k in c.expr.terms if v not in (u, w))) for c in cons]
+    total = 0
+    for point in itertools.product(*(range(box[v]) for v in outer)):
+        values = dict(zip(outer, point, strict=True))
+        shifted = [(a, b, c + int(r.evaluate(values)), eq) for (a, b, c, eq), r in zip(inner, rests, strict=True)]
+        total += lattice.count_points(shifted, (0, box[u]), (0, box[w]))
+    return total
+
+
+def _count_rows(cons: tuple[Constraint, ...], outer: list[str], last: str, box: Box) -> int:
+    """Points of a group, row by row: for each point of the ``outer`` variables (with numpy) the
+    feasible values of ``last`` are an interval.  Python ints (numpy objects) where int64 could
+    overflow."""
+    n_outer = math.prod(box[v] for v in outer)
+    rests = [Affine(tuple((w, k) for w, k in c.expr.terms if w != last), c.expr.const) for c in cons]
+    big = max([n_outer * box[last], *(abs(x) for r in rests for x in r.bounds(box))])
+    dtype: type = np.int64 if big < 1 << 61 else object
     values: dict[str, np.ndarray] = {}
-    grids = np.meshgrid(*[np.arange(box[v], dtype=np.int64) for v in outer], indexing="ij") if outer else []
+    grids = np.meshgrid(*[np.arange(box[v], dtype=np.int64) for v in outer], indexing="ij")
     for v, g in zip(outer, grids, strict=True):
-        values[v] = g.ravel()
-    size = n_outer
-    lo = np.zeros(size, dtype=np.int64)
-    hi = np.full(size, box[last] - 1, dtype=np.int64)
-    ok = np.ones(size, dtype=bool)
-    for c in cons:
+        values[v] = g.ravel().astype(dtype)
+    lo: np.ndarray = np.zeros(n_outer, dtype=dtype)
+    hi: np.ndarray = np.full(n_outer, box[last] - 1, dtype=dtype)
+    ok = np.ones(n_outer, dtype=bool)
+    for c, rest in zip(cons, rests, strict=True):
         a = c.expr.coef(last)
-        rest = Affine(tuple((w, k) for w, k in c.expr.terms if w != last), c.expr.const)
-        r = np.broadcast_to(np.asarray(rest.evaluate(values), dtype=np.int64), (size,))
+        r: np.ndarray = np.broadcast_to(np.asarray(rest.evaluate(values), dtype=dtype), (n_outer,))
         if a == 0:
             ok &= (r == 0) if c.eq else (r >= 0)
         elif c.eq:
-            exact = (-r % a) == 0
+            ok &= (-r % a) == 0
             val = -r // a
-            ok &= exact
             lo = np.maximum(lo, val)
             hi = np.minimum(hi, val)
         elif a > 0:  # a*x + r >= 0  =>  x >= ceil(-r / a)
@@ -518,3 +576,33 @@ def _count_group(cons: tuple[Constraint, ...], order: list[str], box: Box) -> in
         else:  # a*x + r >= 0 with a < 0  =>  x <= floor(r / -a)
             hi = np.minimum(hi, r // (-a))
     return int(np.where(ok, np.maximum(hi - lo + 1, 0), 0).sum())
+
+
+def tight_box(
+    cons: Iterable[Constraint], ranges: Mapping[str, tuple[int, int]]
+) -> tuple[dict[str, tuple[int, int]], int] | None:
+    """The points of the ranges (half-open, one per variable, a superset of the constraints'
+    variables) that satisfy every constraint: their bounding box (``{}`` when there are none)
+    and their number.  In closed form; None when a group of connected variables has three or
+    more."""
+    cons = list(cons)
+    if not _constants_hold(cons):
+        return {}, 0
+    groups = _groups(cons)
+    if any(len(vs) > 2 for vs, _ in groups):
+        return None
+    tight = dict(ranges)
+    constrained = {v for vs, _ in groups for v in vs}
+    total = math.prod(hi - lo for v, (lo, hi) in ranges.items() if v not in constrained)
+    for vs, group in groups:
+        u, w = vs[0], vs[1] if len(vs) == 2 else None
+        pair = _pair(group, u, w)
+        w_range = ranges[w] if w else (0, 1)
+        count, box = lattice.count_and_box(pair, ranges[u], w_range)
+        if box is None:
+            return {}, 0
+        total *= count
+        tight[u] = box[0]
+        if w:
+            tight[w] = box[1]
+    return (tight, total) if total else ({}, 0)
