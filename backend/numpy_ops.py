@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -12,7 +12,7 @@ def _erf(a: np.ndarray) -> np.ndarray:
     import torch  # numpy has no erf; torch's matches what GPU backends compute
 
     # ascontiguousarray makes a 0-d array 1-d; reshape so a scalar stays a scalar.
-    return torch.special.erf(torch.from_numpy(np.ascontiguousarray(a))).numpy().reshape(a.shape)
+    return torch.special.erf(torch.from_numpy(np.require(a, requirements=("C", "W")))).numpy().reshape(a.shape)
 
 
 def _sigmoid(a: np.ndarray) -> np.ndarray:
@@ -85,6 +85,14 @@ def apply_op(op: str, args: Sequence[np.ndarray], cdt: np.dtype) -> np.ndarray:
         return np.asarray(_BINARY[op](a, b))
     a, b = a.astype(cdt, copy=False), b.astype(cdt, copy=False)
     return np.asarray(_BINARY[op](a, b))
+
+
+def warm_up(ops: Iterable[str]) -> None:
+    """Apply each of ``ops`` once to a one-element array, so that what an op loads on first use
+    (torch, for erf and gelu: a second or so) is loaded now, and timing a run measures the work."""
+    one = np.ones(1, np.float32)
+    for op in sorted(set(ops) & _UNARY.keys()):
+        _UNARY[op](one)
 
 
 def identity(agg: str, dtype: np.dtype) -> np.generic:

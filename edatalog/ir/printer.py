@@ -54,3 +54,12 @@ def human(n: float) -> str:
             return f"{n:.3g}{unit}"
         n /= 1000
     return f"{n:.3g}E"
+
+
+def binary(nbytes: float) -> str:
+    """``954 GiB``, ``1.5 KiB``, ``12 B``: bytes with a binary prefix, three significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(nbytes) < 1024 or unit == "PiB":
+            return f"{nbytes:.3g} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
