@@ -27,6 +27,7 @@ from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.cost import flops_per_point
 from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.ir.intervals import atoms
 from edatalog.ir.regions import Region
 from edatalog.solver.blocks import tighten
 from edatalog.solver.plan import Plan, Tile
@@ -257,13 +258,15 @@ class _Synthesizer:
             return layout
         hit = self.bounds.get(relation)
         if hit is None or hit[0] is not layout:
-            lo = np.array([[a[0] if len(a) else 1 for a in e.region.axes] for e in layout], dtype=np.int64)
-            hi = np.array([[a[-1] if len(a) else 0 for a in e.region.axes] for e in layout], dtype=np.int64)
+            # Empty pieces get lo > hi on every axis, so they meet nothing.
+            lo = np.array([[b[0] if b[0] < b[1] else 1 for b in e.region.bounds()] for e in layout], dtype=np.int64)
+            hi = np.array([[b[1] if b[0] < b[1] else 0 for b in e.region.bounds()] for e in layout], dtype=np.int64)
             hit = self.bounds[relation] = (layout, lo, hi)
         _, lo, hi = hit
-        nlo = np.array([a[0] for a in need.axes], dtype=np.int64)
-        nhi = np.array([a[-1] for a in need.axes], dtype=np.int64)
-        meets = ((lo <= nhi) & (hi >= nlo)).all(axis=1)
+        box = need.bounds()
+        nlo = np.array([b[0] for b in box], dtype=np.int64)
+        nhi = np.array([b[1] for b in box], dtype=np.int64)
+        meets = ((lo < nhi) & (hi > nlo)).all(axis=1)
         return [layout[k] for k in np.flatnonzero(meets)]
 
     def _source(self, holders: Mapping[int, int], d: int) -> int:
@@ -284,12 +287,12 @@ class _Synthesizer:
         rel = self.graph.relation(relation)
         # One entry per region of each piece of the layout, with every device holding it.  (Pieces
         # of '=' relations can overlap: the same region of two pieces holds different cells.)
-        entries: dict[tuple[int, bytes], Entry] = {}
+        entries: dict[tuple[int, Region], Entry] = {}
         for block in tile.blocks():
             region = Region.of_box(rel.shape, tuple(block.ranges[a] for a in rel.axis_names))
             for d in block.devices:
                 for piece, buf, part in self._pieces(relation, region, d):
-                    entries.setdefault((id(piece), part.key()), Entry(part, {})).holders[d] = buf
+                    entries.setdefault((id(piece), part), Entry(part, {})).holders[d] = buf
         return list(entries.values())
 
     # -- partial results ------------------------------------------------------------------------------
@@ -348,7 +351,7 @@ class _Synthesizer:
         partials of its piece directly and combines them."""
         owners = sorted(sources)
         out = []
-        for owner, piece in zip(owners, _split(region, len(owners), self._reduce_axis(relation)), strict=False):
+        for owner, piece in zip(owners, region.split(len(owners), self._reduce_axis(relation)), strict=False):
             bufs = [sources[owner]]
             for src in owners:
                 if src != owner:
@@ -362,7 +365,7 @@ class _Synthesizer:
         """Reduce inside each node first, then across nodes: only one partial of each piece crosses
         the slow links per node."""
         width = max(len(g) for g in groups)
-        pieces = _split(region, width, self._reduce_axis(relation))
+        pieces = region.split(width, self._reduce_axis(relation))
         out = []
         for k, piece in enumerate(pieces):
             leaders: dict[int, int] = {}  # node-level owner of this piece -> its combined buffer
@@ -393,37 +396,14 @@ class _Synthesizer:
 
 
 def _cell_groups(regions: list[Region]) -> list[tuple[Region, list[int]]]:
-    """Partition the union of ``regions`` into products of per-axis atoms, each with the regions
-    that cover it."""
-    rank = len(regions[0].axes)
-    atoms_per_axis = []
-    for k in range(rank):
-        coords = np.unique(np.concatenate([r.axes[k] for r in regions]))
-        member = np.stack([np.isin(coords, r.axes[k], assume_unique=True) for r in regions])  # regions x coords
-        atoms: dict[bytes, list[int]] = {}
-        for j in range(len(coords)):
-            atoms.setdefault(member[:, j].tobytes(), []).append(j)
-        atoms_per_axis.append([(coords[js], member[:, js[0]]) for js in atoms.values()])
+    """Partition the union of ``regions`` into products of per-axis atoms (coordinates covered by
+    the same regions along that axis), each with the regions that cover it: interval arithmetic,
+    as cheap at any extent."""
     groups = []
-    for combo in itertools.product(*atoms_per_axis):
-        covering = np.ones(len(regions), dtype=bool)
-        for _, m in combo:
-            covering &= m
-        if covering.any():
-            groups.append((Region(tuple(c for c, _ in combo)), [int(i) for i in np.flatnonzero(covering)]))
+    for combo in itertools.product(*(atoms([r.axes[k] for r in regions]) for k in range(len(regions[0].axes)))):
+        covering = set(range(len(regions)))
+        for _, members in combo:
+            covering.intersection_update(members)
+        if covering:
+            groups.append((Region(tuple(a for a, _ in combo)), sorted(covering)))
     return groups
-
-
-def _split(region: Region, parts: int, axis: int | None = None) -> list[Region]:
-    """Up to ``parts`` pieces of ``region``, cut along ``axis`` (default: its longest) as evenly
-    as can be."""
-    if not region.axes:
-        return [region]
-    k = axis if axis is not None else max(range(len(region.axes)), key=lambda j: len(region.axes[j]))
-    coords = region.axes[k]
-    pieces = []
-    for chunk in np.array_split(coords, min(parts, len(coords))):
-        axes = list(region.axes)
-        axes[k] = chunk
-        pieces.append(Region(tuple(axes)))
-    return pieces

@@ -14,11 +14,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from edatalog.backend.exchange import Combine, Compute, Entry, Load, Schedule, Send
+from edatalog.backend.joinagg import evaluate_node
 from edatalog.backend.numpy_ops import identity
-from edatalog.backend.reference import Value, evaluate_node, write_cells
+from edatalog.backend.reference import Value, write_cells
 from edatalog.ir import dtypes
-from edatalog.ir.graph import AGG_NAMES, Access, AxisMap, Index, JoinAgg, Part
+from edatalog.ir.graph import AGG_NAMES, JoinAgg
 from edatalog.ir.regions import Region
+from edatalog.ir.rewrite import restrict
 
 
 class SimError(Exception):
@@ -91,43 +93,20 @@ def _fold(parts: list[_Buffer], agg: str | None, compute: str) -> _Buffer:
     return _Buffer(parts[0].region, acc, None if present.all() else present)
 
 
-def _local_axes(axes: tuple[AxisMap, ...], ranges: Mapping[str, tuple[int, int]]) -> tuple[AxisMap, ...]:
-    """An access seen from inside a block: each part spans its range; fixed parts are size 1."""
-    return tuple(
-        AxisMap(
-            tuple(
-                Part(p.index, None, ranges[p.index][1] - ranges[p.index][0])
-                if p.index is not None
-                else Part(None, 0, 1)
-                for p in ax.parts
-            )
-        )
-        for ax in axes
-    )
-
-
-def _block_node(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> JoinAgg:
-    return dataclasses.replace(
-        node,
-        indices=tuple(Index(i.name, ranges[i.name][1] - ranges[i.name][0], i.symbol) for i in node.indices),
-        inputs=tuple(Access(a.relation, _local_axes(a.axes, ranges)) for a in node.inputs),
-        out_axes=_local_axes(node.out_axes, ranges),
-    )
-
-
 def _compute(node: JoinAgg, task: Compute, store: dict[int, _Buffer], graph_dtype: Mapping[str, str]) -> _Buffer:
-    operands = []
+    block = restrict(node, task.ranges)  # the block as a join-agg of its own, over its parts
+    data, present = [], []
     for acc, parts in zip(node.inputs, task.reads, strict=True):
         need = Region.through(acc.axes, task.ranges)
-        dtype = dtypes.to_numpy(graph_dtype[acc.relation])
-        operands.append(_assemble(need, parts, store, task.device, dtype))
-    block = _block_node(node, task.ranges)
-    value, present, out_vars = evaluate_node(block, operands, {v: lo for v, (lo, _) in task.ranges.items()})
+        operand = _assemble(need, parts, store, task.device, dtypes.to_numpy(graph_dtype[acc.relation]))
+        data.append(operand.data)
+        present.append(operand.present)
+    value, pres, out_vars = evaluate_node(block, data, present)
     cdt = dtypes.to_numpy(dtypes.compute_dtype(node.dtype))
-    data = np.zeros(task.out.shape, dtype=cdt)
+    out = np.zeros(task.out.shape, dtype=cdt)
     cells = np.zeros(task.out.shape, dtype=bool)
-    write_cells(data, cells, block, value, present, out_vars, None)
-    return _Buffer(task.out, data, None if cells.all() else cells)
+    write_cells(out, cells, block, value, pres, out_vars, None)
+    return _Buffer(task.out, out, None if cells.all() else cells)
 
 
 def _assemble(
@@ -139,11 +118,11 @@ def _assemble(
     present = np.zeros(need.shape, dtype=bool)
     for buf_id, part in parts:
         piece = _cut(_get(store, buf_id, device), part)
-        _paste(data, present, np.ix_(*part.positions_in(need)) if need.axes else (), piece)
+        _paste(data, present, part.at(need), piece)
     return Value(data, None if present.all() else present)
 
 
-def _paste(data: np.ndarray, present: np.ndarray, at: tuple[np.ndarray, ...], piece: _Buffer) -> None:
+def _paste(data: np.ndarray, present: np.ndarray, at: tuple[slice | np.ndarray, ...], piece: _Buffer) -> None:
     """Write a piece's present cells at ``at``.  Pieces of a relation with several '=' rules can
     overlap, each present only on its own cells: an absent cell must not hide another's."""
     if piece.present is None:
@@ -159,11 +138,12 @@ def _gather(schedule: Schedule, name: str, entries: list[Entry], stores: list[di
     rel = schedule.graph.relation(name)
     data = np.zeros(rel.shape, dtype=dtypes.to_numpy(rel.dtype))
     present = np.zeros(rel.shape, dtype=bool)
+    whole = Region.whole(rel.shape)
     for e in entries:
         if not e.holders:
             continue
         device, buf_id = next(iter(e.holders.items()))
         piece = _cut(_get(stores[device], buf_id, device), e.region)
-        _paste(data, present, np.ix_(*e.region.axes) if rel.shape else (), piece)
+        _paste(data, present, e.region.at(whole), piece)
     data[~present] = 0
     return Value(data, None if present.all() else present)

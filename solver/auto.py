@@ -39,25 +39,34 @@ from edatalog.solver.topology import Topology
 
 SPACES = ("join", "mesh")
 STEP = 0.002  # each new plan must be this much faster than the last: the optimality tolerance
-NS = 1e9  # the objective is in nanoseconds
-KB = 1024  # memory constraints count kilobytes
+NS = 1e9  # nanoseconds per second: the objective's finest unit
+KB = 1024  # memory constraints count kilobytes at the finest
+PB_RANGE = 1 << 30  # Z3's pseudo-Boolean sums wrap past 2**31: every constraint's weights sum below this
 WINDOW = 6  # nodes freed at a time while improving the incumbent
 WINDOW_SECONDS = 1.0  # the most one neighbourhood may take
 MIX_SECONDS = 2.0  # the most one step of recombining the starting plans may take
 COARSE_SHARE = 0.4  # of the search time left after recombining, spent in the mesh-style picks first
 SHORTLIST = 6  # best starting plans re-checked in the timeline with the solver's best
 
-_Term = tuple[str, int]  # literal, kilobytes
+_Term = tuple[str, int]  # literal, weight (units of time or of memory)
+
+
+PHASES = ("building", "solving", "checking", "refining")  # what a solved plan's time goes to, in order
 
 
 @dataclass(frozen=True)
 class Progress:
-    """What a progress display shows while solving."""
+    """What a progress display shows while planning: the phase (one of :data:`PHASES`; the
+    solver reports building and solving, :func:`edatalog.plan` checking and refining too), the
+    seconds since the start, the solver's best estimate and bound, and once plans are checked in
+    the timeline, the fastest that fits so far."""
 
     elapsed: float
     best_ms: float | None
     bound_ms: float
     plans: int  # improving plans found so far
+    phase: str = "solving"
+    checked_ms: float | None = None  # the fastest plan checked in the timeline that fits
 
 
 @dataclass
@@ -66,7 +75,7 @@ class Solution:
     predicted_ms: float  # the solver's own estimate (steps added up, no overlap)
     lower_bound_ms: float  # no plan in the space is faster than this under the estimate
     optimal: bool  # proved optimal (within STEP)
-    seconds: float  # solve time
+    seconds: float  # solve time: building and searching (every solve's, after memory re-solves)
     memory_estimate: int  # bytes: the most one device holds at any step, under the estimate
     options: dict[str, list[Option]] = field(repr=False, default_factory=dict)
     chosen: dict[str, int] = field(default_factory=dict)  # node -> index into options[node]
@@ -79,6 +88,12 @@ class Solution:
     build_seconds: float = 0.0  # of ``seconds``: costing the candidates and building the model
     infeasible: str = ""  # when no plan fits by the estimate: why (the shortlist is the leanest starts)
     refined: str = ""  # set by the caller when a refinement of the plan was kept ("S balanced, S in 2 chunks")
+    # Set by the caller (edatalog.plan), which checks and refines under the same deadline:
+    check_seconds: float = 0.0  # checking shortlisted plans in the timeline
+    refine_seconds: float = 0.0  # checking refinements in the timeline
+    total_seconds: float = 0.0  # the whole call: solves, checks, refinements
+    unchecked: int = 0  # shortlisted plans the deadline left unchecked
+    solves: int = 1  # solves run (more than one after memory re-solves)
 
     @property
     def gap(self) -> float:
@@ -103,6 +118,8 @@ def solve(
     start = time.monotonic()
     n = topo.n
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
+    if on_progress is not None:
+        on_progress(Progress(0.0, None, 0.0, 0, "building"))
     setup = _Setup(graph, topo, limit, space)
     model, options, baselines, starts = setup.model, setup.options, setup.baselines, setup.starts
     fitting = sorted((c for c in starts if model.memory(c) <= limit), key=model.cost)
@@ -138,8 +155,8 @@ def solve(
     cost = model.cost(best)
     return Solution(
         plan,
-        cost / NS * 1e3,
-        min(bound, cost) / NS * 1e3,
+        model.ms(cost),
+        model.ms(min(bound, cost)),
         optimal,
         time.monotonic() - start,
         model.memory(best),
@@ -219,13 +236,18 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
 
 class Model:
     """The pseudo-Boolean encoding of one solve, written as SMT-LIB for its own Z3 context (far
-    faster than building thousands of terms through the Python API)."""
+    faster than building thousands of terms through the Python API).
+
+    Weights are integers in units chosen per model: nanoseconds and kilobytes for small
+    programs, coarser where the weights of one constraint would sum past :data:`PB_RANGE` (Z3's
+    pseudo-Boolean sums wrap around at 2**31, and a sequence of 10**9 tokens costs seconds and
+    terabytes).  Relative precision is then what it is at any size, and the search as fast."""
 
     def __init__(self, graph: Graph, costs: Costs, options: dict[str, list[Option]], memory: int) -> None:
         self.graph, self.costs, self.options, self.memory_limit = graph, costs, options, memory
         self.x = {name: [f"x{k}_{i}" for i in range(len(opts))] for k, (name, opts) in enumerate(options.items())}
         self.names: list[str] = [v for xs in self.x.values() for v in xs]
-        self.terms: list[tuple[str, int]] = []  # objective: (literal, nanoseconds)
+        self.terms: list[tuple[str, int]] = []  # objective: (literal, weight in units of ``unit_ns``)
         self.asserts: list[str] = []
         self.held: dict[str, dict[Held, str]] = {}
         self.need: dict[str, dict[Need, str]] = {}
@@ -237,6 +259,8 @@ class Model:
         self.implied: dict[str, list[str]] = {v: [v] for v in self.names}
         self.always: list[str] = []  # the outputs' final placements
         self.pairs: dict[str, list[tuple[str, int]]] = {}
+        self.unit_ns = 1.0  # nanoseconds per unit of the objective (set by _encode)
+        self.unit_bytes = KB  # bytes per unit of the memory constraints (set by _memory)
         self._encode()
         self.decls = "".join(f"(declare-const {v} Bool)" for v in self.names)
         self.objective = (" ".join(str(ns) for _, ns in self.terms), " ".join(v for v, _ in self.terms))
@@ -257,10 +281,11 @@ class Model:
 
     def _encode(self) -> None:
         g = self.graph
+        seconds: list[tuple[str, float]] = []  # the objective's terms, before choosing its unit
         for name, opts in self.options.items():
             xs = self.x[name]
             self.asserts.append(f"((_ pbeq 1 {' '.join('1' for _ in xs)}) {' '.join(xs)})")
-            self.terms.extend((v, math.ceil((o.compute + o.reduce) * NS)) for v, o in zip(xs, opts, strict=True))
+            seconds.extend((v, o.compute + o.reduce) for v, o in zip(xs, opts, strict=True))
         self._tie_producers()
         for rel in g.relations:
             if rel.kind == "derived":
@@ -281,18 +306,31 @@ class Model:
             self.asserts.append(lit)
             self.always.append(lit)
         # Transfers: a (layout, need) pair that both hold costs its transfer.
+        pairs: list[tuple[str, str, str, float]] = []  # layout class, need class, literal, seconds
         for rel_name, helds in self.held.items():
             needs = list(self.need.get(rel_name, {}).items())
             for held, h in helds.items():
-                seconds = self.costs.transfers(rel_name, held, [need for need, _ in needs])
-                for (_, lit), sec in zip(needs, seconds, strict=True):
-                    ns = math.ceil(sec * NS)
-                    if ns:
+                times = self.costs.transfers(rel_name, held, [need for need, _ in needs])
+                for (_, lit), sec in zip(needs, times, strict=True):
+                    if sec > 0:
                         y = self._fresh("y")
                         self.asserts.append(f"(or (not {h}) (not {lit}) {y})")
-                        self.terms.append((y, ns))
-                        self.pairs.setdefault(h, []).append((lit, ns))
+                        pairs.append((h, lit, y, sec))
+        total = sum(math.ceil(sec * NS) for _, sec in seconds) + sum(math.ceil(sec * NS) for *_, sec in pairs)
+        self.unit_ns = max(1.0, total / PB_RANGE)
+        self.terms = [(v, self._weight(sec)) for v, sec in seconds]
+        for h, lit, y, sec in pairs:
+            self.terms.append((y, self._weight(sec)))
+            self.pairs.setdefault(h, []).append((lit, self._weight(sec)))
         self._memory()
+
+    def _weight(self, seconds: float) -> int:
+        """A time in the objective's units, rounded up."""
+        return math.ceil(seconds * NS / self.unit_ns)
+
+    def ms(self, weight: float) -> float:
+        """Objective units in milliseconds."""
+        return weight * self.unit_ns / NS * 1e3
 
     def held_of(self, relation: str, k: int) -> Held:
         """The layout of a relation when its (first) producer picks candidate ``k``: tied
@@ -327,7 +365,8 @@ class Model:
                     )
 
     def _memory(self) -> None:
-        """At every step (node order), resident inputs and params plus the live relations fit."""
+        """At every step (node order), resident inputs and params plus the live relations fit.
+        Terms are bytes until the unit is known: the finest that keeps every step's sum in range."""
         g = self.graph
         order = {node.name: k for k, node in enumerate(g.nodes)}
         resident: list[_Term] = []
@@ -335,7 +374,7 @@ class Model:
             if rel.kind != "derived":
                 item = self.costs.itemsize(rel.name)
                 for need, lit in self.need.get(rel.name, {}).items():
-                    resident.append((lit, math.ceil(need_bytes(need, item) / KB)))
+                    resident.append((lit, need_bytes(need, item)))
         last = {rel.name: -1 for rel in g.relations}
         for node in g.nodes:
             for acc in node.inputs:
@@ -348,16 +387,18 @@ class Model:
                 born = min(order[p.name] for p in g.producers(rel_name))
                 if born < t <= last[rel_name]:
                     item = self.costs.itemsize(rel_name)
-                    live.extend((lit, math.ceil(held_bytes(held, item) / KB)) for held, lit in helds.items())
+                    live.extend((lit, held_bytes(held, item)) for held, lit in helds.items())
             for v, o in zip(self.x[node.name], self.options[node.name], strict=True):
                 received = sum(b for r, b in o.in_bytes.items() if g.relation(r).kind == "derived")
-                live.append((v, math.ceil((o.out_bytes + received) / KB)))
+                live.append((v, o.out_bytes + received))
             self.step_terms.append(live)
-        cap = self.memory_limit // KB
+        most = max((sum(b for _, b in live) for live in self.step_terms), default=0)
+        self.unit_bytes = max(KB, math.ceil(most / PB_RANGE))
+        self.step_terms = [[(v, -(-b // self.unit_bytes)) for v, b in live] for live in self.step_terms]
         for live in self.step_terms:
-            self.asserts.append(
-                f"((_ pble {cap} {' '.join(str(kb) for _, kb in live)}) {' '.join(v for v, _ in live)})"
-            )
+            # A cap above every term's sum holds anyway; clamped, it stays in Z3's range.
+            cap = min(self.memory_limit // self.unit_bytes, sum(w for _, w in live))
+            self.asserts.append(f"((_ pble {cap} {' '.join(str(w) for _, w in live)}) {' '.join(v for v, _ in live)})")
 
     # -- search ---------------------------------------------------------------------------------------
 
@@ -411,8 +452,8 @@ class Model:
                 cap = max(0, int(best_cost * (1 - STEP)) - 1)
                 s.from_string(f"(assert ((_ pble {cap} {weights}) {lits}))")
             if on_progress is not None:
-                best_ms = best_cost / NS * 1e3 if best_cost is not None else None
-                on_progress(Progress(time.monotonic() - start, best_ms, bound / NS * 1e3, found))
+                best_ms = self.ms(best_cost) if best_cost is not None else None
+                on_progress(Progress(time.monotonic() - start, best_ms, self.ms(bound), found))
             # Keep a little of the budget for turning the answer into a plan.
             left = time_limit * 0.9 - 0.5 - (time.monotonic() - start)
             if left <= 0:
@@ -468,7 +509,7 @@ class Model:
 
     def _floor(self) -> float:
         """A lower bound: every node at its cheapest candidate, no transfers."""
-        return float(sum(min(math.ceil((o.compute + o.reduce) * NS) for o in opts) for opts in self.options.values()))
+        return float(sum(min(self._weight(o.compute + o.reduce) for o in opts) for opts in self.options.values()))
 
     def _true(self, choice: dict[str, int]) -> set[str]:
         """The literals a choice makes true: its picks, their needs and layouts."""
@@ -478,15 +519,16 @@ class Model:
         return out
 
     def cost(self, choice: dict[str, int]) -> int:
-        """The objective of a choice, in nanoseconds, computed directly (not by Z3)."""
-        total = sum(math.ceil((self.options[n][i].compute + self.options[n][i].reduce) * NS) for n, i in choice.items())
+        """The objective of a choice, in its units (:meth:`ms`), computed directly (not by Z3)."""
+        total = sum(self._weight(self.options[n][i].compute + self.options[n][i].reduce) for n, i in choice.items())
         true = self._true(choice)
         return total + sum(ns for h in true if h in self.pairs for lit, ns in self.pairs[h] if lit in true)
 
     def memory(self, choice: dict[str, int]) -> int:
         """The estimated peak bytes of one device under a choice."""
         true = self._true(choice)
-        return max((sum(kb for lit, kb in live if lit in true) for live in self.step_terms), default=0) * KB
+        most = max((sum(w for lit, w in live if lit in true) for live in self.step_terms), default=0)
+        return most * self.unit_bytes
 
 
 def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:

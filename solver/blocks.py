@@ -7,8 +7,9 @@ canonical rule for every node: the split indices, ordered by their dim's place i
 lives on devices ``L*r .. L*r + r-1``.  Two nodes that split the same dims the same way therefore
 put matching blocks on the same device, which is what makes Megatron-style chains free of traffic.
 
-Coordinates are kept as sorted disjoint intervals (:data:`Ivs`), exact for composite accesses
-such as ``wq[(g, r, e), d]``, and cheap to intersect while costing thousands of candidate pairs.
+Coordinates are kept as sorted disjoint intervals (:mod:`edatalog.ir.intervals`), exact for
+composite accesses such as ``wq[(g, r, e), d]``, cheap to intersect while costing thousands of
+candidate pairs, and as cheap at any extent.
 """
 
 from __future__ import annotations
@@ -22,98 +23,15 @@ from functools import cached_property
 
 import numpy as np
 
-from edatalog.ir.affine import Affine, Constraint
-from edatalog.ir.graph import AxisMap, Graph, JoinAgg
+from edatalog.ir.affine import Affine, Constraint, Guard, tight_box
+from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.ir.intervals import Box as Box  # re-exported, as the names below: the interval
+from edatalog.ir.intervals import box_hull as box_hull  # arithmetic of blocks lives with regions,
+from edatalog.ir.intervals import box_meet as box_meet  # one copy for the solver and the backend
+from edatalog.ir.intervals import box_size as box_size
+from edatalog.ir.intervals import split_longest as split_longest
+from edatalog.ir.regions import through as through
 from edatalog.solver.plan import Split, Tile
-
-Ivs = tuple[tuple[int, int], ...]  # sorted, disjoint, non-adjacent [lo, hi) intervals
-Box = tuple[Ivs, ...]  # one interval set per axis of a relation
-
-
-def ivs_size(a: Ivs) -> int:
-    return sum(hi - lo for lo, hi in a)
-
-
-def ivs_meet(a: Ivs, b: Ivs) -> int:
-    """The number of coordinates in both."""
-    i = j = total = 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if lo < hi:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def box_size(box: Box) -> int:
-    return math.prod(ivs_size(a) for a in box)
-
-
-def box_meet(a: Box, b: Box) -> int:
-    out = 1
-    for x, y in zip(a, b, strict=True):
-        out *= ivs_meet(x, y)
-        if out == 0:
-            return 0
-    return out
-
-
-def box_hull(a: Box, b: Box) -> Box:
-    """The union of two boxes' coordinates, axis by axis (exact when they differ on one axis)."""
-    return tuple(_merge([*x, *y]) for x, y in zip(a, b, strict=True))
-
-
-def _merge(ivs: list[tuple[int, int]]) -> Ivs:
-    ivs.sort()
-    out: list[tuple[int, int]] = []
-    for lo, hi in ivs:
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return tuple(out)
-
-
-def through(axes: tuple[AxisMap, ...], ranges: Mapping[str, tuple[int, int]]) -> Box:
-    """The coordinates an access reaches, as intervals per axis, when its indices run over
-    ``ranges`` (the interval twin of :meth:`Region.through`)."""
-    out = []
-    for ax in axes:
-        inner: Ivs = ((0, 1),)
-        stride = 1
-        for p in reversed(ax.parts):
-            lo, hi = ranges[p.index] if p.index is not None else (p.const or 0, (p.const or 0) + 1)
-            if inner == ((0, stride),):  # the inner parts cover their whole span: one interval
-                inner = ((lo * stride, hi * stride),)
-            else:
-                inner = _merge([(v * stride + a, v * stride + b) for v in range(lo, hi) for a, b in inner])
-            stride *= p.extent
-        out.append(inner)
-    return tuple(out)
-
-
-def split_longest(box: Box, parts: int, axis: int | None = None) -> list[Box]:
-    """``parts`` pieces of a box cut along ``axis`` (default: its longest) as
-    :func:`numpy.array_split` cuts (the way the backend's reduce-scatter divides a reduced block
-    among its owners)."""
-    if not box:
-        return [box]
-    k = axis if axis is not None else max(range(len(box)), key=lambda j: ivs_size(box[j]))
-    coords = np.concatenate([np.arange(lo, hi) for lo, hi in box[k]]) if box[k] else np.zeros(0, dtype=np.int64)
-    pieces = []
-    for chunk in np.array_split(coords, min(parts, max(1, len(coords)))):
-        if not len(chunk):
-            continue
-        breaks = np.flatnonzero(np.diff(chunk) != 1)
-        starts = np.concatenate(([0], breaks + 1))
-        ends = np.concatenate((breaks, [len(chunk) - 1]))
-        ivs = tuple((int(chunk[s]), int(chunk[e]) + 1) for s, e in zip(starts, ends, strict=True))
-        pieces.append((*box[:k], ivs, *box[k + 1 :]))
-    return pieces
-
 
 # -- candidates -------------------------------------------------------------------------------------
 
@@ -297,11 +215,20 @@ class Layout:
 # (id of the guard, its variables' ranges) -> (the guard, tightened ranges, points); the guard is
 # kept so that an id reused after it is gone never matches.
 _TIGHTEN_CACHE: dict[tuple[object, ...], tuple[object, dict[str, tuple[int, int]], int]] = {}
+_MASK_LIMIT = 1 << 22  # guards outside the closed forms are tightened point by point in blocks this small
 
 
 def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[str, tuple[int, int]], int]:
-    """A block's ranges shrunk to where the node's guard has points, and the number of points.
-    Exact: the backend computes and skips blocks by it, the solver prices them by it."""
+    """A block's ranges shrunk to the bounding box of the points of the node's guard inside it,
+    and the number of those points.  The backend computes and skips blocks by it, the solver
+    prices them by it.
+
+    Exact, in time independent of the extents, when each conjunction's groups of connected
+    variables have at most two (causal ``t <= s``, bands, ``0 <= l + k <= T - 1``...): see
+    :func:`edatalog.ir.affine.tight_box`; a union takes the hull of its pieces' boxes.  Otherwise
+    exact when the block's guard variables span at most ``_MASK_LIMIT`` points (it looks at each);
+    beyond that the ranges stay as they are and the points are :meth:`Guard.count_bound`'s, an
+    upper bound where that cannot count exactly (a block it calls empty is empty)."""
     dense = math.prod(hi - lo for lo, hi in ranges.values())
     guard = node.guard
     if guard.is_true:
@@ -310,20 +237,8 @@ def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[
     key = (id(guard), tuple(ranges[v] for v in gvars))
     cached = _TIGHTEN_CACHE.get(key)
     hit = cached[1:] if cached is not None and cached[0] is guard else None
-    if hit is None and len(guard.conjs) == 1 and 1 <= len(gvars) <= 2:
-        hit = _tighten_conj(guard.conjs[0].constraints, gvars, ranges)
-        _TIGHTEN_CACHE[key] = (guard, *hit)
-    if hit is None:  # any other guard: look at every point of the block's guard variables
-        shift = {v: Affine.var(v) + ranges[v][0] for v in gvars}
-        box = {v: ranges[v][1] - ranges[v][0] for v in gvars}
-        mask = np.broadcast_to(guard.substitute(shift).mask(gvars, box), tuple(box[v] for v in gvars))
-        inside = int(np.count_nonzero(mask))
-        tight: dict[str, tuple[int, int]] = {}
-        if inside:
-            for k, v in enumerate(gvars):
-                idx = np.flatnonzero(mask.any(axis=tuple(j for j in range(len(gvars)) if j != k)))
-                tight[v] = (ranges[v][0] + int(idx[0]), ranges[v][0] + int(idx[-1]) + 1)
-        hit = (tight, inside)
+    if hit is None:
+        hit = _tighten_guard(guard, gvars, ranges)
         if len(_TIGHTEN_CACHE) > 100_000:
             _TIGHTEN_CACHE.clear()
         _TIGHTEN_CACHE[key] = (guard, *hit)
@@ -332,36 +247,38 @@ def tighten(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> tuple[dict[
     return {**ranges, **tight}, inside * others
 
 
+def _tighten_guard(
+    guard: Guard, gvars: list[str], ranges: Mapping[str, tuple[int, int]]
+) -> tuple[dict[str, tuple[int, int]], int]:
+    """:func:`tighten` over the guard's variables alone."""
+    found = [_tighten_conj(conj.constraints, gvars, ranges) for conj in guard.conjs]
+    closed = [f for f in found if f is not None]
+    if len(closed) == len(found):
+        boxes = [tight for tight, points in closed if points]
+        if len(closed) == 1 or not boxes:
+            return closed[0] if boxes else ({}, 0)
+        hull = {v: (min(b[v][0] for b in boxes), max(b[v][1] for b in boxes)) for v in gvars}
+        # Count the union (its pieces may overlap) over the hull, by inclusion-exclusion.
+        at_hull = {v: Affine.var(v) + hull[v][0] for v in gvars}
+        points, _ = guard.substitute(at_hull).count_bound({v: hull[v][1] - hull[v][0] for v in gvars})
+        return hull, points
+    shift = {v: Affine.var(v) + ranges[v][0] for v in gvars}
+    box = {v: ranges[v][1] - ranges[v][0] for v in gvars}
+    if math.prod(box.values()) > _MASK_LIMIT:  # too big to look at: no tightening, an upper bound
+        return {}, guard.substitute(shift).count_bound(box)[0]
+    mask = np.broadcast_to(guard.substitute(shift).mask(gvars, box), tuple(box[v] for v in gvars))
+    inside = int(np.count_nonzero(mask))
+    tight: dict[str, tuple[int, int]] = {}
+    if inside:
+        for k, v in enumerate(gvars):
+            idx = np.flatnonzero(mask.any(axis=tuple(j for j in range(len(gvars)) if j != k)))
+            tight[v] = (ranges[v][0] + int(idx[0]), ranges[v][0] + int(idx[-1]) + 1)
+    return tight, inside
+
+
 def _tighten_conj(
     constraints: tuple[Constraint, ...], gvars: list[str], ranges: Mapping[str, tuple[int, int]]
-) -> tuple[dict[str, tuple[int, int]], int]:
-    """:func:`tighten` for one conjunction over at most two variables, row by row: for each
-    value of the first variable, the constraints bound the second to an interval."""
-    u = gvars[0]
-    w = gvars[1] if len(gvars) > 1 else None
-    us = np.arange(*ranges[u], dtype=np.int64)
-    ok = np.ones(len(us), dtype=bool)
-    lo = np.full(len(us), ranges[w][0] if w else 0, dtype=np.int64)
-    hi = np.full(len(us), ranges[w][1] if w else 1, dtype=np.int64)  # exclusive
-    for c in constraints:
-        a, b, k = c.expr.coef(u), c.expr.coef(w) if w else 0, c.expr.const
-        rest = a * us + k  # the constraint is rest + b*w >= 0 (or == 0)
-        if b == 0:
-            ok &= rest == 0 if c.eq else rest >= 0
-        elif c.eq:
-            exact = (-rest) % b == 0
-            ok &= exact
-            val = np.where(exact, -rest // b, 0)
-            lo, hi = np.maximum(lo, val), np.minimum(hi, val + 1)
-        elif b > 0:
-            lo = np.maximum(lo, -(rest // b))  # w >= ceil(-rest / b)
-        else:
-            hi = np.minimum(hi, rest // -b + 1)  # w <= floor(rest / -b)
-    width = np.where(ok, np.maximum(hi - lo, 0), 0)
-    rows = np.flatnonzero(width)
-    if not len(rows):
-        return {}, 0
-    tight = {u: (int(us[rows[0]]), int(us[rows[-1]]) + 1)}
-    if w is not None:
-        tight[w] = (int(lo[rows].min()), int(hi[rows].max()))
-    return tight, int(width.sum())
+) -> tuple[dict[str, tuple[int, int]], int] | None:
+    """:func:`tighten` for one conjunction over the variables ``gvars`` in closed form, or None
+    when a group of its connected variables has three or more."""
+    return tight_box(constraints, {v: ranges[v] for v in gvars})

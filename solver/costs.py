@@ -126,7 +126,7 @@ class Costs:
         if names is None or names[0] is not axes:
             names = self._indices[id(axes)] = (
                 axes,
-                tuple(dict.fromkeys(p.index for ax in axes for p in ax.parts if p.index is not None)),
+                tuple(dict.fromkeys(i for ax in axes for i in ax.indices)),
             )
         key = (id(axes), *(ranges[i] for i in names[1]))
         hit = self._reached.get(key)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import random as _random
 from collections.abc import Mapping
 
-import numpy as np
-
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
 from edatalog.ir.regions import Region
@@ -188,11 +186,7 @@ def place_by_consumers(graph: Graph, tiles: Mapping[str, Tile], relation: str, n
     for k, extent in enumerate(rel.shape):
         bounds = {0, extent}
         for region, _ in needs:
-            coords = region.axes[k]
-            if len(coords):
-                breaks = np.flatnonzero(np.diff(coords) != 1)
-                bounds.update(int(c) for c in coords[np.concatenate(([0], breaks + 1))])
-                bounds.update(int(c) + 1 for c in coords[np.concatenate((breaks, [len(coords) - 1]))])
+            bounds.update(c for run in region.axes[k] for c in run)
         cuts.append(Split(rel.axis_names[k], tuple(sorted(bounds))))
     tile = Tile(tuple(cuts), ())
     devices = []

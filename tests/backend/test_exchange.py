@@ -14,6 +14,9 @@ import edatalog
 from edatalog.backend import sim
 from edatalog.backend.exchange import Send, synthesize
 from edatalog.backend.timeline import analyze, chrome_trace
+from edatalog.solver.blocks import Layout
+from edatalog.solver.costmodel import transfer_seconds
+from edatalog.solver.costs import Costs
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.strategies import build, place_by_consumers
 from edatalog.solver.topology import preset
@@ -234,3 +237,118 @@ def test_plan_json_keeps_the_reduce_axis() -> None:
     bad["nodes"][[p["node"] for p in bad["nodes"]].index("attn")]["reduce_axis"] = 7
     with pytest.raises(edatalog.EdlError, match="reduce axis 7"):
         Plan.from_json(json.dumps(bad), prog.graph)
+
+
+# -- halos of index expressions -----------------------------------------------------------------------
+
+CONV = """\
+dim B = 2, C = 3, O = 2, L = {L}, K = {K}, T = {T}.
+input x[B, C, T] : f64.
+param w[O, C, K] : f64.
+output conv.
+conv[b, o, l:L] += x[b, c, l + k] * w[o, c, k].
+"""
+
+SHIFT = """\
+dim B = 2, T = {T}.
+input x[B, T] : f64.
+output prev.
+prev[b, t:T] = x[b, t - 1].
+"""
+
+
+def _split_along(prog: edatalog.Program, index: str, n: int, axis: int) -> Plan:
+    """Every rule's ``index`` split evenly over ``n`` devices (block k on device k), and the input
+    ``x`` cut the same way along its ``axis`` (its last piece reaching to the end), each piece on
+    its block's device: what a block reads beyond its own piece is the halo, sent by a neighbour.
+    Params are replicated."""
+    g = prog.graph
+    nodes = []
+    for node in g.nodes:
+        splits = tuple(Split.even(i.name, i.extent, n if i.name == index else 1) for i in node.indices)
+        nodes.append(NodePlan(node.name, Tile(splits, tuple((k,) for k in range(n)))))
+    own = Split.even(index, g.nodes[0].box[index], n)
+    inputs = []
+    for r in g.relations:
+        if r.kind == "input":
+            cuts = (*own.cuts[:-1], r.shape[axis])
+            splits = tuple(Split(a, cuts if k == axis else (0, e)) for k, (a, e) in enumerate(r.box.items()))
+            inputs.append(Placement(r.name, Tile(splits, tuple((k,) for k in range(n)))))
+        elif r.kind == "param":
+            inputs.append(Placement(r.name, Tile.whole(r.box, range(n))))
+    return Plan(g.fingerprint(), n, f"a100x{n}", "test", tuple(nodes), tuple(inputs))
+
+
+def _check_sends(prog: edatalog.Program, plan: Plan, n: int, halo: dict[int, tuple[int, int]], axis: int) -> int:
+    """Every send is of ``x`` to a device in ``halo`` (device -> the places along ``axis`` it lacks),
+    exactly those places and the whole of the other axes, and the simulator's result (values and
+    which cells exist) equals the reference evaluator's.  The bytes moved, for the caller to check
+    against its formula."""
+    topo = preset(f"a100x{n}")
+    schedule = synthesize(prog.graph, plan, topo)
+    sends = [t for t in schedule.tasks if isinstance(t, Send)]
+    assert sorted(t.dst for t in sends) == sorted(halo)
+    shape = prog.graph.relation("x").shape
+    for t in sends:
+        assert t.relation == "x" and t.device != t.dst
+        want = tuple(((halo[t.dst]),) if k == axis else ((0, e),) for k, e in enumerate(shape))
+        assert t.region.axes == want, (t.dst, t.region)
+    values = prog.prepare(prog.random_inputs(seed=n))
+    expected = prog.evaluate(values)
+    got = sim.run(schedule, values)
+    for name in prog.outputs:
+        np.testing.assert_allclose(got[name].data, expected[name].data, rtol=1e-12, atol=1e-12)
+        mine, theirs = got[name].present, expected[name].present
+        assert (mine is None) == (theirs is None)
+        if mine is not None and theirs is not None:
+            assert np.array_equal(mine, theirs)
+    return analyze(schedule).bytes_moved
+
+
+@pytest.mark.parametrize(("n", "length", "width"), [(2, 10, 3), (3, 10, 3), (4, 12, 2), (4, 16, 5)])
+def test_a_convolution_split_along_l_receives_exactly_its_halo(n: int, length: int, width: int) -> None:
+    """``conv[b, o, l] += x[b, c, l + k] * w[o, c, k]``: the block of ``l`` in ``lo .. hi - 1``
+    reads ``x`` at ``lo .. hi + K - 2``.  With ``x`` cut like ``l``, every device but the last
+    lacks the first ``K - 1`` places of the next device's piece and receives exactly those."""
+    prog = edatalog.compile_string(CONV.format(L=length, K=width, T=length + width - 1))
+    plan = _split_along(prog, "l", n, axis=2)
+    ranges = Split.even("l", length, n).ranges
+    assert all(hi - lo >= width - 1 for lo, hi in ranges)  # each halo lies in the next piece alone
+    halo = {d: (hi, hi + width - 1) for d, (_, hi) in enumerate(ranges[:-1])}
+    moved = _check_sends(prog, plan, n, halo, axis=2)
+    # (N - 1) halos of B * C * (K - 1) cells of 8 bytes: with B = 2, C = 3.
+    assert moved == (n - 1) * 2 * 3 * (width - 1) * 8
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_shifted_access_split_along_t_receives_one_place_from_the_left(n: int) -> None:
+    """``prev[b, t] = x[b, t - 1]``: the block of ``t`` in ``lo .. hi - 1`` reads ``x`` at
+    ``lo - 1 .. hi - 2``, so every device but the first receives the last place of the previous
+    device's piece, and nothing else moves; ``prev[b, 0]`` reads nothing and does not exist."""
+    t = 11
+    prog = edatalog.compile_string(SHIFT.format(T=t))
+    plan = _split_along(prog, "t", n, axis=1)
+    ranges = Split.even("t", t, n).ranges
+    halo = {d: (lo - 1, lo) for d, (lo, _) in enumerate(ranges) if d > 0}
+    moved = _check_sends(prog, plan, n, halo, axis=1)
+    assert moved == (n - 1) * 2 * 1 * 8  # (N - 1) places of B = 2 rows, 8 bytes each
+
+
+def test_the_solver_prices_the_halo_it_sends() -> None:
+    """The solver's estimate of bringing ``x`` to a convolution split along ``l`` is one halo per
+    device on the busiest port: what exchange synthesis sends (the same :func:`through`)."""
+    n, length, width = 4, 12, 3
+    prog = edatalog.compile_string(CONV.format(L=length, K=width, T=length + width - 1))
+    plan = _split_along(prog, "l", n, axis=2)
+    topo = preset(f"a100x{n}")
+    node = prog.graph.nodes[0]
+    costs = Costs(prog.graph, topo)
+    option = costs.option(node, Layout.of_tile(node, plan.node(node.name).tile))
+    ((_, need),) = [(a, need) for a, need in option.needs if a.relation == "x"]
+    ranges = Split.even("l", length, n).ranges
+    assert [box[2] for _, box in need] == [((lo, min(hi + width - 1, length + width - 1)),) for lo, hi in ranges]
+    x = next(p for p in plan.inputs if p.relation == "x").tile
+    along = prog.graph.relation("x").axis_names[2]
+    held = tuple((block.devices[0], ((((0, 2),), ((0, 3),), (block.ranges[along],)),)) for block in x.blocks())
+    halo_bytes = 2 * 3 * (width - 1) * 8
+    assert costs.transfer("x", held, need) == pytest.approx(transfer_seconds(halo_bytes, topo.link(0, 1)))

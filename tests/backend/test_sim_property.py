@@ -127,14 +127,11 @@ def _reads(t: Task) -> list[tuple[int, Region | None]]:
 
 def _cells(mask: np.ndarray, region: Region) -> np.ndarray:
     """The cells of ``region`` in a mask over a whole relation, as a new array."""
-    return mask[np.ix_(*region.axes)] if region.axes else mask[()].copy()
+    return Region.whole(mask.shape).cut(mask, region)
 
 
 def _mark(mask: np.ndarray, region: Region) -> None:
-    if region.axes:
-        mask[np.ix_(*region.axes)] = True
-    else:
-        mask[()] = True
+    mask[region.at(Region.whole(mask.shape))] = True
 
 
 def _check_schedule(s: Schedule) -> None:

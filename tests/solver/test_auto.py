@@ -92,7 +92,7 @@ def _assert_runs_exactly(prog: edatalog.Program, plan: edatalog.Plan, seed: int 
     want = prog.evaluate(values)
     got = plan.execute(values)
     for name in prog.outputs:
-        np.testing.assert_allclose(got[name].data, want[name].data, rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(got[name], want[name].data, rtol=RTOL, atol=ATOL, err_msg=name)
 
 
 def _assert_sane_solution(sol: auto.Solution | None) -> auto.Solution:
@@ -178,7 +178,7 @@ def test_random_programs_solved_plans_equal_the_reference(
     want = prog.evaluate(values)
     got = plan.execute(values)
     for out in prog.outputs:
-        np.testing.assert_allclose(got[out].data, want[out].data, rtol=RTOL, atol=ATOL, err_msg=out)
+        np.testing.assert_allclose(got[out], want[out].data, rtol=RTOL, atol=ATOL, err_msg=out)
 
 
 # -- c. memory ---------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def _assert_same_results(prog: edatalog.Program, plan: Plan, inputs: dict[str, n
     want = prog.evaluate(values)
     got = plan.execute(values)
     for name in prog.outputs:
-        np.testing.assert_allclose(got[name].data, want[name].data, rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(got[name], want[name].data, rtol=RTOL, atol=ATOL, err_msg=name)
 
 
 @_SETTINGS
