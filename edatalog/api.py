@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from edatalog.backend import memory
 from edatalog.backend.reference import Value, evaluate
 from edatalog.errors import Diagnostic, EdlError, EdlWarning, Note, Span, did_you_mean
 from edatalog.ir import dtypes
@@ -34,6 +35,9 @@ class Program:
         self._decl_spans: dict[str, Span] = {
             s.name: s.name_span for s in program.statements if isinstance(s, ast.RelationDecl)
         }
+        # Source locations by the text the IR keeps (``Relation.origin``, ``JoinAgg.origin``).
+        self._spans: dict[str, Span] = {str(s.span): s.span for s in program.statements if isinstance(s, ast.Rule)}
+        self._spans |= {str(span): span for span in self._decl_spans.values()}
 
     @property
     def name(self) -> str:
@@ -65,7 +69,10 @@ class Program:
     # -- running ------------------------------------------------------------------------------
 
     def prepare(self, values: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Check names, shapes and dtypes of the given inputs; convert them to the declared dtypes."""
+        """Check names, shapes and dtypes of the given inputs; convert them to the declared dtypes.
+        Values may be numpy arrays, nested lists, numbers or torch tensors (of any device, with or
+        without ``requires_grad``; converted exactly, bf16 included)."""
+        _check_mapping(values)
         expected = {r.name: r for r in self.arguments}
         for name in values:
             if name not in expected:
@@ -85,31 +92,56 @@ class Program:
             out[name] = _convert(values[name], rel, span)
         return out
 
-    def evaluate(self, values: Mapping[str, Any], on_node: Callable[[JoinAgg], None] | None = None) -> dict[str, Value]:
-        """Every relation's cells and presence masks, by the reference evaluator.
-        ``on_node(node)`` is called as each rule finishes, for progress displays."""
-        return evaluate(self.graph, self.prepare(values), on_node)
+    def evaluate(
+        self,
+        values: Mapping[str, Any],
+        on_node: Callable[[JoinAgg], None] | None = None,
+        keep: Collection[str] | None = None,
+    ) -> dict[str, Value]:
+        """Every relation (inputs, params and intermediates too; or only those in ``keep``, the
+        others freed as soon as no rule needs them) as a :class:`Value`: its cells (0 where
+        absent) and its presence mask, by the reference evaluator.  This is the detailed API,
+        for inspecting a program; :meth:`run` (like :meth:`Plan.execute`) returns only the
+        outputs, as plain arrays.  ``on_node(node)`` is called as each rule finishes, for progress
+        displays."""
+        prepared = self.prepare(values)
+        memory.check(memory.evaluation_steps(self.graph, keep), spans=self._spans)
+        return evaluate(self.graph, prepared, on_node, keep)
+
+    def check_memory(self, *, draw_inputs: bool = False, keep_all: bool = False) -> None:
+        """Raise an :class:`EdlError` if running the program (after drawing random inputs, with
+        ``draw_inputs``; keeping every relation, with ``keep_all``, as :meth:`evaluate` does)
+        would need more memory than this machine has available: it names the input or rule that
+        would not fit, with its shape and bytes.  :meth:`run`, :meth:`evaluate` and
+        :meth:`random_inputs` check this before allocating anything."""
+        steps = memory.input_steps(self.graph) if draw_inputs else []
+        steps += memory.evaluation_steps(self.graph, None if keep_all else self.outputs)
+        memory.check(steps, spans=self._spans)
 
     def run(
         self, values: Mapping[str, Any], *, plan: Plan | None = None, backend: str | None = None
     ) -> dict[str, np.ndarray]:
-        """The outputs as numpy arrays (absent cells read as 0).
+        """The outputs as numpy arrays (absent cells read as 0), whichever the backend: the same
+        convention as :meth:`Plan.execute`.  :meth:`evaluate` gives every relation with its
+        presence mask instead.
 
         ``backend="reference"`` (the default) evaluates whole tensors; ``backend="sim"`` runs the
         per-device programs synthesized for ``plan`` in the simulator."""
+        _check_mapping(values)
         backend = backend or ("sim" if plan is not None else "reference")
         if backend == "sim":
             if plan is None:
                 raise EdlError("the sim backend runs a plan", help="pass plan=edatalog.plan(prog, ...)")
             if plan.graph.fingerprint() != self.graph.fingerprint():
                 raise EdlError("this plan was made for another program", help="make a plan for this program")
-            outs = plan.execute(self.prepare(values))
-            return {name: outs[name].data for name in self.outputs}
+            return plan.execute(self.prepare(values))
         if backend != "reference":
             raise EdlError(f"unknown backend '{backend}'", help="available backends: reference, sim")
         if plan is not None:
             raise EdlError("the reference backend evaluates whole tensors", help="run a plan with backend='sim'")
-        env = self.evaluate(values)
+        prepared = self.prepare(values)
+        self.check_memory()
+        env = evaluate(self.graph, prepared, keep=self.outputs)  # intermediates freed once read
         # An output that is an input or param would alias the caller's array: hand back a copy.
         return {
             name: env[name].data if self.graph.relation(name).kind == "derived" else env[name].data.copy()
@@ -130,6 +162,7 @@ class Program:
         value, for progress displays."""
         if not isinstance(seed, int) or seed < 0:
             raise EdlError(f"the random seed must be a non-negative integer, not {seed!r}")
+        memory.check(memory.input_steps(self.graph, names), spans=self._spans)
         out = {}
         for rel in self.arguments:
             if names is None or rel.name in names:
@@ -161,7 +194,49 @@ def _shape_text(rel: Relation) -> str:
     return f"[{', '.join(dims)}] : {rel.dtype}"
 
 
+def _check_mapping(values: object) -> None:
+    """``run(None)`` or ``run([x, w])`` would fail deep inside with a bare TypeError: say what
+    the values must be instead."""
+    if not isinstance(values, Mapping):
+        raise EdlError(
+            f"the values must be a mapping from input and param names to arrays, not {type(values).__name__}",
+            help="pass a dict such as {'x': x, 'w': w}, or prog.random_inputs(seed=0)",
+        )
+
+
+def _is_torch_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor (or a subclass, such as a ``Parameter``), decided by
+    the modules of its type's classes so that torch is imported only when the user already has."""
+    if not any(c.__module__.split(".")[0] == "torch" for c in type(value).__mro__):
+        return False
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _from_torch(tensor: Any, rel: Relation, span: Span | None) -> np.ndarray:
+    """A torch tensor as a numpy array with the same values, exactly: detached, on the host, and
+    for bf16 (which numpy lacks) the same 16-bit patterns viewed as ``ml_dtypes.bfloat16``."""
+    import torch
+
+    try:
+        t = tensor.detach().to("cpu").resolve_conj().resolve_neg()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        if t.dtype == torch.bfloat16:
+            return t.contiguous().view(torch.int16).numpy().view(dtypes.to_numpy("bf16"))
+        return np.asarray(t.numpy())
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise EdlError(
+            f"cannot read the torch tensor for '{rel.name}' ({tensor.dtype} on {tensor.device}): {exc}",
+            span,
+            help=f"pass a tensor of one of the types edatalog has ({', '.join(dtypes.DTYPES)}) that holds data",
+        ) from None
+
+
 def _convert(value: Any, rel: Relation, span: Span | None) -> np.ndarray:
+    if _is_torch_tensor(value):
+        value = _from_torch(value, rel, span)
     try:
         arr = np.asarray(value)
     except Exception as exc:  # noqa: BLE001 - any failure to convert is the user's value

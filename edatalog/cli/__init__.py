@@ -8,11 +8,12 @@ Human-readable tables by default, ``--json`` for machines.  User mistakes print 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 
 from edatalog import __version__
-from edatalog.cli import plans, programs
+from edatalog.cli import plans, programs, show
 from edatalog.cli.common import seed
 from edatalog.errors import EdlError
 
@@ -141,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     sh = sub.add_parser(
         "show",
         help="draw a plan: each relation's blocks coloured by device",
-        epilog=plans.EPILOG_SHOW,
+        epilog=show.EPILOG_SHOW,
         formatter_class=_RAW,
     )
     sh.add_argument("plan", metavar="PLAN", help="a plan file from 'edl plan -o'")
@@ -157,12 +158,33 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": plans.cmd_plan,
     "query": plans.cmd_query,
     "explain": plans.cmd_explain,
-    "show": plans.cmd_show,
+    "show": show.cmd_show,
 }
 
 
+# Options whose values may look negative (`--memory -5GB`): argparse would take the value for an
+# option and say only "expected one argument"; glued to the option, it reaches the command, which
+# says what is wrong with it.
+_SIGNED_OPTIONS = ("--memory", "-m", "--time-limit")
+
+
+def _glue_signed_values(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    k = 0
+    while k < len(argv):
+        arg = argv[k]
+        value = argv[k + 1] if k + 1 < len(argv) else ""
+        if arg in _SIGNED_OPTIONS and re.match(r"-[0-9.]", value):
+            out.append(f"{'--memory' if arg == '-m' else arg}={value}")
+            k += 2
+        else:
+            out.append(arg)
+            k += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_glue_signed_values(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command](args)
     except EdlError as err:

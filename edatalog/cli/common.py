@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,16 @@ def check_array_file(path: str, what: str, must_exist: bool) -> Path:
     return p
 
 
+_ARRAYS_HELP = "write inputs with numpy.savez(path, x=x, ...) or safetensors' save_file(tensors, path)"
+
+
 def load_inputs(path: str) -> dict[str, np.ndarray]:
     p = check_array_file(path, "inputs", must_exist=True)
+    if p.suffix == ".npz" and not zipfile.is_zipfile(p):
+        # np.load would try the file as a pickle and suggest allow_pickle: never do that.
+        raise EdlError(
+            f"{path} is not an .npz archive (a zip of .npy arrays, as numpy.savez writes)", help=_ARRAYS_HELP
+        )
     try:
         if p.suffix == ".npz":
             with np.load(p, allow_pickle=False) as npz:
@@ -142,9 +151,15 @@ def load_inputs(path: str) -> dict[str, np.ndarray]:
 
         return dict(load_file(str(p)))
     except Exception as exc:  # noqa: BLE001 - any failure to read is a bad file: report, never crash
-        raise EdlError(f"cannot read inputs from {path}: {exc}") from None
+        if "pickle" in str(exc):  # numpy's message suggests allow_pickle, which would run the file's code
+            raise EdlError(
+                f"cannot read inputs from {path}: it holds Python objects, and edatalog reads only plain arrays",
+                help=_ARRAYS_HELP,
+            ) from None
+        raise EdlError(f"cannot read inputs from {path}: {exc}", help=_ARRAYS_HELP) from None
 
 
+# The top-level fields of a plan file (docs/plans.md, "Plan files"), named when one is missing.
 def save_outputs(path: str, outputs: dict[str, np.ndarray]) -> None:
     p = Path(path)
     try:

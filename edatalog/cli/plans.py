@@ -1,17 +1,19 @@
-"""`edl plan`, `edl query` and `edl show`: plans on machines, where everything is, pictures."""
+"""`edl plan`, `edl explain` and `edl query`: plans on machines, why, and where everything is."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from edatalog.cli.common import Progress, check_writable, compile_args, print_warnings, table
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.printer import human
-from edatalog.ir.regions import Region
+from edatalog.ir.regions import Region, runs_text
 from edatalog.plans import Plan, load_plan, make_plan
 from edatalog.solver import auto
+from edatalog.solver import topology as machines
 from edatalog.solver.explain import Priced, explain
 
 EPILOG_PLAN = """\
@@ -58,15 +60,6 @@ examples:
   edl query plan.json --json
 """
 
-EPILOG_SHOW = """\
-Every relation is drawn over its last two axes (one axis: a strip), its blocks coloured by the
-device that holds them; hatched blocks are held by several devices.
-
-examples:
-  edl show plan.json -o plan.png
-  edl show plan.json sc p o -o attention.svg
-"""
-
 
 def _plan_summary_rows(plan: Plan) -> list[list[str]]:
     r = plan.report
@@ -106,7 +99,23 @@ def _print_summary(plan: Plan) -> None:
         )
 
 
+def _check_plan_args(args: argparse.Namespace) -> None:
+    """Numbers that no plan can honour, refused before any work (argparse takes ``-1`` as a
+    number; ``--memory -5GB`` reaches here glued to its option, see ``cli.main``)."""
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise EdlError(
+            f"--time-limit must be a positive number of seconds, not {args.time_limit:g}",
+            help="give the solver time to search, e.g. --time-limit 10 (the default)",
+        )
+    if args.memory is not None and machines.quantity(args.memory, "B", "--memory") <= 0:
+        raise EdlError(
+            f"--memory must be positive: it is the memory of each device, not {args.memory!r}",
+            help="give a size such as --memory 9GB or --memory 80GiB, or leave it out for the machine's",
+        )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    _check_plan_args(args)
     for path in (args.output, args.trace):
         if path:
             check_writable(path)
@@ -114,11 +123,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     baseline = None
     if args.strategy == "auto":
         with Progress() as progress:
-            task = progress.task("solving", args.time_limit)
+            task = progress.task("building", args.time_limit)
 
             def show(p: auto.Progress) -> None:
-                best = f"best {p.best_ms:.4g} ms" if p.best_ms is not None else "searching"
-                progress.update(task, p.elapsed, f"solving: {best}")
+                # The phase, and the best plan so far: the solver's estimate while it searches,
+                # the fastest checked in the timeline once checking starts.
+                if p.phase == "building":
+                    text = "building the model"
+                elif p.phase == "solving":
+                    text = f"solving: best {p.best_ms:.4g} ms" if p.best_ms is not None else "solving"
+                else:
+                    text = f"{p.phase}: best {p.checked_ms:.4g} ms" if p.checked_ms is not None else p.phase
+                progress.update(task, p.elapsed, text)
 
             plan = make_plan(
                 prog,
@@ -193,7 +209,10 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
     proof = "optimal" if sol.optimal else f"gap at most {sol.gap:.0%} (lower bound {sol.lower_bound_ms:.4g} ms)"
     print(
         f"solver: {sol.plans_found} improving plan{'s' if sol.plans_found != 1 else ''} in {sol.seconds:.1f} s, "
-        f"estimate {sol.predicted_ms:.4g} ms, {proof}; memory estimate {human(sol.memory_estimate)}B per device"
+        f"estimate {sol.predicted_ms:.4g} ms, {proof}; memory estimate {human(sol.memory_estimate)}B per device; "
+        f"planned in {sol.total_seconds:.1f} s (building {sol.build_seconds:.1f}, searching "
+        f"{sol.seconds - sol.build_seconds:.1f}, checking {sol.check_seconds:.1f}, refining {sol.refine_seconds:.1f})"
+        + (f", {sol.unchecked} shortlisted unchecked at the time limit" if sol.unchecked else "")
     )
     if sol.infeasible:
         print(
@@ -215,11 +234,16 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
 def cmd_explain(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     graph = plan.graph
-    rules = (
-        [n.name for n in graph.producers(args.relation)] if args.relation in {r.name for r in graph.relations} else []
-    )
-    if not rules:
-        rules = [args.relation]  # a rule name such as qr#1, or a mistake explain() reports
+    placed = {p.relation: p for p in plan.ir.inputs}
+    if args.relation in placed:
+        return _explain_placed(plan, args.relation, placed[args.relation].dtensor(plan.ir.n_devices), args.json)
+    relations, rule_names = [r.name for r in graph.relations], [n.name for n in graph.nodes]
+    if args.relation not in relations and args.relation not in rule_names:
+        raise EdlError(
+            f"no relation or rule '{args.relation}' in this plan's program",
+            help=did_you_mean(args.relation, [*relations, *rule_names]) or f"relations: {', '.join(relations)}",
+        )
+    rules = [n.name for n in graph.producers(args.relation)] or [args.relation]  # or a rule, such as qr#1
     out: dict[str, Any] = {}
     for rule in rules:
         priced = explain(graph, plan.topology, plan.ir, rule)
@@ -246,6 +270,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 f"({runner.describe(n)}) at {runner.total * 1e6:.1f} us"
             )
         print()
+    return 0
+
+
+def _explain_placed(plan: Plan, name: str, placement: str, as_json: bool) -> int:
+    """An input or param has no rule to price: the plan puts it somewhere at the start, so show
+    where (its placement, and its blocks with their devices, as ``edl query`` does)."""
+    view = {**_relation_view(plan, name), "placement": placement}
+    if as_json:
+        print(json.dumps(view, indent=1))
+        return 0
+    rel = plan.graph.relation(name)
+    print(f"{rel.kind} {name} {list(rel.shape)} : {rel.dtype} is placed, not computed: {placement} from the start")
+    print(f"(edl explain prices the rules that write a relation; {rel.kind}s have none)")
+    _print_relation(plan, name, view, header=False)
     return 0
 
 
@@ -292,13 +330,14 @@ def _relation_view(plan: Plan, name: str) -> dict[str, Any]:
 
 
 def _region_json(names: tuple[str, ...], region: Region) -> dict[str, Any]:
-    """Per axis ``{"start": a, "stop": b}`` for a range, ``{"cells": [...]}`` otherwise."""
+    """Per axis ``{"start": a, "stop": b}`` for a range, ``{"runs": [[a, b], ...]}`` otherwise:
+    as many entries as runs, however long the axis."""
     out: dict[str, Any] = {}
-    for name, coords in zip(names, region.axes, strict=True):
-        if len(coords) and coords[-1] - coords[0] + 1 == len(coords):
-            out[name] = {"start": int(coords[0]), "stop": int(coords[-1]) + 1}
+    for name, runs in zip(names, region.axes, strict=True):
+        if len(runs) == 1:
+            out[name] = {"start": runs[0][0], "stop": runs[0][1]}
         else:
-            out[name] = {"cells": [int(c) for c in coords]}
+            out[name] = {"runs": [[lo, hi] for lo, hi in runs]}
     return out
 
 
@@ -309,13 +348,34 @@ def _ranges_json(ranges: dict[str, tuple[int, int]]) -> dict[str, Any]:
 def _region_text(region: dict[str, Any]) -> str:
     parts = []
     for name, r in region.items():
-        if "cells" in r:
-            cells = r["cells"]
-            shown = ",".join(map(str, cells[:6])) + (",..." if len(cells) > 6 else "")
-            parts.append(f"{name} {{{shown}}}")
+        if "runs" in r:
+            parts.append(f"{name} {runs_text(tuple((lo, hi) for lo, hi in r['runs']))}")
         else:
             parts.append(f"{name} {r['start']}:{r['stop']}")
     return ", ".join(parts) or "(scalar)"
+
+
+def _print_relation(plan: Plan, name: str, view: dict[str, Any], header: bool = True) -> None:
+    """A relation's blocks, how each is computed, and where the relation lives once complete."""
+    rel = plan.graph.relation(name)
+    if header:
+        print(f"{rel.kind} {rel.name} {list(rel.shape)} : {rel.dtype}")
+    if view["computed"]:
+        print("\ncomputed as")
+        rows = [
+            [
+                c["rule"],
+                str(c["block"]),
+                _region_text(c["ranges"]),
+                ",".join(map(str, c["devices"])),
+                "skipped (empty)" if c["empty"] else "",
+            ]
+            for c in view["computed"]
+        ]
+        print(table(["rule", "block", "ranges", "devices", ""], rows))
+    print("\nlives at" + (" (the end of the run)" if rel.name in plan.graph.outputs else ""))
+    rows = [[_region_text(e["region"]), ",".join(map(str, e["devices"]))] for e in view["lives"]]
+    print(table(["region", "devices"], rows))
 
 
 def cmd_query(args: argparse.Namespace) -> int:
@@ -331,24 +391,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(view, indent=1))
             return 0
-        rel = plan.graph.relation(args.relation)
-        print(f"{rel.kind} {rel.name} {list(rel.shape)} : {rel.dtype}")
-        if view["computed"]:
-            print("\ncomputed as")
-            rows = [
-                [
-                    c["rule"],
-                    str(c["block"]),
-                    _region_text(c["ranges"]),
-                    ",".join(map(str, c["devices"])),
-                    "skipped (empty)" if c["empty"] else "",
-                ]
-                for c in view["computed"]
-            ]
-            print(table(["rule", "block", "ranges", "devices", ""], rows))
-        print("\nlives at" + (" (the end of the run)" if rel.name in plan.graph.outputs else ""))
-        rows = [[_region_text(e["region"]), ",".join(map(str, e["devices"]))] for e in view["lives"]]
-        print(table(["region", "devices"], rows))
+        _print_relation(plan, args.relation, view)
         return 0
     summary = plan.summary()
     if args.json:
@@ -358,92 +401,3 @@ def cmd_query(args: argparse.Namespace) -> int:
     print(f"\n{plan.topology}\n")
     _print_summary(plan)
     return 0
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch, Rectangle
-
-    plan = load_plan(args.plan)
-    graph = plan.graph
-    names = args.relations or [r.name for r in graph.relations]
-    for name in names:
-        if name not in {r.name for r in graph.relations}:
-            raise EdlError(
-                f"no relation '{name}' in this plan's program",
-                help=did_you_mean(name, [r.name for r in graph.relations]),
-            )
-    cols = min(4, len(names))
-    rows = (len(names) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
-    colors = plt.get_cmap("tab10" if plan.ir.n_devices <= 10 else "tab20")
-    for ax in axes.ravel()[len(names) :]:
-        ax.axis("off")
-    for ax, name in zip(axes.ravel(), names, strict=False):
-        rel = graph.relation(name)
-        layout = plan.schedule.outputs.get(name) if name in graph.outputs else plan.schedule.layout.get(name, [])
-        h_axis, w_axis = _drawn_axes(rel.rank, layout or [])
-        height = rel.shape[h_axis] if h_axis is not None else 1
-        width = rel.shape[w_axis] if w_axis is not None else 1
-        for entry in layout or []:
-            devices = sorted(entry.holders)
-            for y0, y1 in _runs(entry.region.axes[h_axis]) if h_axis is not None else [(0, 1)]:
-                for x0, x1 in _runs(entry.region.axes[w_axis]) if w_axis is not None else [(0, 1)]:
-                    ax.add_patch(
-                        Rectangle(
-                            (x0, y0),
-                            x1 - x0,
-                            y1 - y0,
-                            facecolor=colors(devices[0] % colors.N),
-                            edgecolor="black",
-                            linewidth=0.4,
-                            hatch="//" if len(devices) > 1 else None,
-                        )
-                    )
-        ax.set_xlim(0, width)
-        ax.set_ylim(height, 0)
-        axis_names = rel.axis_names
-        ax.set_title(f"{name} [{', '.join(rel.symbols)}]", fontsize=9)
-        ax.set_xlabel(axis_names[w_axis] if w_axis is not None else "", fontsize=8)
-        ax.set_ylabel(axis_names[h_axis] if h_axis is not None else "", fontsize=8)
-        ax.tick_params(labelsize=6)
-    handles = [Patch(facecolor=colors(d % colors.N), label=f"device {d}") for d in range(plan.ir.n_devices)]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="on several devices"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
-    fig.suptitle(f"{plan.ir.strategy} plan on {plan.topology.name}: where each relation lives", fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
-    try:
-        fig.savefig(args.output, dpi=130)
-    except (OSError, ValueError) as exc:
-        raise EdlError(f"cannot write {args.output}: {exc}") from None
-    finally:
-        plt.close(fig)
-    print(f"wrote {args.output}")
-    return 0
-
-
-def _drawn_axes(rank: int, layout: list[Any]) -> tuple[int | None, int | None]:
-    """The two axes to draw: those along which the layout is cut the most (the last two on ties),
-    so that blocks never hide each other when only one or two axes are split."""
-    if rank == 0:
-        return None, None
-    if rank == 1:
-        return None, 0
-    cuts = [len({e.region.axes[k].tobytes() for e in layout}) for k in range(rank)]
-    chosen = sorted(sorted(range(rank), key=lambda k: (cuts[k], k))[-2:])
-    return chosen[0], chosen[1]
-
-
-def _runs(coords: Any) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive coordinates, as [start, end) pairs."""
-    out: list[tuple[int, int]] = []
-    for c in coords:
-        c = int(c)
-        if out and out[-1][1] == c:
-            out[-1] = (out[-1][0], c + 1)
-        else:
-            out.append((c, c + 1))
-    return out

@@ -107,3 +107,40 @@ def test_boolean_arithmetic_and_sums_are_integers() -> None:
     assert out["c"].dtype == np.int64 and int(out["c"]) == 2
     assert out["d"].tolist() == [0, 0, 0] and out["n"].tolist() == [-1, 0, -1]
     assert out["a"].dtype == np.bool_ and bool(out["a"])
+
+
+@pytest.mark.parametrize("values", [None, [np.zeros((2, 2), np.float32)], "x", 3])
+def test_values_that_are_not_a_mapping_are_edl_errors(values: object) -> None:
+    prog = edatalog.compile(SOFTMAX, dims={"N": 2, "C": 2})
+    for method in (prog.run, prog.evaluate, prog.prepare):
+        with pytest.raises(EdlError, match="the values must be a mapping from input and param names") as info:
+            method(values)  # type: ignore[arg-type]
+        assert info.value.diagnostic.help is not None and "random_inputs" in info.value.diagnostic.help
+        assert type(values).__name__ in info.value.message
+
+
+def test_plan_execute_returns_arrays_as_run_does() -> None:
+    prog = edatalog.compile_string("dim N = 4.\ninput x[N] : f64.\ny[i] = x[i] * 2.0 where i != 1.\nz[] += x[i].")
+    x = np.arange(1.0, 5.0)
+    plan = edatalog.plan(prog, "a100x2", "random", seed=1)
+    out = plan.execute(prog.prepare({"x": x}))
+    assert list(out) == list(prog.outputs) == ["y", "z"]
+    assert all(isinstance(v, np.ndarray) for v in out.values())
+    assert out["y"].tolist() == [2.0, 0.0, 6.0, 8.0]  # the absent cell reads as 0
+    assert float(out["z"]) == 10.0
+    via_run = prog.run({"x": x}, plan=plan)
+    assert all(np.array_equal(via_run[k], out[k]) for k in out)
+    detailed = prog.evaluate({"x": x})  # the detailed view: every relation, with presence masks
+    assert set(detailed) == {"x", "y", "z"} and detailed["y"].present is not None
+
+
+def test_a_program_without_rules_warns_once() -> None:
+    with pytest.warns(EdlWarning, match="the program has no rules: it computes nothing and has no outputs"):
+        prog = edatalog.compile_string("# nothing yet\n")
+    assert len(prog.warnings) == 1 and prog.run({}) == {}
+    prog = edatalog.compile_string("dim N = 2.\ninput x[N] : f32.\nparam w[N] : f32.\n")
+    assert [w.message for w in prog.warnings] == ["the program has no rules: it computes nothing and has no outputs"]
+    assert prog.warnings[0].span is not None and prog.warnings[0].span.line == 1  # at the first declaration
+    passthrough = edatalog.compile_string("input x[2] : f32.\noutput x.\n")  # an identity: no warning
+    assert passthrough.warnings == ()
+    assert passthrough.run({"x": np.ones(2, np.float32)})["x"].tolist() == [1.0, 1.0]

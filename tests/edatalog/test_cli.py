@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,3 +150,69 @@ def test_bad_paths_and_seeds_fail_before_any_work(capsys: pytest.CaptureFixture[
     broken.write_bytes(b"not a safetensors file")
     code, _, err = _run(capsys, "run", ATTN, *SMALL, "--inputs", str(broken))
     assert code == 1 and "cannot read inputs" in err
+
+
+def test_a_file_that_is_not_an_npz_archive_never_suggests_pickle(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    text = tmp_path / "x.npz"
+    text.write_text("x = 1, 2, 3\n")
+    code, _, err = _run(capsys, "run", ATTN, *SMALL, "--inputs", str(text))
+    assert code == 1 and f"error: {text} is not an .npz archive" in err
+    assert "help: write inputs with numpy.savez" in err and "pickle" not in err
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, x=np.array([{"a": 1}], dtype=object))
+    code, _, err = _run(capsys, "run", ATTN, *SMALL, "--inputs", str(objects))
+    assert code == 1 and "it holds Python objects, and edatalog reads only plain arrays" in err
+    assert "allow_pickle" not in err
+
+
+def test_run_times_only_the_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What ops load on first use (torch, for gelu) is loaded before the clock starts, so the
+    FLOP/s printed are the work's.  Checked by the order of events, not by timing anything."""
+    from edatalog.backend import numpy_ops
+    from edatalog.cli import programs
+
+    events: list[str] = []
+    warm_up = numpy_ops.warm_up
+
+    def recording_warm_up(ops: Any) -> None:
+        ops = set(ops)
+        events.append("warm " + ",".join(sorted(ops & {"gelu", "erf"})))
+        warm_up(ops)
+
+    class Clock:
+        def perf_counter(self) -> float:
+            events.append("clock")
+            return float(len(events))
+
+    monkeypatch.setattr(numpy_ops, "warm_up", recording_warm_up)
+    monkeypatch.setattr(programs, "time", Clock())
+    src = tmp_path / "gelu.edl"
+    src.write_text("dim N = 4.\ninput x[N] : f32.\ny[i] = gelu(x[i]) + exp(x[i]).\n")
+    code, out, _ = _run(capsys, "run", str(src), "--random", "0")
+    assert code == 0 and "FLOP/s" in out
+    assert events == ["warm gelu", "clock", "clock"]
+
+
+def test_warm_up_loads_torch_only_for_the_ops_that_need_it() -> None:
+    code = (
+        "import sys\n"
+        "from edatalog.backend import numpy_ops\n"
+        "numpy_ops.warm_up(['exp', 'silu', 'no such op'])\n"
+        "assert 'torch' not in sys.modules\n"
+        "numpy_ops.warm_up(['gelu'])\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_program_without_rules_warns(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    empty = tmp_path / "empty.edl"
+    empty.write_text("# nothing yet\n")
+    code, out, err = _run(capsys, "check", str(empty))
+    assert code == 0 and "ok, 0 rules" in out and "1 warning" in out
+    assert err.startswith("warning: the program has no rules: it computes nothing and has no outputs")

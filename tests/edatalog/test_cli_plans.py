@@ -1,4 +1,4 @@
-"""`edl plan`, `edl query`, `edl show` and `edl run --plan`, run in-process.
+"""`edl plan`, `edl query`, `edl explain` and `edl run --plan`, run in-process (`edl show`: test_show.py).
 
 Small dims everywhere: every plan here is synthesized and simulated in well under a second.
 """
@@ -255,66 +255,6 @@ def test_query_prints_strided_regions_truly(capsys: pytest.CaptureFixture[str], 
     assert "a0 0:4 " not in out
 
 
-# -- edl show -------------------------------------------------------------------------------------
-
-
-def _device_colors(path: Path, panels: int) -> list[set[int]]:
-    """Per panel of a one-row picture: the devices whose colour fills part of it."""
-    import matplotlib.image
-    from matplotlib import colormaps
-
-    image = matplotlib.image.imread(str(path))
-    height = image.shape[0]
-    body = (image[int(height * 0.2) : int(height * 0.75), :, :3] * 255).round().astype(int)  # the axes, not the legend
-    width = body.shape[1] // panels
-    tab10 = colormaps["tab10"]
-    out = []
-    for k in range(panels):
-        panel = body[:, k * width : (k + 1) * width]
-        found = set()
-        for d in range(8):
-            color = np.array(tab10(d)[:3]) * 255
-            if (np.abs(panel - color).max(axis=-1) <= 1).sum() > 50:
-                found.add(d)
-        out.append(found)
-    return out
-
-
-def test_show_writes_a_png_of_the_right_size(
-    capsys: pytest.CaptureFixture[str], gqa_plan: Path, tmp_path: Path
-) -> None:
-    import matplotlib.image
-
-    picture = tmp_path / "plan.png"
-    code, out, _ = _run(capsys, "show", str(gqa_plan), "wq", "y", "-o", str(picture))
-    assert code == 0 and out.strip() == f"wrote {picture}"
-    image = matplotlib.image.imread(str(picture))
-    assert image.shape == (364, 832, 4)  # two panels of 3.2 x 2.8 inches at 130 dpi
-    wq, y = _device_colors(picture, 2)
-    assert wq == set(range(8))  # wq rows split over the eight devices
-    assert y == {0}  # replicated: one colour, hatched
-
-    mlp_plan, everything = tmp_path / "mlp.json", tmp_path / "all.png"
-    _quiet("plan", MLP, *MLP_SMALL, "-t", "a100x2", "--time-limit", "1", "-o", str(mlp_plan))
-    assert main(["show", str(mlp_plan), "-o", str(everything)]) == 0  # every relation: 9, in 3 rows of 4
-    assert matplotlib.image.imread(str(everything)).shape == (round(3 * 2.8 * 130), round(4 * 3.2 * 130), 4)
-
-
-def test_show_draws_blocks_split_on_leading_axes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    plan_path, picture = tmp_path / "p.json", tmp_path / "q.png"
-    dims = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=4", "--dim", "KVH=4", "--dim", "F=48"]
-    _quiet("plan", LLAMA, *dims, "-t", "a100x4", "-s", "megatron", "-o", str(plan_path))
-    _quiet("show", str(plan_path), "q", "-o", str(picture))
-    assert _device_colors(picture, 1) == [{0, 1, 2, 3}]  # q is split over the heads, one per device
-
-
-def test_show_mistakes(capsys: pytest.CaptureFixture[str], gqa_plan: Path, tmp_path: Path) -> None:
-    err = _fails(capsys, "show", str(gqa_plan), "qq", "-o", str(tmp_path / "x.png"))
-    assert "no relation 'qq'" in err and "did you mean" in err
-    assert "cannot write" in _fails(capsys, "show", str(gqa_plan), "y", "-o", str(tmp_path / "x.xyz"))
-    assert "cannot write" in _fails(capsys, "show", str(gqa_plan), "y", "-o", str(tmp_path / "no" / "x.png"))
-
-
 # -- edl run --plan -------------------------------------------------------------------------------
 
 
@@ -494,3 +434,65 @@ def test_data_strategy_with_the_batch_symbol_twice_in_a_rule(
     )
     code, _, err = _run(capsys, "plan", str(src), "-t", "a100x2", "-s", "data")
     assert code == 0, err
+
+
+# -- numbers, plan files and explain of what no rule computes ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--time-limit", "0"], "--time-limit must be a positive number of seconds, not 0"),
+        (["--time-limit", "-1"], "--time-limit must be a positive number of seconds, not -1"),
+        (["--time-limit", "nan"], "--time-limit must be a positive number of seconds"),
+        (["--memory", "-5GB"], "--memory must be positive"),
+        (["-m", "-5GB"], "--memory must be positive"),
+        (["--memory=-5GB"], "--memory must be positive"),
+        (["--memory", "0"], "--memory must be positive"),
+        (["--memory", "lots"], "bad --memory: 'lots'"),
+    ],
+)
+def test_plan_numbers_that_no_plan_can_honour(
+    capsys: pytest.CaptureFixture[str], option: list[str], message: str
+) -> None:
+    err = _fails(capsys, "plan", MLP, *MLP_SMALL, "-t", "a100x2", *option)
+    assert message in err and "help: " in err
+
+
+def test_a_plan_file_missing_a_field_names_it(
+    capsys: pytest.CaptureFixture[str], gqa_plan: Path, tmp_path: Path
+) -> None:
+    data = json.loads(gqa_plan.read_text())
+    del data["nodes"]
+    (tmp_path / "nodes.json").write_text(json.dumps(data))
+    for command in (["query"], ["show"], ["explain"]):
+        argv = [*command, str(tmp_path / "nodes.json"), *(["q"] if command == ["explain"] else [])]
+        argv += ["-o", str(tmp_path / "x.png")] if command == ["show"] else []
+        err = _fails(capsys, *argv)
+        assert "is not a valid plan: it lacks the field 'nodes' (every rule's tile" in err
+        assert "help: a plan file holds format, kind, program" in err and "edl plan FILE -o plan.json" in err
+    del data["inputs"]
+    (tmp_path / "two.json").write_text(json.dumps(data))
+    assert "lacks the fields 'nodes' (" in _fails(capsys, "query", str(tmp_path / "two.json"))
+    err = _fails(capsys, "run", LLAMA, *GQA, "--plan", str(tmp_path / "two.json"), "--random", "0")
+    assert "'inputs' (where every input and param lives" in err
+
+
+def test_explain_an_input_or_param_shows_where_it_lives(capsys: pytest.CaptureFixture[str], gqa_plan: Path) -> None:
+    code, out, _ = _run(capsys, "explain", str(gqa_plan), "wk")
+    assert code == 0
+    lines = out.splitlines()
+    assert (
+        lines[0]
+        == "param wk [16, 64] : f32 is placed, not computed: a0:2 d:1 -> devices [{0,1,2,3},{4,5,6,7}] from the start"
+    )
+    assert "no rule" not in out and "lives at" in lines
+    assert lines[-2:] == ["a0 0:8, d 0:64   0,1,2,3", "a0 8:16, d 0:64  4,5,6,7"]
+    code, out, _ = _run(capsys, "explain", str(gqa_plan), "x", "--json")
+    view = json.loads(out)
+    assert code == 0 and view["placement"] == "R" and view["kind"] == "input" and view["computed"] == []
+    assert [e["devices"] for e in view["lives"]] == [list(range(8))]
+    err = _fails(capsys, "explain", str(gqa_plan), "wkk")  # a mistake suggests relations too
+    assert "no relation or rule 'wkk'" in err and "did you mean 'wk'" in err
+    code, out, _ = _run(capsys, "explain", str(gqa_plan), "qr#2")  # one rule of a relation
+    assert code == 0 and out.startswith("rule qr#2: ")
