@@ -216,3 +216,20 @@ def test_a_program_without_rules_warns(capsys: pytest.CaptureFixture[str], tmp_p
     code, out, err = _run(capsys, "check", str(empty))
     assert code == 0 and "ok, 0 rules" in out and "1 warning" in out
     assert err.startswith("warning: the program has no rules: it computes nothing and has no outputs")
+
+
+def test_run_refuses_a_program_too_big_before_drawing_inputs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--dim S=1000000000`` needs about a terabyte: a diagnostic with the bytes, not numpy's
+    MemoryError after drawing inputs (it returns at once: nothing is allocated)."""
+    prog = tmp_path / "ln_linear.edl"
+    prog.write_text(
+        "dim B = 1, S = 128, D = 256, F = 512.\ninput x[B, S, D] : f32.\nparam w[F, D] : f32.\n"
+        "y[b, s, f] += x[b, s, d] * w[f, d].\n"
+    )
+    assert main(["run", str(prog), "--dim", "S=1000000000", "--random", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "ln_linear.edl:2:7: error: not enough memory: input 'x' needs a [1, 1000000000, 256] f32 buffer" in err
+    assert "954 GiB" in err
+    assert "Traceback" not in err
