@@ -1,11 +1,5 @@
-"""Exchange synthesis: from a graph, a plan and a topology to per-device programs of tasks.
-
-Tasks:
-
-- ``Load``: an input or param block present on a device at the start;
-- ``Compute``: one join-agg on one block, reading only buffers on its device;
-- ``Send``: an exact sub-region of a buffer, cut out and sent to another device;
-- ``Combine``: partial results of an aggregation folded together with the node's aggop.
+"""Exchange synthesis: from a graph, a plan and a topology to the per-device programs that
+execute it (:mod:`edatalog.ir.program`), with what each op costs beside them.
 
 Every consumer block pulls, for each relation it reads, the intersection of its need with every
 piece of that relation's final layout; a device never receives what it holds or already received.
@@ -13,21 +7,30 @@ Partials (an aggregated index split across blocks, or several ``+=`` rules) are 
 schedule chosen from the topology: a reduce-scatter with direct sends inside a node, and a
 hierarchical one (inside nodes first, then across) when the partials span nodes.  Blocks that
 guards or supports leave empty are never computed or sent.
+
+The pass first builds one global list of tasks in an order that respects every dependency, then
+lowers it (:func:`_lower`): each device's ops in that order, every transfer a send on its source
+and a receive on its destination at the same place, and a ``Free`` after each buffer's last
+reader.  Because every receive follows its send in one global order, no device can wait for
+another forever.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
+from edatalog.ir import program as ir
 from edatalog.ir.cost import flops_per_point
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.intervals import atoms
+from edatalog.ir.program import OpCost
+from edatalog.ir.program import Programs as ProgramsIR
 from edatalog.ir.regions import Region
 from edatalog.solver.blocks import tighten
 from edatalog.solver.plan import Plan, Tile
@@ -38,7 +41,9 @@ REDUCTIONS = ("auto", "direct", "hierarchical")
 
 @dataclass(eq=False)
 class Task:
-    id: int
+    """A step of synthesis, in one global order; lowered to device ops by :func:`_lower`."""
+
+    id: int  # also the id of the buffer it leaves
     device: int
     deps: list[int]  # tasks that must finish first
 
@@ -99,24 +104,24 @@ class Entry:
 
 @dataclass(eq=False)
 class Schedule:
+    """What synthesis makes of a plan: the device programs, what their ops cost, where every
+    relation lives when it is complete, where each output ends, and which blocks of each rule
+    are computed (the others are empty)."""
+
     graph: Graph
     plan: Plan
     topology: Topology
-    tasks: list[Task] = field(default_factory=list)
-    buffers: dict[int, Buffer] = field(default_factory=dict)
-    layout: dict[str, list[Entry]] = field(default_factory=dict)
-    outputs: dict[str, list[Entry]] = field(default_factory=dict)  # where each output ends
+    programs: ProgramsIR
+    costs: dict[tuple[int, int], OpCost]  # (device, position) -> what the op costs
+    layout: dict[str, list[Entry]]  # where every relation lives when it is complete
+    outputs: dict[str, list[Entry]]  # where each output ends
+    blocks: dict[str, set[int]]  # rule -> its computed blocks
 
-    def programs(self) -> dict[int, list[Task]]:
-        """Each device's tasks, in order (a send runs on its source device)."""
-        out: dict[int, list[Task]] = {d: [] for d in range(self.plan.n_devices)}
-        for t in self.tasks:
-            out[t.device].append(t)
-        return out
-
-    def of_compute(self, node: str) -> Iterator[Compute]:
-        """The compute tasks of one rule (one per computed block and device)."""
-        return (t for t in self.tasks if isinstance(t, Compute) and t.node == node)
+    def kernels(self, node: str) -> Iterator[tuple[int, ir.Kernel]]:
+        """The kernels of one rule, with their devices (one per computed block and holder)."""
+        for device, _, op in self.programs.ops():
+            if isinstance(op, ir.Kernel) and op.node == node:
+                yield device, op
 
 
 def synthesize(graph: Graph, plan: Plan, topology: Topology, reduction: str = "auto") -> Schedule:
@@ -130,7 +135,11 @@ def synthesize(graph: Graph, plan: Plan, topology: Topology, reduction: str = "a
 class _Synthesizer:
     def __init__(self, graph: Graph, plan: Plan, topology: Topology, reduction: str) -> None:
         assert reduction in REDUCTIONS
-        self.s = Schedule(graph, plan, topology)
+        self.layout: dict[str, list[Entry]] = {}
+        self.outputs: dict[str, list[Entry]] = {}
+        self.blocks: dict[str, set[int]] = {}
+        self.tasks: list[Task] = []
+        self.buffers: dict[int, Buffer] = {}
         self.graph, self.plan, self.topo, self.reduction = graph, plan, topology, reduction
         # What each device received of each piece of a final layout: (region, buffer), disjoint.
         self.received: dict[tuple[int, Entry], list[tuple[Region, int]]] = {}
@@ -140,10 +149,10 @@ class _Synthesizer:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _add(self, task: Task, relation: str | None = None, region: Region | None = None) -> int:
-        self.s.tasks.append(task)
+        self.tasks.append(task)
         if relation is not None and region is not None:
             dev = task.dst if isinstance(task, Send) else task.device
-            self.s.buffers[task.id] = Buffer(task.id, dev, relation, region)
+            self.buffers[task.id] = Buffer(task.id, dev, relation, region)
         return task.id
 
     def _itemsize(self, relation: str) -> int:
@@ -153,19 +162,20 @@ class _Synthesizer:
 
     def run(self) -> Schedule:
         for p in self.plan.inputs:
-            self.s.layout[p.relation] = self._load(p.relation, p.tile)
+            self.layout[p.relation] = self._load(p.relation, p.tile)
         remaining = {r.name: len(self.graph.producers(r.name)) for r in self.graph.relations if r.kind == "derived"}
         contributions: dict[str, list[Entry]] = {}
         for node in self.graph.nodes:
             contributions.setdefault(node.out, []).extend(self._node(node))
             remaining[node.out] -= 1
             if remaining[node.out] == 0:
-                self.s.layout[node.out] = self._finalize(node.out, contributions.pop(node.out))
+                self.layout[node.out] = self._finalize(node.out, contributions.pop(node.out))
         for p in self.plan.outputs:
-            self.s.outputs[p.relation] = self._place(p.relation, p.tile)
+            self.outputs[p.relation] = self._place(p.relation, p.tile)
         for name in self.graph.outputs:
-            self.s.outputs.setdefault(name, self.s.layout[name])
-        return self.s
+            self.outputs.setdefault(name, self.layout[name])
+        programs, costs = _lower(self.graph, self.tasks, self.outputs, self.plan.n_devices)
+        return Schedule(self.graph, self.plan, self.topo, programs, costs, self.layout, self.outputs, self.blocks)
 
     def _load(self, relation: str, tile: Tile) -> list[Entry]:
         rel = self.graph.relation(relation)
@@ -174,7 +184,7 @@ class _Synthesizer:
             region = Region.of_box(rel.shape, tuple(block.ranges[a] for a in rel.axis_names))
             holders = {}
             for d in block.devices:
-                task = Load(len(self.s.tasks), d, [], relation, region, region.size * self._itemsize(relation))
+                task = Load(len(self.tasks), d, [], relation, region, region.size * self._itemsize(relation))
                 holders[d] = self._add(task, relation, region)
             entries.append(Entry(region, holders))
         return entries
@@ -197,10 +207,10 @@ class _Synthesizer:
                     need = Region.through(acc.axes, ranges)
                     parts = self._fetch(acc.relation, need, d)
                     reads.append([(buf, region) for buf, region in parts])
-                    deps.extend(self.s.buffers[buf].task for buf, _ in parts)
+                    deps.extend(self.buffers[buf].task for buf, _ in parts)
                     nbytes += need.size * self._itemsize(acc.relation)
                 task = Compute(
-                    len(self.s.tasks),
+                    len(self.tasks),
                     d,
                     sorted(set(deps)),
                     node.name,
@@ -213,6 +223,7 @@ class _Synthesizer:
                 )
                 holders[d] = self._add(task, node.out, out)
             entries.append(Entry(out, holders))
+            self.blocks.setdefault(node.name, set()).add(block.index)
         return entries
 
     # -- moving data ---------------------------------------------------------------------------------
@@ -253,7 +264,7 @@ class _Synthesizer:
         """The pieces of a relation's layout whose bounding boxes meet ``need``'s, in layout
         order: a cheap filter before exact intersection (layouts of pipelined plans have
         hundreds of pieces, and every block of every reader asks)."""
-        layout = self.s.layout[relation]
+        layout = self.layout[relation]
         if len(layout) < 8 or not need.axes or need.empty:
             return layout
         hit = self.bounds.get(relation)
@@ -279,7 +290,7 @@ class _Synthesizer:
         buf = holders[src]
         nbytes = region.size * self._itemsize(relation)
         self.egress[src] += nbytes
-        task = Send(len(self.s.tasks), src, [self.s.buffers[buf].task], d, buf, relation, region, nbytes)
+        task = Send(len(self.tasks), src, [self.buffers[buf].task], d, buf, relation, region, nbytes)
         return self._add(task, relation, region)
 
     def _place(self, relation: str, tile: Tile) -> list[Entry]:
@@ -379,13 +390,13 @@ class _Synthesizer:
         return out
 
     def _combine(self, relation: str, region: Region, device: int, bufs: list[int]) -> int:
-        if len(bufs) == 1 and self.s.buffers[bufs[0]].region.same(region):
+        if len(bufs) == 1 and self.buffers[bufs[0]].region.same(region):
             return bufs[0]
         item = self._itemsize(relation)
         task = Combine(
-            len(self.s.tasks),
+            len(self.tasks),
             device,
-            sorted({self.s.buffers[b].task for b in bufs}),
+            sorted({self.buffers[b].task for b in bufs}),
             relation,
             region,
             list(bufs),
@@ -407,3 +418,65 @@ def _cell_groups(regions: list[Region]) -> list[tuple[Region, list[int]]]:
         if covering:
             groups.append((Region(tuple(a for a, _ in combo)), sorted(covering)))
     return groups
+
+
+# -- lowering to device programs -------------------------------------------------------------------
+
+
+def _lower(
+    graph: Graph, tasks: list[Task], outputs: dict[str, list[Entry]], n: int
+) -> tuple[ProgramsIR, dict[tuple[int, int], OpCost]]:
+    """Each device's ops in the tasks' global order (a transfer is a send on its source and a
+    receive on its destination, at the same place), a ``Free`` after each buffer's last reader
+    (loaded inputs and params, and output pieces, stay), and every op's cost."""
+    dtype: dict[int, str] = {}
+    ops: list[list[tuple[ir.Op, OpCost]]] = [[] for _ in range(n)]
+    for t in tasks:
+        if isinstance(t, Load):
+            dtype[t.id] = graph.relation(t.relation).dtype
+            ops[t.device].append((ir.Load(t.id, t.relation, t.region, dtype[t.id]), OpCost(0, t.nbytes)))
+        elif isinstance(t, Compute):
+            node = graph.node(t.node)
+            dtype[t.id] = dtypes.compute_dtype(node.dtype)
+            ranges = tuple((i.name, *t.ranges[i.name]) for i in node.indices)
+            reads = tuple(tuple((b, r) for b, r in parts) for parts in t.reads)
+            kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id])
+            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes)))
+        elif isinstance(t, Send):
+            dtype[t.id] = dtype[t.source]
+            cost = OpCost(0, t.nbytes)
+            ops[t.device].append((ir.Send(t.source, t.dst, t.id, t.region), cost))
+            ops[t.dst].append((ir.Recv(t.id, t.device, t.id, t.relation, t.region, dtype[t.id]), cost))
+        else:
+            assert isinstance(t, Combine)
+            dtype[t.id] = dtypes.compute_dtype(graph.relation(t.relation).dtype)
+            combine = ir.Combine(t.id, t.relation, t.region, tuple(t.sources), dtype[t.id])
+            ops[t.device].append((combine, OpCost(t.flops, t.nbytes)))
+    kept = {b for entries in outputs.values() for e in entries for b in e.holders.values()}
+    kept |= {t.id for t in tasks if isinstance(t, Load)}
+    devices, costs = [], {}
+    for d, listed in enumerate(ops):
+        last: dict[int, int] = {}
+        for k, (op, _) in enumerate(listed):
+            for b in ir.reads(op):
+                last[b] = k
+            if isinstance(op, ir.DEFINES):
+                last.setdefault(op.buf, k)  # a buffer nobody reads ends with the op that makes it
+        ends: dict[int, list[int]] = {}
+        for b, k in last.items():
+            if b not in kept:
+                ends.setdefault(k, []).append(b)
+        program: list[ir.Op] = []
+        for k, (op, cost) in enumerate(listed):
+            costs[(d, len(program))] = cost
+            program.append(op)
+            program.extend(ir.Free(b) for b in sorted(ends.get(k, ())))
+        devices.append(ir.DeviceProgram(d, tuple(program)))
+    pieces = tuple(
+        ir.OutputPiece(name, e.region, d, b)
+        for name, entries in outputs.items()
+        for e in entries
+        for d, b in sorted(e.holders.items())
+    )
+    relations = tuple((r.name, r.shape, r.dtype) for r in graph.relations)
+    return ProgramsIR(graph.fingerprint(), relations, tuple(devices), pieces), costs

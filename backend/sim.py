@@ -1,24 +1,29 @@
-"""The simulated multi-device executor: runs a schedule's per-device programs in one process.
+"""The simulated multi-device executor: runs a plan's device programs in one process.
 
-Each device has its own store of buffers.  A task reads only buffers on its own device (anything
-else is a :class:`SimError`, a bug in exchange synthesis), so a correct result proves the
-synthesized exchanges deliver everything each block needs.  Blocks are evaluated by the reference
+Each device has its own store of buffers and runs its program in order; a send leaves a copy of
+its region in a mailbox under its tag, and a receive waits until that tag is there.  Devices
+take turns (in device order, or in a random order given a random generator: programs must not
+rely on one global order), so a device blocked on a receive lets the others run.  An op that
+reads a buffer its device does not hold, or programs that leave every device waiting, are a
+:class:`SimError`: a bug in exchange synthesis.  Blocks are evaluated by the reference
 evaluator, which makes the simulator's outputs directly comparable with the reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Mapping
 
 import numpy as np
 
-from edatalog.backend.exchange import Combine, Compute, Entry, Load, Schedule, Send
+from edatalog.backend.exchange import Entry, Schedule
 from edatalog.backend.joinagg import evaluate_node
 from edatalog.backend.numpy_ops import identity
 from edatalog.backend.reference import Value, write_cells
 from edatalog.ir import dtypes
-from edatalog.ir.graph import AGG_NAMES, JoinAgg
+from edatalog.ir import program as ir
+from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
 from edatalog.ir.regions import Region
 from edatalog.ir.rewrite import restrict
 
@@ -34,28 +39,71 @@ class _Buffer:
     present: np.ndarray | None  # None: every cell present
 
 
-def run(schedule: Schedule, inputs: Mapping[str, np.ndarray]) -> dict[str, Value]:
-    """Execute ``schedule`` on the given inputs and params; returns the outputs, gathered."""
+def run(
+    schedule: Schedule, inputs: Mapping[str, np.ndarray], interleave: random.Random | None = None
+) -> dict[str, Value]:
+    """Execute the schedule's programs on the given inputs and params; returns the outputs,
+    gathered.  With ``interleave``, devices take turns one op at a time in a random order."""
     graph = schedule.graph
-    stores: list[dict[int, _Buffer]] = [{} for _ in range(schedule.plan.n_devices)]
+    progs = schedule.programs
+    stores: list[dict[int, _Buffer]] = [{} for _ in range(progs.n_devices)]
+    mailbox: dict[int, _Buffer] = {}
+    position = [0] * progs.n_devices
     nodes = {n.name: n for n in graph.nodes}
-    rel_dtype = {r.name: r.dtype for r in graph.relations}
     with np.errstate(all="ignore"):
-        for task in schedule.tasks:
-            store = stores[task.device]
-            if isinstance(task, Load):
-                full = np.asarray(inputs[task.relation])
-                store[task.id] = _Buffer(task.region, Region.whole(full.shape).cut(full, task.region), None)
-            elif isinstance(task, Compute):
-                store[task.id] = _compute(nodes[task.node], task, store, rel_dtype)
-            elif isinstance(task, Send):
-                src = _get(store, task.source, task.device)
-                stores[task.dst][task.id] = _cut(src, task.region)
-            elif isinstance(task, Combine):
-                rel = graph.relation(task.relation)
-                parts = [_cut(_get(store, b, task.device), task.region) for b in task.sources]
-                store[task.id] = _fold(parts, AGG_NAMES[rel.aggop or "="], dtypes.compute_dtype(rel.dtype))
+        while True:
+            ready = [p.device for p in progs.devices if _runnable(p, position[p.device], mailbox)]
+            if not ready:
+                break
+            for device in [interleave.choice(ready)] if interleave is not None else ready:
+                ops = progs.devices[device].ops
+                while position[device] < len(ops) and _runnable(progs.devices[device], position[device], mailbox):
+                    _execute(ops[position[device]], device, stores, mailbox, inputs, graph, nodes)
+                    position[device] += 1
+                    if interleave is not None:
+                        break
+    stuck = [p.device for p in progs.devices if position[p.device] < len(p.ops)]
+    if stuck:
+        raise SimError(f"devices {stuck} wait forever, at {[str(progs.devices[d].ops[position[d]]) for d in stuck]}")
     return {name: _gather(schedule, name, entries, stores) for name, entries in schedule.outputs.items()}
+
+
+def _runnable(program: ir.DeviceProgram, k: int, mailbox: Mapping[int, _Buffer]) -> bool:
+    if k >= len(program.ops):
+        return False
+    op = program.ops[k]
+    return not isinstance(op, ir.Recv) or op.tag in mailbox
+
+
+def _execute(
+    op: ir.Op,
+    device: int,
+    stores: list[dict[int, _Buffer]],
+    mailbox: dict[int, _Buffer],
+    inputs: Mapping[str, np.ndarray],
+    graph: Graph,
+    nodes: Mapping[str, JoinAgg],
+) -> None:
+    store = stores[device]
+    if isinstance(op, ir.Load):
+        full = np.asarray(inputs[op.relation])
+        store[op.buf] = _Buffer(op.region, Region.whole(full.shape).cut(full, op.region), None)
+    elif isinstance(op, ir.Kernel):
+        store[op.buf] = _compute(graph, nodes[op.node], op, store, device)
+    elif isinstance(op, ir.Send):
+        mailbox[op.tag] = _cut(_get(store, op.buf, device), op.region)
+    elif isinstance(op, ir.Recv):
+        piece = mailbox.pop(op.tag)
+        if piece.region != op.region:
+            raise SimError(f"device {device} receives {piece.region} for #{op.tag}, expecting {op.region}")
+        store[op.buf] = piece
+    elif isinstance(op, ir.Combine):
+        parts = [_cut(_get(store, b, device), op.region) for b in op.sources]
+        store[op.buf] = _fold(parts, AGG_NAMES[graph.relation(op.relation).aggop or "="], op.dtype)
+    else:
+        assert isinstance(op, ir.Free)
+        _get(store, op.buf, device)
+        del store[op.buf]
 
 
 def _get(store: dict[int, _Buffer], buf: int, device: int) -> _Buffer:
@@ -93,20 +141,20 @@ def _fold(parts: list[_Buffer], agg: str | None, compute: str) -> _Buffer:
     return _Buffer(parts[0].region, acc, None if present.all() else present)
 
 
-def _compute(node: JoinAgg, task: Compute, store: dict[int, _Buffer], graph_dtype: Mapping[str, str]) -> _Buffer:
-    block = restrict(node, task.ranges)  # the block as a join-agg of its own, over its parts
+def _compute(graph: Graph, node: JoinAgg, op: ir.Kernel, store: dict[int, _Buffer], device: int) -> _Buffer:
+    ranges = op.range_map
+    block = restrict(node, ranges)  # the block as a join-agg of its own, over its parts
     data, present = [], []
-    for acc, parts in zip(node.inputs, task.reads, strict=True):
-        need = Region.through(acc.axes, task.ranges)
-        operand = _assemble(need, parts, store, task.device, dtypes.to_numpy(graph_dtype[acc.relation]))
+    for acc, parts in zip(node.inputs, op.reads, strict=True):
+        need = Region.through(acc.axes, ranges)
+        operand = _assemble(need, list(parts), store, device, dtypes.to_numpy(graph.relation(acc.relation).dtype))
         data.append(operand.data)
         present.append(operand.present)
     value, pres, out_vars = evaluate_node(block, data, present)
-    cdt = dtypes.to_numpy(dtypes.compute_dtype(node.dtype))
-    out = np.zeros(task.out.shape, dtype=cdt)
-    cells = np.zeros(task.out.shape, dtype=bool)
+    out = np.zeros(op.region.shape, dtype=dtypes.to_numpy(op.dtype))
+    cells = np.zeros(op.region.shape, dtype=bool)
     write_cells(out, cells, block, value, pres, out_vars, None)
-    return _Buffer(task.out, out, None if cells.all() else cells)
+    return _Buffer(op.region, out, None if cells.all() else cells)
 
 
 def _assemble(

@@ -1,12 +1,14 @@
-"""Time, traffic and memory of a schedule under the topology's cost model.
+"""Time, traffic and memory of a plan's device programs under the topology's cost model.
 
-Every device has a compute engine and, per link class, an egress and an ingress port.  Tasks take
-the resources they need (a kernel its device's engine; a transfer the sender's egress and the
-receiver's ingress port) in the order their inputs become ready, program order among equals, and
-start as soon as both inputs and resources are free: compute and communication overlap wherever
-dependencies allow, and no transfer waits behind one whose data comes later.  Memory counts every
-buffer from the start of the task that makes it to the end of its last reader; loaded inputs and
-params, and outputs, stay.
+Every device has a compute engine and, per link class, an egress and an ingress port.  Ops take
+the resources they need (a kernel or a combine its device's engine; a transfer, timed at its
+receive, the sender's egress and the receiver's ingress port) in the order their inputs become
+ready, synthesis order among equals, and start as soon as both inputs and resources are free:
+compute and communication overlap wherever dependencies allow, and no transfer waits behind one
+whose data comes later.  A send itself takes no time (it hands its data to the transfer).  What
+ops cost comes from the schedule's cost table, not from the ops.  Memory counts every buffer from
+the start of the op that makes it until the end of the last op that reads it before its
+``Free``; buffers never freed (loaded inputs and params, outputs) stay.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from edatalog.backend.exchange import Combine, Compute, Load, Schedule, Send, Task
-from edatalog.ir import dtypes
+from edatalog.backend.exchange import Schedule
+from edatalog.ir import program as ir
+from edatalog.ir.program import region_bytes
 from edatalog.solver.costmodel import compute_seconds, transfer_seconds
 
 
@@ -31,7 +34,7 @@ class Span:
 @dataclass
 class Report:
     seconds: float
-    times: dict[int, Span]  # per task
+    times: dict[tuple[int, int], Span]  # per op: (device, position in its program)
     flops: dict[int, int]  # per device
     sent: dict[int, int]  # bytes per device
     received: dict[int, int]
@@ -44,32 +47,36 @@ class Report:
         return sum(self.bytes_per_link.values())
 
 
+Key = tuple[int, int]  # (device, position in its program)
+
+
 def analyze(s: Schedule) -> Report:
-    n = s.plan.n_devices
-    times: dict[int, Span] = {}
+    progs = s.programs
+    n = progs.n_devices
+    times: dict[Key, Span] = {}
     free: dict[tuple[Any, ...], float] = {}
     flops = dict.fromkeys(range(n), 0)
     sent = dict.fromkeys(range(n), 0)
     received = dict.fromkeys(range(n), 0)
     per_link: dict[tuple[int, int], int] = {}
-    for t in _by_readiness(s, times):
-        ready = max((times[d].end for d in t.deps), default=0.0)
-        duration, resources = _cost(s, t)
+    graph = _Dag(s)
+    for key in graph.by_readiness(times):
+        op = graph.op[key]
+        ready = max((times[d].end for d in graph.deps[key]), default=0.0)
+        duration, resources = _cost(s, key, op)
         start = max([ready, *(free.get(r, 0.0) for r in resources)])
-        times[t.id] = Span(start, start + duration)
+        times[key] = Span(start, start + duration)
         for r in resources:
             free[r] = start + duration
-        if isinstance(t, Compute | Combine):
-            flops[t.device] += t.flops
-        elif isinstance(t, Send):
-            sent[t.device] += t.nbytes
-            received[t.dst] += t.nbytes
-            per_link[(t.device, t.dst)] = per_link.get((t.device, t.dst), 0) + t.nbytes
+        cost = s.costs[key]
+        device = key[0]
+        if isinstance(op, ir.Kernel | ir.Combine):
+            flops[device] += cost.flops
+        elif isinstance(op, ir.Recv):
+            sent[op.peer] += cost.nbytes
+            received[device] += cost.nbytes
+            per_link[(op.peer, device)] = per_link.get((op.peer, device), 0) + cost.nbytes
     seconds = max((sp.end for sp in times.values()), default=0.0)
-    blocks: dict[str, set[int]] = {}
-    for t in s.tasks:
-        if isinstance(t, Compute):
-            blocks.setdefault(t.node, set()).add(t.block)
     return Report(
         seconds,
         times,
@@ -77,77 +84,94 @@ def analyze(s: Schedule) -> Report:
         sent,
         received,
         per_link,
-        _peak_memory(s, times),
-        {k: len(v) for k, v in blocks.items()},
+        _peak_memory(s, graph, times),
+        {k: len(v) for k, v in s.blocks.items()},
     )
 
 
-def _by_readiness(s: Schedule, times: dict[int, Span]) -> Iterator[Task]:
-    """Tasks in the order their inputs become ready (program order among equals): each resource
-    runs what is ready first, so a transfer never waits behind one whose data comes later.
-    ``times`` is filled by the caller as each task is placed."""
-    pending = {t.id: len(set(t.deps)) for t in s.tasks}
-    readers: dict[int, list[int]] = {}
-    for t in s.tasks:
-        for d in set(t.deps):
-            readers.setdefault(d, []).append(t.id)
-    heap = [(0.0, t.id) for t in s.tasks if not pending[t.id]]
-    heapq.heapify(heap)
-    while heap:
-        _, k = heapq.heappop(heap)
-        yield s.tasks[k]
-        for r in readers.get(k, ()):
-            pending[r] -= 1
-            if not pending[r]:
-                heapq.heappush(heap, (max(times[d].end for d in s.tasks[r].deps), r))
+class _Dag:
+    """The ops of every device (frees aside) with what each waits for: the ops that make the
+    buffers it reads, and for a receive, its send."""
+
+    def __init__(self, s: Schedule) -> None:
+        self.op: dict[Key, ir.Op] = {}
+        self.deps: dict[Key, list[Key]] = {}
+        self.maker: dict[int, Key] = {}
+        self.order: dict[Key, int] = {}  # synthesis order: buffers and tags are numbered in it
+        send_of: dict[int, Key] = {}
+        for device, k, op in s.programs.ops():
+            if isinstance(op, ir.Free):
+                continue
+            key = (device, k)
+            self.op[key] = op
+            self.deps[key] = sorted({self.maker[b] for b in ir.reads(op)})
+            if isinstance(op, ir.DEFINES):
+                self.maker[op.buf] = key
+            if isinstance(op, ir.Send):
+                send_of[op.tag] = key
+            self.order[key] = op.tag if isinstance(op, ir.Send) else op.buf
+        for key, op in self.op.items():
+            if isinstance(op, ir.Recv):
+                self.deps[key].append(send_of[op.tag])
+
+    def by_readiness(self, times: dict[Key, Span]) -> Iterator[Key]:
+        """Ops in the order their inputs become ready (synthesis order among equals): each
+        resource runs what is ready first, so a transfer never waits behind one whose data comes
+        later.  ``times`` is filled by the caller as each op is placed."""
+        pending = {k: len(set(d)) for k, d in self.deps.items()}
+        readers: dict[Key, list[Key]] = {}
+        for k, deps in self.deps.items():
+            for d in set(deps):
+                readers.setdefault(d, []).append(k)
+        heap = [(0.0, self.order[k], k) for k, c in pending.items() if not c]
+        heapq.heapify(heap)
+        while heap:
+            _, _, k = heapq.heappop(heap)
+            yield k
+            for r in readers.get(k, ()):
+                pending[r] -= 1
+                if not pending[r]:
+                    heapq.heappush(heap, (max(times[d].end for d in self.deps[r]), self.order[r], r))
 
 
-def _cost(s: Schedule, t: Task) -> tuple[float, list[tuple[Any, ...]]]:
+def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[Any, ...]]]:
     topo = s.topology
-    if isinstance(t, Load):
-        return 0.0, []
-    if isinstance(t, Compute | Combine):
-        return compute_seconds(t.flops, t.nbytes, topo.devices[t.device], topo), [("compute", t.device)]
-    assert isinstance(t, Send)
-    link = topo.link(t.device, t.dst)
-    return transfer_seconds(t.nbytes, link), [("out", t.device, link.name), ("in", t.dst, link.name)]
+    device = key[0]
+    cost = s.costs[key]
+    if isinstance(op, ir.Kernel | ir.Combine):
+        return compute_seconds(cost.flops, cost.nbytes, topo.devices[device], topo), [("compute", device)]
+    if isinstance(op, ir.Recv):
+        link = topo.link(op.peer, device)
+        return transfer_seconds(cost.nbytes, link), [("out", op.peer, link.name), ("in", device, link.name)]
+    return 0.0, []  # loads and sends
 
 
-def _readers(s: Schedule) -> dict[int, list[int]]:
-    """For every buffer, the tasks that read it."""
-    out: dict[int, list[int]] = {}
-    for t in s.tasks:
-        if isinstance(t, Compute):
-            for parts in t.reads:
-                for buf, _ in parts:
-                    out.setdefault(buf, []).append(t.id)
-        elif isinstance(t, Send):
-            out.setdefault(t.source, []).append(t.id)
-        elif isinstance(t, Combine):
-            for buf in t.sources:
-                out.setdefault(buf, []).append(t.id)
-    return out
-
-
-def _peak_memory(s: Schedule, times: dict[int, Span]) -> dict[int, int]:
-    readers = _readers(s)
-    keep = {buf for entries in s.outputs.values() for e in entries for buf in e.holders.values()}
-    events: dict[int, list[tuple[float, int]]] = {d: [] for d in range(s.plan.n_devices)}
-    for buf in s.buffers.values():
-        nbytes = buf.region.size * dtypes.itemsize(s.graph.relation(buf.relation).dtype)
-        task = s.tasks[buf.task]
-        born = times[buf.task].start
-        resident = isinstance(task, Load) or buf.task in keep or buf.task not in readers
-        events[buf.device].append((born, nbytes))
-        # Resident buffers are never freed.  (Freeing them at the schedule's end freed them before
-        # they were counted when the schedule ends as it starts: only loads, every block empty.)
-        if not resident:
-            events[buf.device].append((max(times[r].end for r in readers[buf.task]), -nbytes))
+def _peak_memory(s: Schedule, dag: _Dag, times: dict[Key, Span]) -> dict[int, int]:
+    events: dict[int, list[tuple[float, int]]] = {d: [] for d in range(s.programs.n_devices)}
+    for prog in s.programs.devices:
+        readers: dict[int, list[Key]] = {}
+        born: dict[int, tuple[float, int]] = {}
+        for k, op in enumerate(prog.ops):
+            key = (prog.device, k)
+            if isinstance(op, ir.Free):
+                start, nbytes = born.pop(op.buf)
+                end = max((times[r].end for r in readers.get(op.buf, ())), default=start)
+                events[prog.device].append((end, -nbytes))
+                continue
+            for b in ir.reads(op):
+                readers.setdefault(b, []).append(key)
+            if isinstance(op, ir.DEFINES):
+                # Counted in the relation's type, as the solver's memory model counts it.
+                nbytes = region_bytes(op.region, s.graph.relation(op.relation).dtype)
+                born[op.buf] = (times[key].start, nbytes)
+                events[prog.device].append((times[key].start, nbytes))
+                if op.buf not in readers:
+                    readers[op.buf] = [key]  # unread: gone when the op that made it ends
     peak = {}
     for d, evs in events.items():
         live = top = 0
-        # At equal times frees go first: a buffer read by the task that makes the next one is
-        # gone when that task ends, and a new buffer starts when its task starts.
+        # At equal times frees go first: a buffer read by the op that makes the next one is
+        # gone when that op ends, and a new buffer starts when its op starts.
         for _, delta in sorted(evs, key=lambda e: (e[0], e[1])):
             live += delta
             top = max(top, live)
@@ -160,43 +184,26 @@ def chrome_trace(s: Schedule, report: Report) -> dict[str, Any]:
     device, with lanes for compute, sends and receives."""
     events: list[dict[str, Any]] = []
     lanes = {"compute": 0, "send": 1, "recv": 2}
-    for d in range(s.plan.n_devices):
+    for d in range(s.programs.n_devices):
         events.append({"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d}"}})
         for lane, tid in lanes.items():
             events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": tid, "args": {"name": lane}})
-    for t in s.tasks:
-        sp = report.times[t.id]
-        base = {"ts": sp.start * 1e6, "dur": max(sp.end - sp.start, 0.0) * 1e6, "ph": "X"}
-        if isinstance(t, Compute):
-            events.append(
-                {
-                    **base,
-                    "name": t.node,
-                    "cat": "compute",
-                    "pid": t.device,
-                    "tid": 0,
-                    "args": {"block": t.block, "flops": t.flops, "bytes": t.nbytes},
-                }
-            )
-        elif isinstance(t, Combine):
-            events.append(
-                {
-                    **base,
-                    "name": f"combine {t.relation}",
-                    "cat": "reduce",
-                    "pid": t.device,
-                    "tid": 0,
-                    "args": {"sources": len(t.sources), "bytes": t.nbytes},
-                }
-            )
-        elif isinstance(t, Send):
-            args = {"bytes": t.nbytes, "region": str(t.region)}
-            events.append(
-                {**base, "name": f"{t.relation} -> {t.dst}", "cat": "send", "pid": t.device, "tid": 1, "args": args}
-            )
-            events.append(
-                {**base, "name": f"{t.relation} <- {t.device}", "cat": "recv", "pid": t.dst, "tid": 2, "args": args}
-            )
+    for (device, k), sp in sorted(report.times.items()):
+        op = s.programs.devices[device].ops[k]
+        cost = s.costs[(device, k)]
+        base = {"ts": sp.start * 1e6, "dur": max(sp.end - sp.start, 0.0) * 1e6, "ph": "X", "pid": device}
+        if isinstance(op, ir.Kernel):
+            block = {i: [lo, hi] for i, lo, hi in op.ranges}
+            args = {"block": block, "flops": cost.flops, "bytes": cost.nbytes}
+            events.append({**base, "name": op.node, "cat": "compute", "tid": 0, "args": args})
+        elif isinstance(op, ir.Combine):
+            args = {"sources": len(op.sources), "bytes": cost.nbytes}
+            events.append({**base, "name": f"combine {op.relation}", "cat": "reduce", "tid": 0, "args": args})
+        elif isinstance(op, ir.Recv):
+            args = {"bytes": cost.nbytes, "region": str(op.region)}
+            events.append({**base, "name": f"{op.relation} <- {op.peer}", "cat": "recv", "tid": 2, "args": args})
+            out = {**base, "pid": op.peer, "name": f"{op.relation} -> {device}", "cat": "send", "tid": 1}
+            events.append({**out, "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"predicted_ms": report.seconds * 1e3}}
 
 

@@ -312,16 +312,15 @@ def _relation_view(plan: Plan, name: str) -> dict[str, Any]:
     rel = graph.relation(name)
     computed = []
     for node in graph.producers(name):
-        blocks = {t.block: t for t in plan.schedule.of_compute(node.name)}
+        done = plan.schedule.blocks.get(node.name, set())
         for block in plan.ir.node(node.name).tile.blocks():
-            task = blocks.get(block.index)
             computed.append(
                 {
                     "rule": node.name,
                     "block": block.index,
                     "ranges": _ranges_json(block.ranges),
                     "devices": list(block.devices),
-                    "empty": task is None,
+                    "empty": block.index not in done,
                 }
             )
     layout = plan.schedule.outputs.get(name) if name in graph.outputs else plan.schedule.layout.get(name)

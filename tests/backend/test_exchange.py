@@ -3,6 +3,7 @@ traffic is exactly what the plan implies."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -12,8 +13,9 @@ import pytest
 
 import edatalog
 from edatalog.backend import sim
-from edatalog.backend.exchange import Send, synthesize
+from edatalog.backend.exchange import synthesize
 from edatalog.backend.timeline import analyze, chrome_trace
+from edatalog.ir import program as ir
 from edatalog.solver.blocks import Layout
 from edatalog.solver.costmodel import transfer_seconds
 from edatalog.solver.costs import Costs
@@ -151,10 +153,16 @@ def test_timeline_respects_dependencies_and_resources() -> None:
     prog = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
     plan = edatalog.plan(prog, topology="a100x4", strategy="megatron")
     times = plan.report.times
-    for t in plan.schedule.tasks:
-        assert all(times[d].end <= times[t.id].start + 1e-15 for d in t.deps)
+    ops = {(d, k): op for d, k, op in plan.schedule.programs.ops() if not isinstance(op, ir.Free)}
+    maker = {op.buf: key for key, op in ops.items() if isinstance(op, ir.DEFINES)}
+    send_at = {op.tag: key for key, op in ops.items() if isinstance(op, ir.Send)}
+    for key, op in ops.items():
+        waits = [maker[b] for b in ir.reads(op)] + ([send_at[op.tag]] if isinstance(op, ir.Recv) else [])
+        assert all(times[w].end <= times[key].start + 1e-15 for w in waits)
     compute = sorted(
-        (times[t.id].start, times[t.id].end) for t in plan.schedule.tasks if t.device == 0 and not isinstance(t, Send)
+        (times[key].start, times[key].end)
+        for key, op in ops.items()
+        if key[0] == 0 and isinstance(op, ir.Kernel | ir.Combine)
     )
     assert all(a[1] <= b[0] + 1e-15 for a, b in itertools.pairwise(compute))  # one kernel at a time
 
@@ -163,7 +171,12 @@ def test_reading_data_a_device_does_not_hold_is_an_error() -> None:
     prog = _llama(B=1, S=4, D=32, H=4, KVH=4, F=16)
     plan = build(prog.graph, preset("a100x2"), "megatron")
     schedule = synthesize(prog.graph, plan, preset("a100x2"))
-    schedule.tasks = [t for t in schedule.tasks if not isinstance(t, Send)]  # drop every transfer
+    progs = schedule.programs
+    devices = tuple(  # drop every transfer
+        dataclasses.replace(p, ops=tuple(op for op in p.ops if not isinstance(op, ir.Send | ir.Recv)))
+        for p in progs.devices
+    )
+    schedule = dataclasses.replace(schedule, programs=dataclasses.replace(progs, devices=devices))
     with pytest.raises(sim.SimError, match="does not hold"):
         sim.run(schedule, prog.prepare(prog.random_inputs(0)))
 
@@ -286,13 +299,14 @@ def _check_sends(prog: edatalog.Program, plan: Plan, n: int, halo: dict[int, tup
     against its formula."""
     topo = preset(f"a100x{n}")
     schedule = synthesize(prog.graph, plan, topo)
-    sends = [t for t in schedule.tasks if isinstance(t, Send)]
-    assert sorted(t.dst for t in sends) == sorted(halo)
+    sends = [(d, op) for d, _, op in schedule.programs.ops() if isinstance(op, ir.Send)]
+    assert sorted(op.peer for _, op in sends) == sorted(halo)
     shape = prog.graph.relation("x").shape
-    for t in sends:
-        assert t.relation == "x" and t.device != t.dst
-        want = tuple(((halo[t.dst]),) if k == axis else ((0, e),) for k, e in enumerate(shape))
-        assert t.region.axes == want, (t.dst, t.region)
+    loads = {op.buf: op.relation for _, _, op in schedule.programs.ops() if isinstance(op, ir.Load)}
+    for d, op in sends:
+        assert loads.get(op.buf) == "x" and d != op.peer
+        want = tuple(((halo[op.peer]),) if k == axis else ((0, e),) for k, e in enumerate(shape))
+        assert op.region.axes == want, (op.peer, op.region)
     values = prog.prepare(prog.random_inputs(seed=n))
     expected = prog.evaluate(values)
     got = sim.run(schedule, values)

@@ -29,21 +29,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 import warnings
 from collections.abc import Mapping
 from typing import TypeAlias
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import edatalog
 from edatalog.backend import sim
-from edatalog.backend.exchange import REDUCTIONS, Combine, Compute, Entry, Load, Schedule, Send, Task, synthesize
+from edatalog.backend.exchange import REDUCTIONS, Entry, Schedule, synthesize
 from edatalog.backend.reference import Value
 from edatalog.backend.timeline import Report, analyze
 from edatalog.errors import EdlWarning
 from edatalog.ir import dtypes
+from edatalog.ir import program as ir
+from edatalog.ir.graph import VerifyError
 from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.strategies import random_plan
@@ -114,17 +118,6 @@ def _itemsize(s: Schedule, relation: str) -> int:
     return dtypes.itemsize(s.graph.relation(relation).dtype)
 
 
-def _reads(t: Task) -> list[tuple[int, Region | None]]:
-    """The buffers a task reads, with the region it reads of each (None: the task's own region)."""
-    if isinstance(t, Compute):
-        return [(buf, region) for parts in t.reads for buf, region in parts]
-    if isinstance(t, Send):
-        return [(t.source, t.region)]
-    if isinstance(t, Combine):
-        return [(buf, t.region) for buf in t.sources]
-    return []
-
-
 def _cells(mask: np.ndarray, region: Region) -> np.ndarray:
     """The cells of ``region`` in a mask over a whole relation, as a new array."""
     return Region.whole(mask.shape).cut(mask, region)
@@ -134,29 +127,32 @@ def _mark(mask: np.ndarray, region: Region) -> None:
     mask[region.at(Region.whole(mask.shape))] = True
 
 
+def _sends(s: Schedule) -> list[tuple[int, ir.Send]]:
+    return [(d, op) for d, _, op in s.programs.ops() if isinstance(op, ir.Send)]
+
+
 def _check_schedule(s: Schedule) -> None:
-    for k, t in enumerate(s.tasks):
-        assert t.id == k, f"task {k} has id {t.id}"
-        for dep in t.deps:
-            assert 0 <= dep < t.id, f"task {t.id} depends on task {dep}, which does not run before it"
-        for buf, region in _reads(t):
-            assert buf in s.buffers, f"task {t.id} reads {buf}, which is no buffer"
-            b = s.buffers[buf]
-            assert b.device == t.device, f"task {t.id} on device {t.device} reads buffer {buf} of device {b.device}"
-            assert b.task in t.deps, f"task {t.id} reads buffer {buf} but does not wait for task {b.task}"
-            if region is not None:
-                assert b.region.contains(region), f"task {t.id} reads {region} outside buffer {buf}'s {b.region}"
-        if isinstance(t, Load | Send):
-            expect = t.region.size * _itemsize(s, t.relation)
-            assert t.nbytes == expect, f"task {t.id} moves {t.nbytes} bytes of {t.region}: expected {expect}"
-        if isinstance(t, Send):
-            assert t.dst != t.device, f"send {t.id} from device {t.device} to itself"
-            assert not t.region.empty, f"send {t.id} sends nothing"
-            assert s.buffers[t.id].device == t.dst and s.buffers[t.id].region.same(t.region)
-    _check_no_double_receive(s)
+    """The programs' own invariants (reads defined and covered, sends and receives paired, no
+    wait cycle), then what the IR cannot know: loads and transfers cost their cells' bytes,
+    and nothing is received twice."""
+    s.programs.verify()
+    relation_of = {op.buf: op.relation for _, _, op in s.programs.ops() if isinstance(op, ir.DEFINES)}
+    for d, k, op in s.programs.ops():
+        cost = s.costs.get((d, k))
+        if isinstance(op, ir.Free):
+            assert cost is None, f"device {d}: a free has a cost"
+            continue
+        assert cost is not None, f"device {d}: {op} has no cost"
+        if isinstance(op, ir.Load | ir.Recv | ir.Send):
+            relation = op.relation if isinstance(op, ir.Load | ir.Recv) else relation_of[op.buf]
+            expect = op.region.size * _itemsize(s, relation)
+            assert cost.nbytes == expect, f"device {d}: {op} moves {cost.nbytes} bytes: expected {expect}"
+        if isinstance(op, ir.Send):
+            assert not op.region.empty, f"device {d}: {op} sends nothing"
+    _check_no_double_receive(s, relation_of)
 
 
-def _check_no_double_receive(s: Schedule) -> None:
+def _check_no_double_receive(s: Schedule, relation_of: Mapping[int, str]) -> None:
     """No device receives a cell twice from the same piece of a relation's final layout (or from
     the same partial result, for sends of a reduction), nor a piece it already holds."""
     pieces: dict[int, list[tuple[int, Entry]]] = {}  # buffer -> (piece number, entry) it holds
@@ -165,55 +161,64 @@ def _check_no_double_receive(s: Schedule) -> None:
             for buf in e.holders.values():
                 pieces.setdefault(buf, []).append((k, e))
     received: dict[tuple[int, str, str, int], np.ndarray] = {}
-    for t in s.tasks:
-        if not isinstance(t, Send):
-            continue
-        shape = s.graph.relation(t.relation).shape
-        piece = next(((k, e) for k, e in pieces.get(t.source, []) if e.region.contains(t.region)), None)
+    for _, op in _sends(s):
+        relation = relation_of[op.buf]
+        shape = s.graph.relation(relation).shape
+        piece = next(((k, e) for k, e in pieces.get(op.buf, []) if e.region.contains(op.region)), None)
         if piece is not None:
             k, e = piece
-            assert t.dst not in e.holders, f"send {t.id}: device {t.dst} already holds piece {k} of {t.relation}"
-            key = (t.dst, t.relation, "piece", k)
+            assert op.peer not in e.holders, f"{op}: device {op.peer} already holds piece {k} of {relation}"
+            key = (op.peer, relation, "piece", k)
         else:
-            key = (t.dst, t.relation, "partial", t.source)
+            key = (op.peer, relation, "partial", op.buf)
         mask = received.setdefault(key, np.zeros(shape, dtype=bool))
-        assert not _cells(mask, t.region).any(), (
-            f"send {t.id}: device {t.dst} receives cells of {t.relation} {t.region} "
-            f"from {key[2]} {key[3]} a second time"
+        assert not _cells(mask, op.region).any(), (
+            f"{op}: device {op.peer} receives cells of {relation} {op.region} from {key[2]} {key[3]} a second time"
         )
-        _mark(mask, t.region)
+        _mark(mask, op.region)
 
 
 def _check_report(s: Schedule, r: Report) -> None:
-    assert set(r.times) == {t.id for t in s.tasks}
-    for t in s.tasks:
-        span = r.times[t.id]
-        assert 0.0 <= span.start <= span.end, f"task {t.id}: span {span}"
-        for dep in t.deps:
-            assert r.times[dep].end <= span.start, f"task {t.id} starts at {span.start}, before task {dep} ends"
+    ops = {(d, k): op for d, k, op in s.programs.ops() if not isinstance(op, ir.Free)}
+    assert set(r.times) == set(ops)
+    maker = {op.buf: key for key, op in ops.items() if isinstance(op, ir.DEFINES)}
+    send_at = {op.tag: key for key, op in ops.items() if isinstance(op, ir.Send)}
+    for key, op in ops.items():
+        span = r.times[key]
+        assert 0.0 <= span.start <= span.end, f"{op}: span {span}"
+        waits = [maker[b] for b in ir.reads(op)] + ([send_at[op.tag]] if isinstance(op, ir.Recv) else [])
+        for dep in waits:
+            assert r.times[dep].end <= span.start + 1e-15, f"{op} starts at {span.start}, before {dep} ends"
     assert r.seconds == max((sp.end for sp in r.times.values()), default=0.0)
     for d in range(s.plan.n_devices):
         kernels = sorted(
-            (r.times[t.id].start, r.times[t.id].end)
-            for t in s.tasks
-            if t.device == d and isinstance(t, Compute | Combine)
+            (r.times[key].start, r.times[key].end)
+            for key, op in ops.items()
+            if key[0] == d and isinstance(op, ir.Kernel | ir.Combine)
         )
-        for (_, end), (start, _) in itertools.pairwise(kernels):
-            assert end <= start, f"device {d}: kernels overlap"
-    sends = [t for t in s.tasks if isinstance(t, Send)]
+        for a, b in itertools.pairwise(kernels):
+            assert a[1] <= b[0], f"device {d}: kernels overlap"
+    recvs = [(key, op) for key, op in ops.items() if isinstance(op, ir.Recv)]
     per_link: dict[tuple[int, int], int] = {}
-    for t in sends:
-        per_link[(t.device, t.dst)] = per_link.get((t.device, t.dst), 0) + t.nbytes
+    for (d, k), op in recvs:
+        per_link[(op.peer, d)] = per_link.get((op.peer, d), 0) + s.costs[(d, k)].nbytes
     assert r.bytes_per_link == per_link
-    assert r.bytes_moved == sum(t.nbytes for t in sends)
+    assert r.bytes_moved == sum(s.costs[key].nbytes for key, _ in recvs)
     for d in range(s.plan.n_devices):
-        assert r.sent[d] == sum(t.nbytes for t in sends if t.device == d)
-        assert r.received[d] == sum(t.nbytes for t in sends if t.dst == d)
-        assert r.flops[d] == sum(t.flops for t in s.tasks if t.device == d and isinstance(t, Compute | Combine))
-        assert r.flops[d] >= 0
-        resident = sum(t.nbytes for t in s.tasks if t.device == d and isinstance(t, Load))
+        assert r.sent[d] == sum(s.costs[key].nbytes for key, op in recvs if op.peer == d)
+        assert r.received[d] == sum(s.costs[key].nbytes for key, _ in recvs if key[0] == d)
+        kernel_flops = [
+            s.costs[key].flops for key, op in ops.items() if key[0] == d and isinstance(op, ir.Kernel | ir.Combine)
+        ]
+        assert r.flops[d] == sum(kernel_flops) and r.flops[d] >= 0
+        resident = sum(s.costs[key].nbytes for key, op in ops.items() if key[0] == d and isinstance(op, ir.Load))
         largest = max(
-            (b.region.size * _itemsize(s, b.relation) for b in s.buffers.values() if b.device == d), default=0
+            (
+                op.region.size * _itemsize(s, op.relation)
+                for key, op in ops.items()
+                if key[0] == d and isinstance(op, ir.DEFINES)
+            ),
+            default=0,
         )
         assert r.peak_memory[d] >= max(resident, largest), f"device {d}: peak memory {r.peak_memory[d]}"
 
@@ -235,11 +240,12 @@ def _check_outputs(s: Schedule, inputs: dict[str, np.ndarray], want: dict[str, V
                         _mark(held, e.region)
                 missing = _cells(present & ~held, region)
                 assert not missing.any(), f"output {p.relation}: device {d} lacks cells of its block {region}"
+    made = {op.buf: (d, op) for d, _, op in s.programs.ops() if isinstance(op, ir.DEFINES)}
     for name, entries in s.outputs.items():
         for e in entries:
             for d, buf in e.holders.items():
-                b = s.buffers[buf]
-                assert b.device == d and b.relation == name and b.region.contains(e.region), f"output {name}: {b}"
+                device, op = made[buf]
+                assert device == d and op.relation == name and op.region.contains(e.region), f"output {name}: {op}"
     replicas = max((len(e.holders) for entries in s.outputs.values() for e in entries), default=1)
     for turn in range(replicas):
         outputs = {
@@ -270,6 +276,57 @@ def _check(prog: edatalog.Program, values: dict[str, np.ndarray], topology: str,
 @given(cases())
 def test_sim_matches_reference(case: Case) -> None:
     _check(case.gen.compile(), case.gen.inputs, case.topology, case.reduction, case.seed)
+
+
+@example_settings("EDL_SIM_EXAMPLES", 100)
+@given(cases(), st.integers(0, 2**32 - 1))
+def test_any_interleaving_of_the_devices_gives_the_reference(case: Case, order: int) -> None:
+    """Devices take turns one op at a time in a random order (a receive waits for its send):
+    the programs must not rely on one global order, as real devices and ranks do not."""
+    prog = case.gen.compile()
+    machine = preset(case.topology)
+    schedule = synthesize(prog.graph, random_plan(prog.graph, machine, case.seed), machine, case.reduction)
+    inputs = prog.prepare(case.gen.inputs)
+    want = prog.evaluate(inputs)
+    got = sim.run(schedule, inputs, interleave=random.Random(order))
+    for name in prog.graph.outputs:
+        _assert_matches(name, got[name], want[name])
+
+
+def test_programs_that_wait_for_each_other_are_refused() -> None:
+    """Device 0 receives before it sends, and so does device 1: each waits for the other forever.
+    ``verify`` finds the cycle, and the simulator reports where the devices are stuck."""
+    region = Region.whole((2,))
+    progs = ir.Programs(
+        "none",
+        (("x", (2,), "f64"),),
+        (
+            ir.DeviceProgram(
+                0, (ir.Load(0, "x", region, "f64"), ir.Recv(2, 1, 11, "x", region, "f64"), ir.Send(0, 1, 10, region))
+            ),
+            ir.DeviceProgram(
+                1, (ir.Load(1, "x", region, "f64"), ir.Recv(3, 0, 10, "x", region, "f64"), ir.Send(1, 0, 11, region))
+            ),
+        ),
+        (),
+    )
+    with pytest.raises(VerifyError, match="deadlock"):
+        progs.verify()
+    prog = _compile("dim N = 2.\ninput x[N] : f64.\ny[i] = x[i].\n")
+    schedule = synthesize(prog.graph, random_plan(prog.graph, preset("a100x2"), 0), preset("a100x2"))
+    with pytest.raises(sim.SimError, match="wait forever"):
+        sim.run(dataclasses.replace(schedule, programs=progs), {"x": np.zeros(2)})
+
+
+def test_device_programs_round_trip_through_json() -> None:
+    prog = _compile("dim N = 6.\ninput x[N, N] : f64.\ns[i] += x[i, j] * x[j, i] where j <= i.\n")
+    machine = preset("a100x3")
+    schedule = synthesize(prog.graph, random_plan(prog.graph, machine, 3), machine)
+    text = schedule.programs.to_json()
+    again = ir.Programs.from_json(text)
+    assert again == schedule.programs and again.fingerprint() == schedule.programs.fingerprint()
+    with pytest.raises(ValueError, match="unknown IR object type"):
+        ir.Programs.from_json(text.replace('"Recv"', '"os.system"', 1))
 
 
 # -- '=' rules whose blocks overlap ------------------------------------------------------------------
@@ -408,7 +465,7 @@ def test_peak_memory_counts_inputs_when_nothing_is_computed() -> None:
     equal times: peak memory came out as 0."""
     prog = _compile("dim N = 2.\ninput x[N] : f64.\nr[i] = x[i] where i < i.\n")
     schedule = _run_hand(prog, _plan(prog, 1, {"r": ((0, 2), ((0,),))}), {"x": np.ones(2)})
-    assert all(isinstance(t, Load) for t in schedule.tasks)
+    assert all(isinstance(op, ir.Load) for _, _, op in schedule.programs.ops())
     assert analyze(schedule).peak_memory == {0: 16}
 
 

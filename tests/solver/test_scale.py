@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import edatalog
-from edatalog.backend.exchange import Combine, Compute, Load, Schedule, Send
+from edatalog.backend.exchange import Schedule
+from edatalog.ir import program as ir
 from edatalog.ir.regions import Region
 from edatalog.plans import Plan
 from edatalog.solver import auto
@@ -73,7 +74,7 @@ def _seq(plan: Plan, name: str) -> set[str]:
 
 
 def _schedule_shape(s: Schedule, scale: int) -> list[tuple[object, ...]]:
-    """Every task: its kind, device, what it moves or computes, its dependencies, and its region
+    """Every op: its kind, device and place, what it moves or computes, and its region or block
     with the sequence axis (axis 1 of every relation that has one) divided by ``scale``."""
 
     def region(r: Region, relation: str) -> tuple[object, ...]:
@@ -83,16 +84,16 @@ def _schedule_shape(s: Schedule, scale: int) -> list[tuple[object, ...]]:
         )
 
     out: list[tuple[object, ...]] = []
-    for t in s.tasks:
-        if isinstance(t, Load):
-            out.append(("load", t.device, t.relation, region(t.region, t.relation)))
-        elif isinstance(t, Compute):
-            out.append(("compute", t.device, t.node, t.block, tuple(t.deps)))
-        elif isinstance(t, Send):
-            out.append(("send", t.device, t.dst, t.relation, tuple(t.deps), region(t.region, t.relation)))
+    for d, k, op in s.programs.ops():
+        if isinstance(op, ir.Load | ir.Recv | ir.Combine):
+            out.append((type(op).__name__, d, k, op.relation, region(op.region, op.relation)))
+        elif isinstance(op, ir.Kernel):
+            block = tuple((i, lo // scale, hi // scale) if i == "s" else (i, lo, hi) for i, lo, hi in op.ranges)
+            out.append(("kernel", d, k, op.node, block))
+        elif isinstance(op, ir.Send):
+            out.append(("send", d, k, op.peer))
         else:
-            assert isinstance(t, Combine)
-            out.append(("combine", t.device, t.relation, tuple(t.deps), region(t.region, t.relation)))
+            out.append(("free", d, k))
     return out
 
 

@@ -1,0 +1,322 @@
+"""Per-device programs: what every device executes, in order; the IR that exchange synthesis
+emits and that every runtime runs (the simulator, torch on logical devices in one process, and
+torch across processes, where rank ``r`` runs device ``r``'s program).
+
+Ops that make data define a *buffer*: an integer, unique across the programs of one plan, that
+names a region of one relation held on one device, in one element type.  An op reads only
+buffers defined earlier on its own device (and not freed); data crosses devices only through a
+:class:`Send` on one device and the :class:`Recv` with the same tag on its peer.
+
+- :class:`Load`: the device's piece of an input or param, present at the start;
+- :class:`Kernel`: one block of one join-agg, its index ranges given (the block's kernel is the
+  join-agg restricted to them, :func:`edatalog.ir.rewrite.restrict`), reading its inputs from
+  local buffers; partial results of split aggregated indices included;
+- :class:`Send` / :class:`Recv`: a region of a buffer to a peer, and its arrival;
+- :class:`Combine`: partials of one region folded with the relation's aggregation;
+- :class:`Free`: a buffer no later op reads; what makes memory peaks real.
+
+Programs know nothing of time: what ops cost (FLOPs, bytes) is kept beside them, in
+:class:`OpCost` tables that the timeline reads.  ``verify()`` checks that every read is defined
+earlier on its device and covered by its buffer, that sends and receives pair up with equal
+regions and types, and that no device can wait forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from edatalog.ir import dtypes, intervals, serialize
+from edatalog.ir.graph import VerifyError
+from edatalog.ir.regions import Region
+
+Ranges = tuple[tuple[str, int, int], ...]  # (index, lo, hi) per index of a join-agg, [lo, hi)
+
+
+@dataclass(frozen=True)
+class Load:
+    buf: int
+    relation: str
+    region: Region
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"%{self.buf} = load {self.relation}{self.region}"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One block of the join-agg ``node`` over ``ranges``, writing ``region`` of its head
+    relation.  ``reads[k]`` are the buffers (and the part of the block's need each covers) that
+    together hold what the block reads of the node's input ``k``."""
+
+    buf: int
+    node: str
+    ranges: Ranges
+    reads: tuple[tuple[tuple[int, Region], ...], ...]
+    relation: str
+    region: Region
+    dtype: str  # the node's compute type: partials of half types stay f32 until read
+
+    @property
+    def range_map(self) -> dict[str, tuple[int, int]]:
+        return {i: (lo, hi) for i, lo, hi in self.ranges}
+
+    def __str__(self) -> str:
+        block = ", ".join(f"{i}={lo}:{hi}" for i, lo, hi in self.ranges)
+        reads = "; ".join(", ".join(f"%{b}{r}" for b, r in parts) for parts in self.reads)
+        return f"%{self.buf} = kernel {self.node}[{block}] ({reads}) -> {self.relation}{self.region}"
+
+
+@dataclass(frozen=True)
+class Send:
+    buf: int  # the local buffer sent from
+    peer: int
+    tag: int
+    region: Region  # the part of the buffer's region sent
+
+    def __str__(self) -> str:
+        return f"send %{self.buf}{self.region} -> device {self.peer} #{self.tag}"
+
+
+@dataclass(frozen=True)
+class Recv:
+    buf: int
+    peer: int
+    tag: int
+    relation: str
+    region: Region
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"%{self.buf} = recv {self.relation}{self.region} <- device {self.peer} #{self.tag}"
+
+
+@dataclass(frozen=True)
+class Combine:
+    """``sources`` (local buffers, each covering ``region``) folded with the relation's
+    aggregation; a cell exists where some source has it."""
+
+    buf: int
+    relation: str
+    region: Region
+    sources: tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"%{self.buf} = combine {self.relation}{self.region} ({', '.join(f'%{b}' for b in self.sources)})"
+
+
+@dataclass(frozen=True)
+class Free:
+    buf: int
+
+    def __str__(self) -> str:
+        return f"free %{self.buf}"
+
+
+Op = Load | Kernel | Send | Recv | Combine | Free
+DEFINES = (Load, Kernel, Recv, Combine)  # the ops that make a buffer
+
+
+def reads(op: Op) -> tuple[int, ...]:
+    """The buffers an op reads (a Free "reads" the buffer it ends)."""
+    if isinstance(op, Kernel):
+        return tuple(dict.fromkeys(b for parts in op.reads for b, _ in parts))
+    if isinstance(op, Combine):
+        return op.sources
+    if isinstance(op, Send | Free):
+        return (op.buf,)
+    return ()
+
+
+@dataclass(frozen=True)
+class DeviceProgram:
+    device: int
+    ops: tuple[Op, ...]
+
+    def __str__(self) -> str:
+        return "\n".join([f"device {self.device}:", *(f"  {op}" for op in self.ops)])
+
+
+@dataclass(frozen=True)
+class OutputPiece:
+    """Where a piece of an output ends: ``region`` of ``relation`` in buffer ``buf`` on ``device``."""
+
+    relation: str
+    region: Region
+    device: int
+    buf: int
+
+
+@dataclass(frozen=True)
+class Programs:
+    """The programs of every device of a plan, for the graph with fingerprint ``graph``; the
+    relations' shapes and dtypes they move (for checking buffers without the graph), and where
+    each output ends."""
+
+    graph: str
+    relations: tuple[tuple[str, tuple[int, ...], str], ...]  # name, shape, dtype
+    devices: tuple[DeviceProgram, ...]
+    outputs: tuple[OutputPiece, ...]
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.devices)
+
+    def ops(self) -> Iterator[tuple[int, int, Op]]:
+        """Every op with its device and position in that device's program."""
+        for prog in self.devices:
+            for k, op in enumerate(prog.ops):
+                yield prog.device, k, op
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in self.devices)
+
+    # -- invariants -----------------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Check every invariant (see the module docstring); :class:`VerifyError` on the first
+        broken one: a bug in whatever made the programs, never a user mistake."""
+        shapes = {name: (shape, dtype) for name, shape, dtype in self.relations}
+        defined: dict[int, tuple[int, str, Region, str]] = {}  # buf -> device, relation, region, dtype
+        sends: dict[int, tuple[int, int, Region, str]] = {}  # tag -> src, dst, region, dtype
+        recvs: dict[int, tuple[int, int, Region, str]] = {}
+        for p in self.devices:
+            _check(0 <= p.device < self.n_devices, f"program of unknown device {p.device}")
+            live: set[int] = set()
+            for op in p.ops:
+                where = f"device {p.device}: {op}"
+                for b in reads(op):
+                    _check(b in live, f"{where}: reads %{b}, which is not defined (or freed) on this device")
+                if isinstance(op, Kernel):
+                    for parts in op.reads:
+                        for b, part in parts:
+                            _check(defined[b][2].contains(part), f"{where}: %{b} does not cover {part}")
+                elif isinstance(op, Send):
+                    _, rel, region, dtype = defined[op.buf]
+                    _check(region.contains(op.region), f"{where}: %{op.buf} does not cover {op.region}")
+                    _check(op.tag not in sends, f"{where}: tag #{op.tag} sent twice")
+                    _check(op.peer != p.device, f"{where}: sends to itself")
+                    sends[op.tag] = (p.device, op.peer, op.region, dtype)
+                elif isinstance(op, Combine):
+                    for b in op.sources:
+                        _check(defined[b][2].contains(op.region), f"{where}: %{b} does not cover {op.region}")
+                if isinstance(op, Recv):
+                    _check(op.tag not in recvs, f"{where}: tag #{op.tag} received twice")
+                    recvs[op.tag] = (op.peer, p.device, op.region, op.dtype)
+                if isinstance(op, DEFINES):
+                    _check(op.buf not in defined, f"{where}: %{op.buf} defined twice")
+                    _check(op.relation in shapes, f"{where}: unknown relation {op.relation}")
+                    shape, _ = shapes[op.relation]
+                    _check(len(op.region.axes) == len(shape), f"{where}: region of rank {len(op.region.axes)}")
+                    _check(
+                        all(
+                            not a or (a[0][0] >= 0 and a[-1][1] <= n)
+                            for a, n in zip(op.region.axes, shape, strict=True)
+                        ),
+                        f"{where}: region outside {op.relation}{list(shape)}",
+                    )
+                    _check(op.dtype in dtypes.DTYPES, f"{where}: bad dtype {op.dtype}")
+                    defined[op.buf] = (p.device, op.relation, op.region, op.dtype)
+                    live.add(op.buf)
+                if isinstance(op, Free):
+                    live.discard(op.buf)
+        _check(set(sends) == set(recvs), f"unpaired sends or receives: tags {sorted(set(sends) ^ set(recvs))}")
+        for tag, s in sends.items():
+            r = recvs[tag]
+            _check(s[:2] == r[:2], f"#{tag}: sent {s[0]} -> {s[1]} but received {r[0]} <- {r[1]}")
+            _check(s[2] == r[2], f"#{tag}: sent {s[2]} but received {r[2]}")
+            _check(s[3] == r[3], f"#{tag}: sent {s[3]} but received {r[3]}")
+        for out in self.outputs:
+            _check(out.buf in defined, f"output piece of {out.relation} in unknown %{out.buf}")
+            dev, rel, region, _ = defined[out.buf]
+            _check(dev == out.device and rel == out.relation, f"output piece %{out.buf} is not {out.relation}")
+            _check(region.contains(out.region), f"output piece %{out.buf} does not cover {out.region}")
+        order = run_order(self)
+        _check(len(order) == sum(len(p.ops) for p in self.devices), "the programs can deadlock: a wait cycle")
+
+    # -- JSON -----------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return serialize.dumps(self)
+
+    @staticmethod
+    def from_json(text: str) -> Programs:
+        """Programs written by :meth:`to_json`, verified; ValueError for anything else."""
+        try:
+            progs = serialize.loads(text, PROGRAM_CLASSES)
+        except TypeError as exc:
+            raise ValueError(f"malformed programs: {exc}") from None
+        if not isinstance(progs, Programs):
+            raise ValueError("JSON does not hold device programs")
+        try:
+            progs.verify()
+        except VerifyError as exc:
+            raise ValueError(f"the programs in this JSON are inconsistent: {exc}") from None
+        return progs
+
+    def fingerprint(self) -> str:
+        """A hash of what the programs do: ranks compare it before running together."""
+        blob = json.dumps(serialize.encode(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_order(progs: Programs) -> list[tuple[int, int]]:
+    """(device, position) of every op in an order a runtime could run them: each device in
+    program order, a receive after its send.  Shorter than the op count when the programs would
+    wait for each other forever."""
+    position = dict.fromkeys(range(progs.n_devices), 0)
+    sent: set[int] = set()
+    order: list[tuple[int, int]] = []
+    progress = True
+    while progress:
+        progress = False
+        for p in progs.devices:
+            k = position[p.device]
+            while k < len(p.ops):
+                op = p.ops[k]
+                if isinstance(op, Recv) and op.tag not in sent:
+                    break
+                if isinstance(op, Send):
+                    sent.add(op.tag)
+                order.append((p.device, k))
+                k += 1
+                progress = True
+            position[p.device] = k
+    return order
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """What an op costs: floating-point operations and the bytes it reads and writes (for a
+    send or receive: the bytes moved)."""
+
+    flops: int
+    nbytes: int
+
+
+def region_bytes(region: Region, dtype: str) -> int:
+    return intervals.box_size(region.axes) * dtypes.itemsize(dtype)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise VerifyError(msg)
+
+
+# Every class device programs are made of: what ``Programs.from_json`` may build, and nothing else.
+PROGRAM_CLASSES: tuple[type, ...] = (
+    Region,
+    Load,
+    Kernel,
+    Send,
+    Recv,
+    Combine,
+    Free,
+    DeviceProgram,
+    OutputPiece,
+    Programs,
+)
