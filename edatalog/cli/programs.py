@@ -243,7 +243,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if plan is not None:
         r = plan.report
         print(
-            f"\nran {sum(len(p.ops) for p in plan.schedule.programs.devices)} ops of the {plan.ir.strategy} plan on {plan.ir.n_devices} simulated "
+            f"\nran {sum(len(p.ops) for p in plan.schedule.programs.devices)} ops of the {plan.ir.strategy} plan "
+            f"on {plan.ir.n_devices} simulated "
             f"devices in {seconds:.3f} s; predicted {r.seconds * 1e3:.4g} ms on {plan.topology.name}, "
             f"{human(r.bytes_moved)}B moved"
         )
