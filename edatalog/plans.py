@@ -3,18 +3,17 @@ them: the predicted time, traffic and memory, where each block lives, the synthe
 programs, traces, and saving and loading.
 
 This is part of the public facade (with :mod:`edatalog.api`): it ties the solver's plans to the
-backend's exchange synthesis and simulator.
+backend's exchange synthesis and simulator, and gives the planning policy
+(:mod:`edatalog.solver.policy`) its exact check: the timeline.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import time
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -23,14 +22,18 @@ from edatalog.backend.exchange import REDUCTIONS, Schedule, synthesize
 from edatalog.backend.timeline import Report, analyze, write_trace
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
-from edatalog.solver import auto, refine, strategies
+from edatalog.solver import auto, policy, strategies
 from edatalog.solver import topology as machines
-from edatalog.solver.blocks import guarded_dims
 from edatalog.solver.plan import Plan as PlanIR
 from edatalog.solver.topology import Topology
 
-if TYPE_CHECKING:
-    from edatalog.api import Program
+
+class ProgramLike(Protocol):
+    """What planning reads of a program (an :class:`edatalog.Program`): its join-agg graph.  A
+    protocol, so that this module, which :mod:`edatalog.api` imports, does not import it back."""
+
+    @property
+    def graph(self) -> Graph: ...
 
 
 class Plan:
@@ -142,11 +145,10 @@ class Plan:
 
 
 STRATEGIES = ("auto", *strategies.STRATEGIES)
-REFINE_TRIES = 3  # the fastest shortlisted plans whose refinements are checked
 
 
 def make_plan(
-    prog: Program,
+    prog: ProgramLike,
     topology: str | Topology = "a100x4",
     strategy: str = "auto",
     *,
@@ -175,53 +177,25 @@ def make_plan(
     return _solved(prog.graph, machine, reduction, time_limit, seed, space, on_progress)
 
 
-SOLVE_SHARE = 0.8  # of the time left, for building and searching; checking and refining get the rest
+class _Checked:
+    """A plan as the planning policy sees it (:class:`edatalog.solver.policy.Checked`): checked
+    in the timeline, the backend's, as soon as it is made."""
 
+    def __init__(self, plan: Plan) -> None:
+        self.facade = plan
+        self.fits = not plan.over_memory()  # synthesizes and analyzes the plan
 
-class _Clock:
-    """One deadline for a whole solved plan, shared by its phases (building and solving, then
-    checking the shortlist in the timeline, then refining), and the progress they report."""
+    @property
+    def plan(self) -> PlanIR:
+        return self.facade.ir
 
-    def __init__(self, time_limit: float, on_progress: Callable[[auto.Progress], None] | None) -> None:
-        self.start = time.monotonic()
-        self.deadline = self.start + time_limit
-        self.on_progress = on_progress
-        self.last = auto.Progress(0.0, None, 0.0, 0, "building")
-        self.solve_began = 0.0  # when the current solve began, on this clock
-        self.spent = {"checking": 0.0, "refining": 0.0}
-        self.slowest = 0.0  # the longest one timeline check took
-        self.checked_ms: float | None = None
+    @property
+    def seconds(self) -> float:
+        return self.facade.report.seconds
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def solving(self, p: auto.Progress) -> None:
-        """The solver's progress, on the whole call's clock."""
-        self.last = dataclasses.replace(p, elapsed=self.solve_began + p.elapsed)
-        if self.on_progress is not None:
-            self.on_progress(self.last)
-
-    def check(self, plan: Plan, phase: str, first: bool = False) -> bool:
-        """Check ``plan`` in the timeline (its report), unless the deadline would pass before a
-        check as long as the slowest so far ends: then False.  The ``first`` is always checked
-        (a plan is returned only checked).  Checks are not interrupted: one overruns by at most
-        its own length, which the slowest before it predicts."""
-        if not first and time.monotonic() + self.slowest > self.deadline:
-            return False
-        began = time.monotonic()
-        fits = not plan.over_memory()  # synthesizes and analyzes the plan
-        took = time.monotonic() - began
-        self.slowest = max(self.slowest, took)
-        self.spent[phase] += took
-        if fits and (self.checked_ms is None or plan.report.seconds * 1e3 < self.checked_ms):
-            self.checked_ms = plan.report.seconds * 1e3
-        if self.on_progress is not None:
-            self.last = dataclasses.replace(self.last, elapsed=self.elapsed(), phase=phase, checked_ms=self.checked_ms)
-            self.on_progress(self.last)
-        return True
+    @property
+    def peak(self) -> int:
+        return max(self.facade.report.peak_memory.values())
 
 
 def _solved(
@@ -233,107 +207,16 @@ def _solved(
     space: str,
     on_progress: Callable[[auto.Progress], None] | None,
 ) -> Plan:
-    """Solve, then check the shortlisted plans in the simulator's accounting: the fastest that
-    fits wins, and refinements of the fastest are tried.  All under one deadline: the solver
-    gets :data:`SOLVE_SHARE` of the time, checking and refining what is left, stopping when the
-    deadline comes with the best plan checked so far.  When none fits (the solver's memory
-    estimate was too low), solve again under a budget cut by the overshoot, while time is left."""
-    clock = _Clock(time_limit, on_progress)
-    limit = min(d.memory for d in machine.devices)
-    budget = limit
-    solve_seconds = build_seconds = 0.0
-    leanest: tuple[Plan, auto.Solution] | None = None  # the least peak checked, should nothing fit
-    for attempt in range(4):
-        clock.solve_began = clock.elapsed()
-        solution = auto.solve(graph, machine, budget, clock.left() * SOLVE_SHARE, seed, space, clock.solving)
-        solve_seconds += solution.seconds
-        build_seconds += solution.build_seconds
-        checked: list[Plan] = []
-        for ir in solution.shortlist:
-            plan = Plan(ir, graph, machine, reduction)
-            if not clock.check(plan, "checking", first=not checked):
-                break
-            checked.append(plan)
-        solution.unchecked = len(solution.shortlist) - len(checked)
-        fitting = sorted((p for p in checked if not p.over_memory()), key=lambda p: p.report.seconds)
-        if fitting:
-            plan = fitting[0]
-            solution.chosen_by = "solver" if plan is checked[0] and not solution.infeasible else "timeline"
-            # Refinements leave the mesh space (chunks on one device, zigzag parts): join only.
-            refined = _refined(graph, machine, reduction, fitting[:REFINE_TRIES], clock) if space == "join" else None
-            if refined is not None and refined[0].report.seconds < plan.report.seconds:
-                plan, solution.refined = refined
-            break
-        if solution.infeasible and len(checked) == len(solution.shortlist):
-            auto.raise_infeasible(solution, space)
-        least = min(checked, key=lambda p: max(p.report.peak_memory.values()))
-        if leanest is None or max(least.report.peak_memory.values()) < max(leanest[0].report.peak_memory.values()):
-            leanest = (least, solution)
-        peak = max(max(p.report.peak_memory.values()) for p in checked)
-        if attempt == 3:
-            raise EdlError(
-                f"the solver found no plan that fits in {limit / 1e9:.3g}GB per device once simulated "
-                f"(the best needs {peak / 1e9:.3g}GB)",
-                help="give each device more memory (--memory), use more devices, or shrink the dims",
-            )
-        if clock.left() <= 0:
-            # Out of time: the leanest plan checked (never nothing), which the summary and edl plan
-            # show over memory; a longer time limit may find one that fits.
-            plan, solution = leanest
-            break
-        budget = int(budget * limit / peak * 0.97)
-    solution.seconds, solution.build_seconds, solution.solves = solve_seconds, build_seconds, attempt + 1
-    solution.check_seconds, solution.refine_seconds = clock.spent["checking"], clock.spent["refining"]
-    solution.total_seconds = clock.elapsed()
+    """The plan :func:`edatalog.solver.policy.solve` keeps (solve, check the shortlist, re-solve,
+    refine, under one deadline), each plan checked in the backend's timeline."""
+
+    def check(ir: PlanIR) -> _Checked:
+        return _Checked(Plan(ir, graph, machine, reduction))
+
+    checked, solution = policy.solve(graph, machine, check, time_limit, seed, space, on_progress)
+    plan = checked.facade
     plan.solution = solution
     return plan
-
-
-def _refined(
-    graph: Graph, machine: Topology, reduction: str, plans: list[Plan], clock: _Clock
-) -> tuple[Plan, str] | None:
-    """The fastest refinement of ``plans`` that fits, and what it is: each plan balanced along
-    guarded dims, and each of those pipelined in 2 chunks along a dim every rule has, then 4
-    while that keeps helping (see :mod:`edatalog.solver.refine`).  Checked in the timeline,
-    while the clock allows."""
-    best: tuple[Plan, str] | None = None
-
-    def consider(plan: Plan, what: str) -> bool:
-        nonlocal best
-        if plan.over_memory():
-            return False
-        if best is None or plan.report.seconds < best[0].report.seconds:
-            best = (plan, what)
-        return True
-
-    for base in plans:
-        variants = [(base, "")]
-        for dim in sorted(guarded_dims(graph)):
-            ir = refine.balanced(graph, base.ir, dim)
-            if ir is not None:
-                plan = Plan(ir, graph, machine, reduction)
-                if not clock.check(plan, "refining"):
-                    return best
-                if consider(plan, f"{dim} balanced"):
-                    variants.append((plan, f"{dim} balanced"))
-        for plan, what in variants:
-            for dim in refine.every_rule_dims(graph):
-                last = plan.report.seconds
-                for chunks in refine.CHUNKS:
-                    ir = refine.pipelined(graph, plan.ir, dim, chunks)
-                    if ir is None:
-                        break
-                    piped = Plan(ir, graph, machine, reduction)
-                    if not clock.check(piped, "refining"):
-                        return best
-                    if piped.report.seconds >= last or not consider(piped, _join(what, f"{dim} in {chunks} chunks")):
-                        break
-                    last = piped.report.seconds
-    return best
-
-
-def _join(*parts: str) -> str:
-    return ", ".join(p for p in parts if p)
 
 
 # The top-level fields of a plan file (:meth:`Plan.to_json`), and what each holds.
@@ -351,7 +234,7 @@ PLAN_FIELDS = {
 }
 
 
-def load_plan(path: str | Path, prog: Program | None = None) -> Plan:
+def load_plan(path: str | Path, prog: ProgramLike | None = None) -> Plan:
     """A plan saved by :meth:`Plan.save`.  With ``prog``, the plan must have been made for it;
     without, the program saved in the file is used (as ``edl query`` does)."""
     p = Path(path)

@@ -57,7 +57,7 @@ PHASES = ("building", "solving", "checking", "refining")  # what a solved plan's
 @dataclass(frozen=True)
 class Progress:
     """What a progress display shows while planning: the phase (one of :data:`PHASES`; the
-    solver reports building and solving, :func:`edatalog.plan` checking and refining too), the
+    solver reports building and solving, :mod:`edatalog.solver.policy` checking and refining too), the
     seconds since the start, the solver's best estimate and bound, and once plans are checked in
     the timeline, the fastest that fits so far."""
 
@@ -88,7 +88,7 @@ class Solution:
     build_seconds: float = 0.0  # of ``seconds``: costing the candidates and building the model
     infeasible: str = ""  # when no plan fits by the estimate: why (the shortlist is the leanest starts)
     refined: str = ""  # set by the caller when a refinement of the plan was kept ("S balanced, S in 2 chunks")
-    # Set by the caller (edatalog.plan), which checks and refines under the same deadline:
+    # Set by the caller (edatalog.solver.policy), which checks and refines under the same deadline:
     check_seconds: float = 0.0  # checking shortlisted plans in the timeline
     refine_seconds: float = 0.0  # checking refinements in the timeline
     total_seconds: float = 0.0  # the whole call: solves, checks, refinements

@@ -4,18 +4,34 @@ recombines them all, and shortlists the best for the exact timeline check."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.solver import strategies
 from edatalog.solver.blocks import Candidate, Layout
-from edatalog.solver.costs import Option
+from edatalog.solver.costs import Costs, Held, Option
 from edatalog.solver.plan import Tile
 from edatalog.solver.topology import Topology
 
-if TYPE_CHECKING:
-    from edatalog.solver.auto import Model
+
+class Model(Protocol):
+    """What the starts read of the solver's model (:class:`edatalog.solver.auto.Model`): every
+    node's options, which relations' producers are tied to one pick, the costs, and layouts.  A
+    protocol, so that this module, which :mod:`edatalog.solver.auto` imports, does not import it
+    back."""
+
+    @property
+    def options(self) -> Mapping[str, Sequence[Option]]: ...
+
+    @property
+    def tied(self) -> Mapping[str, bool]: ...
+
+    @property
+    def costs(self) -> Costs: ...
+
+    def held_of(self, relation: str, k: int) -> Held: ...
 
 
 def simple(graph: Graph, model: Model, hand: list[dict[str, int]]) -> list[dict[str, int]]:

@@ -1,14 +1,18 @@
 """The pipeline flows one way: language -> rules -> solver -> backend.  No stage imports a later
-one, and nothing imports the stage folders by their bare names (taken on PyPI)."""
+one, nothing imports the stage folders by their bare names (taken on PyPI), and no module of the
+package imports itself back through others: not even under ``if TYPE_CHECKING:``."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("rules", "solver", "backend")  # top-level folders, linked into the package by these names
 
 # Each stage and what it may import from edatalog.
 ALLOWED = {
@@ -51,6 +55,177 @@ def test_no_bare_stage_imports() -> None:
 
 
 def test_stage_folders_are_linked_into_the_package() -> None:
-    for stage in ("rules", "solver", "backend"):
+    for stage in STAGES:
         link = ROOT / "edatalog" / stage
         assert link.is_symlink() and link.resolve() == (ROOT / stage).resolve()
+
+
+# -- import cycles ------------------------------------------------------------------------------------
+
+Edges = dict[str, dict[str, int]]  # module -> module it imports -> the line of one such import
+
+
+def _package_modules(root: Path) -> dict[str, Path]:
+    """Every module of the package under ``root`` by its dotted name: ``edatalog/...`` and the stage
+    folders under the names they are linked in as (``solver/auto.py`` is ``edatalog.solver.auto``)."""
+    trees = [(root / "edatalog", "edatalog"), *((root / s, f"edatalog.{s}") for s in STAGES)]
+    modules: dict[str, Path] = {}
+    for folder, prefix in trees:
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if prefix == "edatalog" and parts[0] in STAGES:
+                continue  # a stage seen through its link: walked from its own folder
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((prefix, *parts))] = path
+    return modules
+
+
+def _import_graph(modules: dict[str, Path]) -> Edges:
+    """Which modules of the package each one imports, anywhere in it: at the top, under ``if
+    TYPE_CHECKING:``, or inside a function.  An import counts as one of the module it names
+    (``from edatalog.solver import auto`` imports ``edatalog.solver.auto``; ``from edatalog.ir.graph
+    import Graph`` imports ``edatalog.ir.graph``), relative ones resolved; the packages above it,
+    which Python initializes first, are not counted (every module would import its own)."""
+
+    def known(name: str) -> str | None:
+        """The module ``name`` is, or the innermost one it lies in."""
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: Edges = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = graph.setdefault(module, {})
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    above = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*above, *([node.module] if node.module else [])])
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    targets.append(full if full in modules else known(base))
+            for target in targets:
+                if target is not None and target != module:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def _cycles(graph: Edges) -> list[tuple[list[str], list[str]]]:
+    """Each group of modules that import each other (a strongly connected component, sorted), with
+    one cycle through it: the path of modules, the first repeated at the end."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component: list[str] = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [(_cycle_in(graph, set(c), c[0]), c) for c in components]
+
+
+def _cycle_in(graph: Edges, component: set[str], start: str) -> list[str]:
+    """A shortest path from ``start`` back to itself within ``component``."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == start:
+                    return [*paths[v], start]
+                if w in component and w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is in no cycle")
+
+
+def _describe(cycle: Sequence[str], graph: Edges, modules: dict[str, Path], root: Path) -> str:
+    steps = [f"{a} ({modules[a].relative_to(root)}:{graph[a][b]} imports {b})" for a, b in itertools.pairwise(cycle)]
+    return " -> ".join([*steps, cycle[-1]])
+
+
+def _cycle_report(root: Path) -> list[str]:
+    modules = _package_modules(root)
+    graph = _import_graph(modules)
+    out = []
+    for cycle, component in _cycles(graph):
+        text = _describe(cycle, graph, modules, root)
+        if len(component) > len(cycle) - 1:
+            text += f" (the group also holds {', '.join(m for m in component if m not in cycle)})"
+        out.append(text)
+    return sorted(out)
+
+
+def test_no_import_cycles_not_even_for_type_checking() -> None:
+    """Data flows one way, and so do imports: a module lower in the flow that needs a higher one's
+    type takes a protocol of its own, or a parameter, rather than importing it back."""
+    modules = _package_modules(ROOT)
+    assert {"edatalog.api", "edatalog.plans", "edatalog.ir.graph", "edatalog.solver.auto"} <= modules.keys()
+    assert modules["edatalog.solver.auto"] == ROOT / "solver" / "auto.py"
+    cycles = _cycle_report(ROOT)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_cycle_check_sees_type_checking_relative_and_lazy_imports(tmp_path: Path) -> None:
+    """The check itself, on a made-up package: each of these imports closes a cycle."""
+    _write(
+        tmp_path,
+        {
+            "edatalog/__init__.py": "",
+            "edatalog/ir/__init__.py": "",
+            "edatalog/ir/graph.py": "from edatalog.ir.printer import render\n",
+            "edatalog/ir/printer.py": "import typing\nif typing.TYPE_CHECKING:\n    from .graph import Graph\n",
+            "edatalog/api.py": "from edatalog import plans\n",
+            "edatalog/plans.py": "def f():\n    import edatalog.api\n",
+            "edatalog/fine.py": "from edatalog.ir import graph\nfrom edatalog.api import Program\n",
+            "solver/__init__.py": "",
+            "solver/auto.py": "from edatalog.solver import starts\n",
+            "solver/starts.py": "from ..solver.auto import Model\n",
+            "rules/__init__.py": "",
+            "backend/__init__.py": "",
+        },
+    )
+    assert _cycle_report(tmp_path) == [
+        "edatalog.api (edatalog/api.py:1 imports edatalog.plans) -> "
+        "edatalog.plans (edatalog/plans.py:2 imports edatalog.api) -> edatalog.api",
+        "edatalog.ir.graph (edatalog/ir/graph.py:1 imports edatalog.ir.printer) -> "
+        "edatalog.ir.printer (edatalog/ir/printer.py:3 imports edatalog.ir.graph) -> edatalog.ir.graph",
+        "edatalog.solver.auto (solver/auto.py:1 imports edatalog.solver.starts) -> "
+        "edatalog.solver.starts (solver/starts.py:1 imports edatalog.solver.auto) -> edatalog.solver.auto",
+    ]

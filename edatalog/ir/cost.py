@@ -9,14 +9,83 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Guard
+from edatalog.ir.scalar import ScalarExpr
 
-if TYPE_CHECKING:
-    from edatalog.ir.graph import Graph, JoinAgg
+# What costing reads of the graph, as protocols that :mod:`edatalog.ir.graph`'s classes have:
+# the graph imports this module (for ``Graph.costs``), so this one does not import the graph.
+
+
+class IndexLike(Protocol):
+    """A join index (:class:`edatalog.ir.graph.Index`)."""
+
+    @property
+    def symbol(self) -> str: ...
+
+
+class AccessLike(Protocol):
+    """An input of a join-agg (:class:`edatalog.ir.graph.Access`)."""
+
+    @property
+    def relation(self) -> str: ...
+
+    @property
+    def indices(self) -> tuple[str, ...]: ...
+
+
+class JoinAggLike(Protocol):
+    """One rule (:class:`edatalog.ir.graph.JoinAgg`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def indices(self) -> Sequence[IndexLike]: ...
+
+    @property
+    def inputs(self) -> Sequence[AccessLike]: ...
+
+    @property
+    def expr(self) -> ScalarExpr: ...
+
+    @property
+    def guard(self) -> Guard: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def box(self) -> dict[str, int]: ...
+
+    @property
+    def out_indices(self) -> tuple[str, ...]: ...
+
+    @property
+    def agg(self) -> str | None: ...
+
+    @property
+    def agg_indices(self) -> tuple[str, ...]: ...
+
+
+class Typed(Protocol):
+    """A relation (:class:`edatalog.ir.graph.Relation`), of which costing reads the dtype."""
+
+    @property
+    def dtype(self) -> str: ...
+
+
+class GraphLike(Protocol):
+    """A join-agg graph (:class:`edatalog.ir.graph.Graph`): its nodes and relations."""
+
+    @property
+    def nodes(self) -> Sequence[JoinAggLike]: ...
+
+    def relation(self, name: str) -> Typed: ...
 
 
 @dataclass(frozen=True)
@@ -33,7 +102,7 @@ class NodeCost:
         return self.bytes_in + self.bytes_out
 
 
-def flops_per_point(node: JoinAgg) -> int:
+def flops_per_point(node: JoinAggLike) -> int:
     """Scalar ops per point, plus one for folding it into the aggregate when indices are folded."""
     return node.expr.flops_per_point + (1 if node.agg is not None and node.agg_indices else 0)
 
@@ -45,7 +114,7 @@ def _cells(guard: Guard, keep: tuple[str, ...], box: dict[str, int]) -> tuple[in
     return cells, exact and counted
 
 
-def node_cost(graph: Graph, node: JoinAgg) -> NodeCost:
+def node_cost(graph: GraphLike, node: JoinAggLike) -> NodeCost:
     box = node.box
     dense = math.prod(box.values())
     points, exact = node.guard.count_bound(box)
@@ -60,11 +129,11 @@ def node_cost(graph: Graph, node: JoinAgg) -> NodeCost:
     return NodeCost(points, dense, points * flops_per_point(node), bytes_in, bytes_out, exact)
 
 
-def graph_costs(graph: Graph) -> dict[str, NodeCost]:
+def graph_costs(graph: GraphLike) -> dict[str, NodeCost]:
     return {n.name: node_cost(graph, n) for n in graph.nodes}
 
 
-def flops_formula(node: JoinAgg, cost: NodeCost) -> str:
+def flops_formula(node: JoinAggLike, cost: NodeCost) -> str:
     """``2·B·S·D·H·E``; with a partial guard the fraction of the join space that exists follows."""
     coef = flops_per_point(node)
     factors: list[str] = []

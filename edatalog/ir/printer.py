@@ -5,15 +5,55 @@ q[b,s,h,e] += xn[b,s,d] * wq[(h,e),d]   sum d   2·B·S·D·H·E flops
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-from edatalog.ir.cost import flops_formula
+from edatalog.ir.affine import Guard
+from edatalog.ir.cost import JoinAggLike, NodeCost, flops_formula
 
-if TYPE_CHECKING:
-    from edatalog.ir.graph import Graph
+# What printing reads of the graph, as protocols that :mod:`edatalog.ir.graph`'s classes have: the
+# graph imports this module (for ``str(graph)``), so this one does not import the graph.
 
 
-def node_lines(graph: Graph) -> list[tuple[str, str, str]]:
+class RelationLike(Protocol):
+    """A relation (:class:`edatalog.ir.graph.Relation`); ``str()`` gives its declaration."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def axis_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def support(self) -> Guard: ...
+
+
+class GraphLike(Protocol):
+    """A join-agg graph (:class:`edatalog.ir.graph.Graph`); ``str()`` of a node gives its rule."""
+
+    @property
+    def dims(self) -> Sequence[tuple[str, int]]: ...
+
+    @property
+    def consts(self) -> Sequence[tuple[str, float]]: ...
+
+    @property
+    def relations(self) -> Sequence[RelationLike]: ...
+
+    @property
+    def nodes(self) -> Sequence[JoinAggLike]: ...
+
+    @property
+    def outputs(self) -> Sequence[str]: ...
+
+    @property
+    def costs(self) -> Mapping[str, NodeCost]: ...
+
+
+def node_lines(graph: GraphLike) -> list[tuple[str, str, str]]:
     rows = []
     for n in graph.nodes:
         agg = f"{n.agg} {','.join(n.agg_indices)}" if n.agg is not None and n.agg_indices else ""
@@ -21,7 +61,7 @@ def node_lines(graph: Graph) -> list[tuple[str, str, str]]:
     return rows
 
 
-def render_graph(graph: Graph) -> str:
+def render_graph(graph: GraphLike) -> str:
     lines: list[str] = []
     if graph.dims:
         lines.append("dim " + ", ".join(f"{k} = {v}" for k, v in graph.dims))

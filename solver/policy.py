@@ -1,0 +1,217 @@
+"""The planning policy: solve, check the shortlist exactly, re-solve under a cut memory budget,
+refine, all under one deadline.
+
+:func:`solve` asks :func:`edatalog.solver.auto.solve` for plans, has each shortlisted plan checked
+(the fastest that fits wins), solves again under a budget cut by the overshoot when none fits,
+and tries refinements (:mod:`edatalog.solver.refine`) of the fastest.  The exact check (in
+:mod:`edatalog.plans`: synthesize the exchanges, run the timeline) is the backend's, a later
+stage: the caller passes it in, as a :data:`Checker`, so that the solver never imports the
+backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from edatalog.errors import EdlError
+from edatalog.ir.graph import Graph
+from edatalog.solver import auto, refine
+from edatalog.solver.blocks import guarded_dims
+from edatalog.solver.plan import Plan
+from edatalog.solver.topology import Topology
+
+SOLVE_SHARE = 0.8  # of the time left, for building and searching; checking and refining get the rest
+REFINE_TRIES = 3  # the fastest shortlisted plans whose refinements are checked
+ATTEMPTS = 4  # solves at most: the first, then re-solves under a cut memory budget
+
+
+class Checked(Protocol):
+    """A plan checked exactly (in the timeline): what a :data:`Checker` returns for it."""
+
+    @property
+    def plan(self) -> Plan:
+        """The plan checked."""
+        ...
+
+    @property
+    def seconds(self) -> float:
+        """Its predicted time."""
+        ...
+
+    @property
+    def peak(self) -> int:
+        """The most bytes one device holds at any time."""
+        ...
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device's peak is within its memory."""
+        ...
+
+
+C = TypeVar("C", bound=Checked)
+
+# Checks one plan (the work is done by the call, or at the latest on reading the result's fields:
+# either way it is timed as the check).  Each plan is checked once; the results are kept for as
+# long as the policy needs them.
+Checker = Callable[[Plan], C]
+
+
+class _Clock:
+    """One deadline for a whole solved plan, shared by its phases (building and solving, then
+    checking the shortlist in the timeline, then refining), and the progress they report."""
+
+    def __init__(self, time_limit: float, on_progress: Callable[[auto.Progress], None] | None) -> None:
+        self.start = time.monotonic()
+        self.deadline = self.start + time_limit
+        self.on_progress = on_progress
+        self.last = auto.Progress(0.0, None, 0.0, 0, "building")
+        self.solve_began = 0.0  # when the current solve began, on this clock
+        self.spent = {"checking": 0.0, "refining": 0.0}
+        self.slowest = 0.0  # the longest one timeline check took
+        self.checked_ms: float | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def solving(self, p: auto.Progress) -> None:
+        """The solver's progress, on the whole call's clock."""
+        self.last = dataclasses.replace(p, elapsed=self.solve_began + p.elapsed)
+        if self.on_progress is not None:
+            self.on_progress(self.last)
+
+    def check(self, plan: Plan, check: Checker[C], phase: str, first: bool = False) -> C | None:
+        """``plan`` checked, unless the deadline would pass before a check as long as the slowest
+        so far ends: then None.  The ``first`` is always checked (a plan is returned only
+        checked).  Checks are not interrupted: one overruns by at most its own length, which the
+        slowest before it predicts."""
+        if not first and time.monotonic() + self.slowest > self.deadline:
+            return None
+        began = time.monotonic()
+        checked = check(plan)
+        fits = checked.fits  # the check's work is done by now
+        took = time.monotonic() - began
+        self.slowest = max(self.slowest, took)
+        self.spent[phase] += took
+        if fits and (self.checked_ms is None or checked.seconds * 1e3 < self.checked_ms):
+            self.checked_ms = checked.seconds * 1e3
+        if self.on_progress is not None:
+            self.last = dataclasses.replace(self.last, elapsed=self.elapsed(), phase=phase, checked_ms=self.checked_ms)
+            self.on_progress(self.last)
+        return checked
+
+
+def solve(
+    graph: Graph,
+    machine: Topology,
+    check: Checker[C],
+    time_limit: float,
+    seed: int = 0,
+    space: str = "join",
+    on_progress: Callable[[auto.Progress], None] | None = None,
+) -> tuple[C, auto.Solution]:
+    """Solve, then ``check`` the shortlisted plans: the fastest that fits wins, and refinements
+    of the fastest are tried.  All under one deadline: the solver gets :data:`SOLVE_SHARE` of
+    the time, checking and refining what is left, stopping when the deadline comes with the best
+    plan checked so far.  When none fits (the solver's memory estimate was too low), solve again
+    under a budget cut by the overshoot, while time is left.  Returns the plan kept, as checked,
+    and the solution, with where the time went."""
+    clock = _Clock(time_limit, on_progress)
+    limit = min(d.memory for d in machine.devices)
+    budget = limit
+    solve_seconds = build_seconds = 0.0
+    leanest: tuple[C, auto.Solution] | None = None  # the least peak checked, should nothing fit
+    for attempt in range(ATTEMPTS):
+        clock.solve_began = clock.elapsed()
+        solution = auto.solve(graph, machine, budget, clock.left() * SOLVE_SHARE, seed, space, clock.solving)
+        solve_seconds += solution.seconds
+        build_seconds += solution.build_seconds
+        checked: list[C] = []
+        for ir in solution.shortlist:
+            c = clock.check(ir, check, "checking", first=not checked)
+            if c is None:
+                break
+            checked.append(c)
+        solution.unchecked = len(solution.shortlist) - len(checked)
+        fitting = sorted((c for c in checked if c.fits), key=lambda c: c.seconds)
+        if fitting:
+            best = fitting[0]
+            solution.chosen_by = "solver" if best is checked[0] and not solution.infeasible else "timeline"
+            # Refinements leave the mesh space (chunks on one device, zigzag parts): join only.
+            refined = _refined(graph, fitting[:REFINE_TRIES], check, clock) if space == "join" else None
+            if refined is not None and refined[0].seconds < best.seconds:
+                best, solution.refined = refined
+            break
+        if solution.infeasible and len(checked) == len(solution.shortlist):
+            auto.raise_infeasible(solution, space)
+        least = min(checked, key=lambda c: c.peak)
+        if leanest is None or least.peak < leanest[0].peak:
+            leanest = (least, solution)
+        peak = max(c.peak for c in checked)
+        if attempt == ATTEMPTS - 1:
+            raise EdlError(
+                f"the solver found no plan that fits in {limit / 1e9:.3g}GB per device once simulated "
+                f"(the best needs {peak / 1e9:.3g}GB)",
+                help="give each device more memory (--memory), use more devices, or shrink the dims",
+            )
+        if clock.left() <= 0:
+            # Out of time: the leanest plan checked (never nothing), which the summary and edl plan
+            # show over memory; a longer time limit may find one that fits.
+            best, solution = leanest
+            break
+        budget = int(budget * limit / peak * 0.97)
+    solution.seconds, solution.build_seconds, solution.solves = solve_seconds, build_seconds, attempt + 1
+    solution.check_seconds, solution.refine_seconds = clock.spent["checking"], clock.spent["refining"]
+    solution.total_seconds = clock.elapsed()
+    return best, solution
+
+
+def _refined(graph: Graph, plans: list[C], check: Checker[C], clock: _Clock) -> tuple[C, str] | None:
+    """The fastest refinement of ``plans`` that fits, and what it is: each plan balanced along
+    guarded dims, and each of those pipelined in 2 chunks along a dim every rule has, then 4
+    while that keeps helping (see :mod:`edatalog.solver.refine`).  Checked, while the clock
+    allows."""
+    best: tuple[C, str] | None = None
+
+    def consider(c: C, what: str) -> bool:
+        nonlocal best
+        if not c.fits:
+            return False
+        if best is None or c.seconds < best[0].seconds:
+            best = (c, what)
+        return True
+
+    for base in plans:
+        variants = [(base, "")]
+        for dim in sorted(guarded_dims(graph)):
+            ir = refine.balanced(graph, base.plan, dim)
+            if ir is not None:
+                balanced = clock.check(ir, check, "refining")
+                if balanced is None:
+                    return best
+                if consider(balanced, f"{dim} balanced"):
+                    variants.append((balanced, f"{dim} balanced"))
+        for variant, what in variants:
+            for dim in refine.every_rule_dims(graph):
+                last = variant.seconds
+                for chunks in refine.CHUNKS:
+                    ir = refine.pipelined(graph, variant.plan, dim, chunks)
+                    if ir is None:
+                        break
+                    piped = clock.check(ir, check, "refining")
+                    if piped is None:
+                        return best
+                    if piped.seconds >= last or not consider(piped, _join(what, f"{dim} in {chunks} chunks")):
+                        break
+                    last = piped.seconds
+    return best
+
+
+def _join(*parts: str) -> str:
+    return ", ".join(p for p in parts if p)
