@@ -7,6 +7,9 @@ limit; then it silently runs one loop over every index at once, and a 1-D convol
 pair whose result is smallest (then the cheapest), after summing out every index that only one
 operand has.  Every step is a ``matmul`` of a (batch, rows, shared) array by a (batch, shared,
 columns) one, so the work runs in the BLAS and memory is that of the largest intermediate.
+
+The arrays are numpy's or torch's, as the namespace passed in (:mod:`edatalog.backend.arrays`)
+says; the order is chosen from extents alone, so both evaluate the same sequence of products.
 """
 
 from __future__ import annotations
@@ -14,33 +17,36 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-import numpy as np
+from edatalog.backend import ops
+from edatalog.backend.arrays import NUMPY, Array, ArrayOps
 
-Operand = tuple[np.ndarray, tuple[str, ...]]  # an array and the index of each of its axes
+Operand = tuple[Array, tuple[str, ...]]  # an array and the index of each of its axes
 
 
-def squeeze(arr: np.ndarray, order: Sequence[str]) -> Operand:
+def squeeze(arr: Array, order: Sequence[str], xp: ArrayOps = NUMPY) -> Operand:
     """An array over the join space ``order`` (size 1 along the indices it does not vary with)
     as an operand over just the indices it varies with."""
-    arr = np.asarray(arr)
+    arr = xp.asarray(arr)
     arr = arr.reshape((1,) * (len(order) - arr.ndim) + arr.shape)
     keep = [k for k, n in enumerate(arr.shape) if n != 1]
     return arr.reshape([arr.shape[k] for k in keep]), tuple(order[k] for k in keep)
 
 
-def contract(operands: Sequence[Operand], out: Sequence[str], extents: Mapping[str, int]) -> Operand:
+def contract(
+    operands: Sequence[Operand], out: Sequence[str], extents: Mapping[str, int], xp: ArrayOps = NUMPY
+) -> Operand:
     """The sum over every index not in ``out`` of the product of ``operands``; the result is
     over the indices of ``out`` that some operand has, in ``out``'s order."""
     ixs = [ix for _, ix in operands]
-    ops = [_sum_private(a, ix, _needed(ixs, {k}, out)) for k, (a, ix) in enumerate(operands)]
-    while len(ops) > 1:
-        ixs = [ix for _, ix in ops]
+    cur = [_sum_private(a, ix, _needed(ixs, {k}, out), xp) for k, (a, ix) in enumerate(operands)]
+    while len(cur) > 1:
+        ixs = [ix for _, ix in cur]
         i, j = _cheapest_pair(ixs, out, extents)
-        pair = _pair(ops[i], ops[j], _needed(ixs, {i, j}, out))
-        ops = [op for k, op in enumerate(ops) if k not in (i, j)] + [pair]
-    (arr, ix) = _sum_private(*ops[0], set(out))
+        pair = _pair(cur[i], cur[j], _needed(ixs, {i, j}, out), xp)
+        cur = [op for k, op in enumerate(cur) if k not in (i, j)] + [pair]
+    (arr, ix) = _sum_private(*cur[0], set(out), xp)
     final = tuple(v for v in out if v in ix)
-    return np.transpose(arr, [ix.index(v) for v in final]), final
+    return xp.transpose(arr, [ix.index(v) for v in final]), final
 
 
 def peak_elements(
@@ -75,12 +81,12 @@ def _needed(ixs: Sequence[tuple[str, ...]], skip: set[int], out: Sequence[str]) 
     return need
 
 
-def _sum_private(arr: np.ndarray, ix: tuple[str, ...], needed: set[str]) -> Operand:
+def _sum_private(arr: Array, ix: tuple[str, ...], needed: set[str], xp: ArrayOps) -> Operand:
     """Sum out the indices nothing else needs."""
     drop = tuple(k for k, v in enumerate(ix) if v not in needed)
     if not drop:
         return arr, ix
-    return np.sum(arr, axis=drop), tuple(v for v in ix if v in needed)
+    return ops.reduce("sum", arr, drop, xp), tuple(v for v in ix if v in needed)
 
 
 def _cheapest_pair(ixs: Sequence[tuple[str, ...]], out: Sequence[str], extents: Mapping[str, int]) -> tuple[int, int]:
@@ -97,16 +103,16 @@ def _cheapest_pair(ixs: Sequence[tuple[str, ...]], out: Sequence[str], extents: 
     return best[2], best[3]
 
 
-def _pair(a: Operand, b: Operand, keep: set[str]) -> Operand:
+def _pair(a: Operand, b: Operand, keep: set[str], xp: ArrayOps) -> Operand:
     """One pairwise contraction: ``keep`` are the indices still needed after it."""
-    (x, ix), (y, iy) = _sum_private(*a, keep | set(b[1])), _sum_private(*b, keep | set(a[1]))
+    (x, ix), (y, iy) = _sum_private(*a, keep | set(b[1]), xp), _sum_private(*b, keep | set(a[1]), xp)
     batch = [v for v in ix if v in iy and v in keep]
     shared = [v for v in ix if v in iy and v not in keep]
     rows = [v for v in ix if v not in iy]
     cols = [v for v in iy if v not in ix]
     size = dict(zip(ix, x.shape, strict=True)) | dict(zip(iy, y.shape, strict=True))
     nb, nr, ns, nc = (math.prod(size[v] for v in group) for group in (batch, rows, shared, cols))
-    lhs = np.transpose(x, [ix.index(v) for v in (*batch, *rows, *shared)]).reshape(nb, nr, ns)
-    rhs = np.transpose(y, [iy.index(v) for v in (*batch, *shared, *cols)]).reshape(nb, ns, nc)
-    result = np.matmul(lhs, rhs)
+    lhs = xp.transpose(x, [ix.index(v) for v in (*batch, *rows, *shared)]).reshape(nb, nr, ns)
+    rhs = xp.transpose(y, [iy.index(v) for v in (*batch, *shared, *cols)]).reshape(nb, ns, nc)
+    result = xp.matmul(lhs, rhs)
     return result.reshape([size[v] for v in (*batch, *rows, *cols)]), (*batch, *rows, *cols)

@@ -1,4 +1,4 @@
-"""Evaluating one join-agg on numpy arrays, at a cost that follows its points.
+"""Evaluating one join-agg, at a cost that follows its points, on numpy arrays or torch tensors.
 
 The node is first *prepared* (:func:`prepare`): the ranges its index expressions must land in
 join its guard, and bands (``u >= t, u <= t + 2``) are re-indexed by their offset, so that the
@@ -14,20 +14,25 @@ that space (:mod:`edatalog.backend.operands`), and one of two paths computes it:
 
 Presence follows Datalog: a point contributes only where its guard holds and every cell it reads
 exists; a result cell exists where some point contributes.
+
+The same code runs on numpy (the reference, :data:`~edatalog.backend.arrays.NUMPY`) and on torch
+(:data:`~edatalog.backend.arrays.TORCH`, on the inputs' device): the namespace is an argument, so
+a torch runtime computes the reference's algorithm step for step, in the same compute dtype
+(``f16``/``bf16`` rules in ``f32``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
-import numpy as np
-
+from edatalog.backend import ops
+from edatalog.backend.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.contract import contract, squeeze
-from edatalog.backend.numpy_ops import apply_op, identity
-from edatalog.backend.operands import access_view, index_values
+from edatalog.backend.operands import access_view, guard_mask, index_values
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine
 from edatalog.ir.graph import JoinAgg
@@ -35,9 +40,6 @@ from edatalog.ir.rewrite import reindex_bands
 from edatalog.ir.scalar import Const, IndexValue, Load, Op
 
 CHUNK_POINTS = 1 << 22  # points of the join space the broadcast path evaluates at once
-
-_REDUCE: dict[str, Callable[..., np.ndarray]] = {"sum": np.sum, "prod": np.prod, "max": np.max, "min": np.min}
-_FOLD: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -59,24 +61,31 @@ class _Space:
     node: JoinAgg
     order: list[str]
     box: dict[str, int]
-    cdt: np.dtype
-    data: list[np.ndarray]  # per input: a view over the space
-    present: list[np.ndarray | None]
+    cdt: Any  # the compute dtype, as ``xp`` names it
+    xp: ArrayOps
+    device: Any
+    data: list[Array]  # per input: a view over the space
+    present: list[Array | None]
     offsets: dict[str, int]  # where the chunk starts, per index (missing: 0)
 
-    def index_array(self, name: str) -> np.ndarray:
-        return index_values(self.order, self.box, name, self.cdt) + self.cdt.type(self.offsets.get(name, 0))
+    def index_array(self, name: str) -> Array:
+        lo = self.offsets.get(name, 0)
+        return index_values(self.order, self.box, name, self.cdt, self.xp, lo, self.device)
 
-    def guard_mask(self) -> np.ndarray | bool:
+    def guard_mask(self) -> Array | None:
+        """Where the guard holds; None: everywhere."""
         guard = self.node.guard
         if self.offsets and not guard.is_true:
             guard = guard.substitute({v: Affine.var(v) + lo for v, lo in self.offsets.items()})
-        return guard.mask(self.order, self.box)
+        return guard_mask(guard, self.order, self.box, self.xp, self.device)
+
+    def scalar(self, value: float | int | bool) -> Array:
+        return self.xp.scalar(value, self.cdt, self.device)
 
     def chunk(self, var: str, lo: int, hi: int) -> _Space:
         k = self.order.index(var)
 
-        def cut(a: np.ndarray) -> np.ndarray:
+        def cut(a: Array) -> Array:
             return a[(slice(None),) * k + (slice(lo, hi),)] if a.shape[k] != 1 else a
 
         return _Space(
@@ -84,6 +93,8 @@ class _Space:
             self.order,
             {**self.box, var: hi - lo},
             self.cdt,
+            self.xp,
+            self.device,
             [cut(a) for a in self.data],
             [None if p is None else cut(p) for p in self.present],
             {**self.offsets, var: self.offsets.get(var, 0) + lo},
@@ -91,24 +102,26 @@ class _Space:
 
 
 def evaluate_node(
-    node: JoinAgg, data: Sequence[np.ndarray], present: Sequence[np.ndarray | None]
-) -> tuple[np.ndarray, np.ndarray | None, list[str]]:
-    """The node's result over its output indices (in join order), its presence (None: every
-    cell), and those indices.  ``data[k]``/``present[k]`` hold input ``k``'s relation laid out
-    as the node's access reads it."""
+    node: JoinAgg, data: Sequence[Array], present: Sequence[Array | None], xp: ArrayOps = NUMPY
+) -> tuple[Array, Array | None, list[str]]:
+    """The node's result over its output indices (in join order), in its compute dtype, its
+    presence (None: every cell), and those indices.  ``data[k]``/``present[k]`` hold input
+    ``k``'s relation laid out as the node's access reads it, as arrays of ``xp`` (numpy arrays
+    are accepted by every namespace); results are ``xp``'s, on the inputs' device."""
     node = prepare(node)
     order = [i.name for i in node.indices]
     box = node.box
-    cdt = dtypes.to_numpy(dtypes.compute_dtype(node.dtype))
+    cdt = xp.dtype(dtypes.compute_dtype(node.dtype))
+    device = xp.device_of(data)
     views = [
-        access_view(np.asarray(d).astype(cdt, copy=False), acc, order, box)
+        access_view(xp.asarray(d, cdt, device), acc, order, box, xp=xp)
         for d, acc in zip(data, node.inputs, strict=True)
     ]
     masks = [
-        None if p is None else access_view(p, acc, order, box, fill=False)
+        None if p is None else access_view(xp.asarray(p, xp.bool_, device), acc, order, box, fill=False, xp=xp)
         for p, acc in zip(present, node.inputs, strict=True)
     ]
-    space = _Space(node, order, box, cdt, views, masks, {})
+    space = _Space(node, order, box, cdt, xp, device, views, masks, {})
     out_vars = [v for v in order if v not in node.agg_indices]
     if node.agg == "sum" and node.agg_indices:
         result = _contraction(space, out_vars)
@@ -121,9 +134,10 @@ def evaluate_node(
 # -- the scalar DAG ----------------------------------------------------------------------------
 
 
-def _eval_dag(space: _Space, root: int, memo: dict[int, np.ndarray]) -> np.ndarray:
+def _eval_dag(space: _Space, root: int, memo: dict[int, Array]) -> Array:
     """The sub-DAG under ``root``, broadcast over the join indices it depends on."""
     nodes = space.node.expr.nodes
+    xp = space.xp
     stack = [root]
     while stack:
         k = stack[-1]
@@ -136,14 +150,15 @@ def _eval_dag(space: _Space, root: int, memo: dict[int, np.ndarray]) -> np.ndarr
             if missing:
                 stack.extend(missing)
                 continue
-            memo[k] = apply_op(n.op, [memo[a] for a in n.args], space.cdt)
+            memo[k] = ops.apply_op(n.op, [memo[a] for a in n.args], space.cdt, xp)
         elif isinstance(n, Load):
             memo[k] = space.data[n.input]
         elif isinstance(n, IndexValue):
             memo[k] = space.index_array(n.index)
         else:
             assert isinstance(n, Const)
-            memo[k] = np.asarray(n.value, dtype=space.cdt if not isinstance(n.value, bool) else np.bool_)
+            dtype = xp.bool_ if isinstance(n.value, bool) else space.cdt
+            memo[k] = xp.scalar(n.value, dtype, space.device)
         stack.pop()
     return memo[root]
 
@@ -153,63 +168,66 @@ def _loads_under(space: _Space, root: int) -> set[int]:
     return {n.input for k in space.node.expr.under(root) if isinstance(n := nodes[k], Load)}
 
 
-def _and(masks: Sequence[np.ndarray | bool | None]) -> np.ndarray | bool:
-    out: np.ndarray | bool = True
+def _and(xp: ArrayOps, masks: Sequence[Array | None]) -> Array | None:
+    """The conjunction of masks; None (every point) when there are none."""
+    out: Array | None = None
     for m in masks:
-        if m is not None and m is not True:
-            out = np.logical_and(out, m)
+        if m is not None:
+            out = m if out is None else xp.logical_and(out, m)
     return out
 
 
 # -- sums of products ------------------------------------------------------------------------------
 
 
-def _contraction(space: _Space, out_vars: list[str]) -> tuple[np.ndarray, np.ndarray | None] | None:
+def _contraction(space: _Space, out_vars: list[str]) -> tuple[Array, Array | None] | None:
     """Sum of a product: each factor over its own indices, contracted pairwise.  None when the
     body is not a product, or a factor is not finite (the masked path then keeps absent points
     from poisoning sums with ``inf * 0``)."""
     split = _split_product(space)
     if split is None:
         return None
+    xp = space.xp
     scale, factors = split
-    memo: dict[int, np.ndarray] = {}
-    values: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
+    memo: dict[int, Array] = {}
+    values: list[Array] = []
+    masks: list[Array] = []
     for node_id, power in factors:
-        val = _eval_dag(space, node_id, memo)
+        val = xp.cast(_eval_dag(space, node_id, memo), space.cdt)
         if power < 0:
-            val = np.divide(space.cdt.type(1), val)
-        if space.cdt.kind == "f" and not np.all(np.isfinite(val)):
+            val = space.scalar(1) / val
+        if xp.is_float(space.cdt) and not xp.all(xp.isfinite(val)):
             return None
-        m = _and([space.present[k] for k in _loads_under(space, node_id)])
-        if m is not True:
-            val = np.where(m, val, space.cdt.type(0))
-            masks.append(np.asarray(m))
-        values.append(np.asarray(val))
+        m = _and(xp, [space.present[k] for k in _loads_under(space, node_id)])
+        if m is not None:
+            val = xp.where(m, val, space.scalar(0))
+            masks.append(m)
+        values.append(val)
     guard = space.guard_mask()
-    if guard is not True:
-        g = np.asarray(guard)
-        values.append(g.astype(space.cdt))
-        masks.append(g)
+    if guard is not None:
+        values.append(xp.cast(guard, space.cdt))
+        masks.append(guard)
     value = _sum_over(values, space, out_vars)
     if scale is not None:
         value = value * scale
     # A cell exists where some point has every mask set: count such points with a contraction.
-    present = _sum_over([m.astype(np.float32) for m in masks], space, out_vars) > 0 if masks else None
-    return value.astype(space.cdt, copy=False), present
+    f32 = xp.dtype("f32")
+    present = _sum_over([xp.cast(m, f32) for m in masks], space, out_vars) > 0 if masks else None
+    return xp.cast(value, space.cdt), present
 
 
-def _sum_over(arrays: list[np.ndarray], space: _Space, out_vars: list[str]) -> np.ndarray:
+def _sum_over(arrays: list[Array], space: _Space, out_vars: list[str]) -> Array:
     """The contraction of ``arrays`` (over the join space) onto ``out_vars``; aggregated indices
     no array spans multiply the sum by their extent."""
-    operands = [squeeze(a, space.order) for a in arrays]
-    result, spanned = contract(operands, out_vars, space.box)
+    xp = space.xp
+    operands = [squeeze(a, space.order, xp) for a in arrays]
+    result, spanned = contract(operands, out_vars, space.box, xp)
     spanned_all = {v for _, ix in operands for v in ix}
     for v in space.node.agg_indices:
         if v not in spanned_all and space.box[v] != 1:
             result = result * space.box[v]
     shape = [space.box[v] if v in spanned else 1 for v in out_vars]
-    return np.broadcast_to(result.reshape(shape), [space.box[v] for v in out_vars])
+    return xp.broadcast_to(result.reshape(shape), [space.box[v] for v in out_vars])
 
 
 @dataclass(frozen=True)
@@ -263,7 +281,7 @@ def factor_indices(node: JoinAgg, root: int) -> tuple[str, ...]:
     return tuple(i.name for i in node.indices if i.name in used)
 
 
-def _split_product(space: _Space) -> tuple[np.ndarray | None, list[tuple[int, int]]] | None:
+def _split_product(space: _Space) -> tuple[Array | None, list[tuple[int, int]]] | None:
     """The varying factors of a product body as (node, power), and its constant scale (None
     for 1); None if the body is not a product."""
     form = product_form(space.node)
@@ -271,8 +289,8 @@ def _split_product(space: _Space) -> tuple[np.ndarray | None, list[tuple[int, in
         return None
     if not form.constants and not form.negate:
         return None, list(form.factors)
-    scale = np.asarray(-1 if form.negate else 1, dtype=space.cdt)
-    memo: dict[int, np.ndarray] = {}
+    scale = space.scalar(-1 if form.negate else 1)
+    memo: dict[int, Array] = {}
     for k, power in form.constants:
         c = _eval_dag(space, k, memo)
         scale = scale * c if power > 0 else scale / c
@@ -282,11 +300,11 @@ def _split_product(space: _Space) -> tuple[np.ndarray | None, list[tuple[int, in
 # -- everything else ----------------------------------------------------------------------------
 
 
-def _broadcast_reduce(space: _Space, out_vars: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+def _broadcast_reduce(space: _Space, out_vars: list[str]) -> tuple[Array, Array | None]:
     """Evaluate the body over the join space, mask absent points with the aggregation's
     identity, and reduce; in chunks along the longest index, so that no temporary exceeds
     :data:`CHUNK_POINTS` points by more than that index's other extents allow."""
-    node = space.node
+    node, xp = space.node, space.xp
     out_shape = [space.box[v] for v in out_vars]
     points = math.prod(space.box.values())
     var = max(space.order, key=lambda v: space.box[v], default=None)
@@ -294,8 +312,8 @@ def _broadcast_reduce(space: _Space, out_vars: list[str]) -> tuple[np.ndarray, n
         return _reduce_block(space)
     step = max(1, space.box[var] * CHUNK_POINTS // points)
     kept = var in out_vars
-    value: np.ndarray | None = None
-    present: np.ndarray | None = None
+    value: Array | None = None
+    present: Array | None = None
     any_absent = False
     for lo in range(0, space.box[var], step):
         hi = min(lo + step, space.box[var])
@@ -304,40 +322,36 @@ def _broadcast_reduce(space: _Space, out_vars: list[str]) -> tuple[np.ndarray, n
         if kept:
             k = out_vars.index(var)
             if value is None:
-                value = np.empty(out_shape, dtype=v.dtype)
-                present = np.ones(out_shape, dtype=bool)
+                value = xp.empty(out_shape, v.dtype, space.device)
+                present = xp.full(out_shape, True, xp.bool_, space.device)
             at = (slice(None),) * k + (slice(lo, hi),)
             value[at] = v
             assert present is not None
             present[at] = True if p is None else p
         else:
             assert node.agg is not None
-            pres = np.ones(v.shape, dtype=bool) if p is None else p
-            ident = identity(node.agg, v.dtype)
-            v = np.where(pres, v, ident)
-            value = v if value is None else _FOLD[node.agg](value, v)
+            pres = xp.full(v.shape, True, xp.bool_, space.device) if p is None else p
+            v = xp.where(pres, v, ops.identity(node.agg, v.dtype, xp))
+            value = v if value is None else ops.fold(node.agg, value, v, xp)
             present = pres if present is None else present | pres
     assert value is not None
     if not kept:
         assert present is not None
-        value = np.where(present, value, 0).astype(value.dtype)
+        value = xp.cast(xp.where(present, value, xp.constant(0, value.dtype)), value.dtype)
     return value, present if any_absent else None
 
 
-def _reduce_block(space: _Space) -> tuple[np.ndarray, np.ndarray | None]:
-    node = space.node
+def _reduce_block(space: _Space) -> tuple[Array, Array | None]:
+    node, xp = space.node, space.xp
     full = tuple(space.box[v] for v in space.order)
-    value = _eval_dag(space, node.expr.root, {})
-    mask = _and([space.guard_mask(), *space.present])
+    value = xp.asarray(_eval_dag(space, node.expr.root, {}))
+    mask = _and(xp, [space.guard_mask(), *space.present])
     axes = tuple(space.order.index(v) for v in node.agg_indices)
     if not axes:
-        present = None if mask is True else np.broadcast_to(mask, full)
-        return np.broadcast_to(value, full), present
+        present = None if mask is None else xp.broadcast_to(mask, full)
+        return xp.broadcast_to(value, full), present
     assert node.agg is not None
-    ident = identity(node.agg, value.dtype)
-    masked = np.broadcast_to(value, full) if mask is True else np.where(mask, value, ident)
-    result = _REDUCE[node.agg](np.broadcast_to(masked, full), axis=axes)
-    if node.agg in ("sum", "prod") and result.dtype != value.dtype:
-        result = result.astype(value.dtype)
-    present = None if mask is True else np.any(np.broadcast_to(mask, full), axis=axes)
+    masked = value if mask is None else xp.where(mask, value, ops.identity(node.agg, value.dtype, xp))
+    result = ops.reduce(node.agg, xp.broadcast_to(masked, full), axes, xp)
+    present = None if mask is None else xp.any(xp.broadcast_to(mask, full), axes)
     return result, present

@@ -10,49 +10,91 @@ Evaluating a rule on these views costs what the rule's points cost, never a copy
 Index expressions may reach outside their relation (``x[t - 1]`` at ``t = 0``); those points
 read absent cells and the rule's guard excludes them, but the view must still point somewhere:
 such parts read from a copy of the relation padded with zeros (absent) on the sides they reach.
+
+Everything here works on numpy arrays and torch tensors alike, through an array namespace
+(:mod:`edatalog.backend.arrays`); masks are arrays too, never host-side index lists.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-import numpy as np
-from numpy.lib.stride_tricks import as_strided
-
+from edatalog.backend.arrays import NUMPY, Array, ArrayOps
+from edatalog.ir.affine import Guard
 from edatalog.ir.graph import Access
 
 
 def access_view(
-    data: np.ndarray, acc: Access, order: Sequence[str], box: Mapping[str, int], fill: object = 0
-) -> np.ndarray:
+    data: Array,
+    acc: Access,
+    order: Sequence[str],
+    box: Mapping[str, int],
+    fill: float | int | bool = 0,
+    xp: ArrayOps = NUMPY,
+) -> Array:
     """``data`` (laid out as the relation ``acc`` reads) at every point of the join space
     ``order`` x ``box``; places outside the relation read ``fill``.  Read-only."""
     parts = [p for ax in acc.axes for p in ax.parts]
-    arr = np.ascontiguousarray(data).reshape([p.extent for p in parts])
+    arr = xp.contiguous(data).reshape([p.extent for p in parts])
     pads = []
     for p in parts:
         lo, hi = p.expr.bounds(box)
         pads.append((max(0, -lo), max(0, hi - (p.extent - 1))))
     if any(a or b for a, b in pads):
-        arr = np.pad(arr, pads, constant_values=fill)  # type: ignore[call-overload]
-    item = arr.itemsize
+        arr = xp.pad(arr, pads, fill)
+    steps = xp.element_strides(arr) if math.prod(arr.shape) else (0,) * len(parts)
     offset = 0  # elements from the start of ``arr`` to the cell of the point at the origin
     strides = dict.fromkeys(order, 0)
-    for k, (p, (pad, _)) in enumerate(zip(parts, pads, strict=True)):
-        step = arr.strides[k] // item if arr.size else 0
+    for p, step, (pad, _) in zip(parts, steps, pads, strict=True):
         offset += (p.expr.const + pad) * step
         for v, c in p.expr.terms:
             strides[v] += c * step
     used = set(acc.indices)
     shape = [box[v] if v in used else 1 for v in order]
-    flat = arr.reshape(-1)
-    base = flat[offset:] if arr.size else flat
-    return as_strided(base, shape=shape, strides=[strides[v] * item for v in order], writeable=False)
+    return xp.as_strided(arr, shape, [strides[v] for v in order], offset)
 
 
-def index_values(order: Sequence[str], box: Mapping[str, int], name: str, dtype: np.dtype) -> np.ndarray:
-    """The values of index ``name`` along its axis of the join space."""
+def index_values(
+    order: Sequence[str],
+    box: Mapping[str, int],
+    name: str,
+    dtype: Any,
+    xp: ArrayOps = NUMPY,
+    lo: int = 0,
+    device: Any = None,
+) -> Array:
+    """The values ``lo, lo + 1, ...`` of index ``name`` along its axis of the join space."""
     shape = [1] * len(order)
     k = list(order).index(name)
     shape[k] = box[name]
-    return np.arange(box[name], dtype=dtype).reshape(shape)
+    return xp.arange(lo, lo + box[name], dtype, device).reshape(shape)
+
+
+def guard_mask(
+    guard: Guard, order: Sequence[str], box: Mapping[str, int], xp: ArrayOps, device: Any = None
+) -> Array | None:
+    """Where ``guard`` holds over the join space ``order`` x ``box``: a bool array (size 1 along
+    the indices it does not mention), or None when it always holds.  :meth:`Guard.mask` on the
+    namespace's arrays."""
+    if guard.is_true:
+        return None
+    if guard.is_false:
+        return xp.scalar(False, xp.bool_, device)
+    values: dict[str, Array] = {}
+    for k, v in enumerate(order):
+        shape = [1] * len(order)
+        shape[k] = box[v]
+        values[v] = xp.arange(0, box[v], xp.dtype("i64"), device).reshape(shape)
+    out: Array | None = None
+    for conj in guard.conjs:
+        m: Array | None = None
+        for c in conj.constraints:
+            held = c.holds(values)
+            if isinstance(held, bool):  # a constraint without variables
+                held = xp.scalar(held, xp.bool_, device)
+            m = held if m is None else xp.logical_and(m, held)
+        assert m is not None  # an empty conjunction is true, and the guard is not
+        out = m if out is None else xp.logical_or(out, m)
+    return out

@@ -1,53 +1,61 @@
 """The reference evaluator: the semantic ground truth every other backend is checked against.
 
-It evaluates a join-agg graph on whole numpy arrays, in the declared precision (``f64`` stays
-``f64``; ``f16`` and ``bf16`` compute in ``f32`` and round when stored).  Every relation carries
-a presence mask, so Datalog semantics hold exactly: a point contributes only where its guard
-holds and every cell it reads exists; a cell with no contribution is absent, and reads as 0 when
-handed to the user.  Each rule is computed by :mod:`edatalog.backend.joinagg` at a cost that
-follows its points; relations no later rule reads are dropped unless the caller keeps them.
+It evaluates a join-agg graph on whole arrays, in the declared precision (``f64`` stays ``f64``;
+``f16`` and ``bf16`` compute in ``f32`` and round when stored).  Every relation carries a presence
+mask, so Datalog semantics hold exactly: a point contributes only where its guard holds and every
+cell it reads exists; a cell with no contribution is absent, and reads as 0 when handed to the
+user.  Each rule is computed by :mod:`edatalog.backend.joinagg` at a cost that follows its points;
+relations no later rule reads are dropped unless the caller keeps them.
+
+numpy is the reference; with the torch namespace (:data:`~edatalog.backend.arrays.TORCH`) the
+same code evaluates on tensors, on the inputs' device, and :func:`write_cells` folds a rule's
+result into a runtime's own tensor buffers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
+from edatalog.backend import ops
+from edatalog.backend.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.joinagg import evaluate_node
-from edatalog.backend.numpy_ops import identity
 from edatalog.ir import dtypes
 from edatalog.ir.graph import AGG_NAMES, AxisMap, Graph, JoinAgg
 
 
 @dataclass(frozen=True)
 class Value:
-    """A relation's cells.  ``data`` holds 0 where a cell is absent; ``present`` is None when every
-    cell exists."""
+    """A relation's cells (numpy arrays, or tensors of the namespace that made them).  ``data``
+    holds 0 where a cell is absent; ``present`` is None when every cell exists."""
 
-    data: np.ndarray
-    present: np.ndarray | None = None
+    data: Array
+    present: Array | None = None
 
 
 def evaluate(
     graph: Graph,
-    inputs: Mapping[str, np.ndarray],
+    inputs: Mapping[str, Any],
     on_node: Callable[[JoinAgg], None] | None = None,
     keep: Collection[str] | None = None,
+    xp: ArrayOps = NUMPY,
 ) -> dict[str, Value]:
     """Every relation of the graph (or only those in ``keep``), given its inputs and params
     (already in their declared dtypes).  With ``keep``, a relation is freed after the last rule
-    that reads it.  ``on_node`` is called after each node, for progress displays."""
-    env: dict[str, Value] = {name: Value(np.asarray(arr)) for name, arr in inputs.items()}
+    that reads it.  ``on_node`` is called after each node, for progress displays.  ``xp`` is the
+    array namespace: results are its arrays, on the inputs' device."""
+    env: dict[str, Value] = {name: Value(xp.asarray(arr)) for name, arr in inputs.items()}
+    device = xp.device_of([v.data for v in env.values()])
     pending: dict[str, _Accumulator] = {}
     remaining = {r.name: len(graph.producers(r.name)) for r in graph.relations if r.kind == "derived"}
     last_read = {acc.relation: k for k, node in enumerate(graph.nodes) for acc in node.inputs}
-    with np.errstate(all="ignore"):  # IEEE semantics: overflow gives inf, 0/0 gives nan
+    with xp.ignore_fp_errors():  # IEEE semantics: overflow gives inf, 0/0 gives nan
         for k, node in enumerate(graph.nodes):
-            acc = pending.setdefault(node.out, _Accumulator(graph, node.out))
+            acc = pending.setdefault(node.out, _Accumulator(graph, node.out, xp, device))
             reads = [env[a.relation] for a in node.inputs]
-            acc.add(node, *evaluate_node(node, [v.data for v in reads], [v.present for v in reads]))
+            acc.add(node, *evaluate_node(node, [v.data for v in reads], [v.present for v in reads], xp))
             del reads
             remaining[node.out] -= 1
             if remaining[node.out] == 0:
@@ -61,10 +69,7 @@ def evaluate(
     return env if keep is None else {name: env[name] for name in keep}
 
 
-_COMBINE: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
-
-
-def _write_view(arr: np.ndarray, axes: tuple[AxisMap, ...], out_vars: list[str]) -> np.ndarray | None:
+def _write_view(arr: Array, axes: tuple[AxisMap, ...], out_vars: list[str], xp: ArrayOps) -> Array | None:
     """A writable view of the contiguous ``arr`` through a head's axes, with its axes in the order
     ``out_vars``; None when the head repeats an index (no strided view can express a diagonal
     write)."""
@@ -72,73 +77,84 @@ def _write_view(arr: np.ndarray, axes: tuple[AxisMap, ...], out_vars: list[str])
     labels = [p.index for p in parts if p.index is not None]
     if len(set(labels)) != len(labels):
         return None
-    view = arr.reshape([p.extent for p in parts])
-    assert np.may_share_memory(view, arr), "reshape copied: the accumulator must be contiguous"
+    view = xp.view(arr, [p.extent for p in parts])  # an error, not a silent copy, if ``arr`` is not contiguous
     # The trailing Ellipsis keeps a 0-d result an array view rather than a scalar copy.
     view = view[(*(p.const if p.index is None else slice(None) for p in parts), ...)]
-    return view.transpose([labels.index(v) for v in out_vars])
+    return xp.transpose(view, [labels.index(v) for v in out_vars])
 
 
 def write_cells(
-    data: np.ndarray,
-    present_cells: np.ndarray,
+    data: Array,
+    present_cells: Array,
     node: JoinAgg,
-    value: np.ndarray,
-    present: np.ndarray | None,
+    value: Array,
+    present: Array | None,
     out_vars: list[str],
     agg: str | None,
+    xp: ArrayOps = NUMPY,
 ) -> None:
     """Fold a node's result (over ``out_vars``) into the cells of ``data`` its head addresses, with
-    ``agg`` (None: plain writes), and mark them present.  ``data`` is laid out as the head's axes
-    (a whole relation, or a block's region)."""
-    view = _write_view(data, node.out_axes, out_vars)
+    ``agg`` (None: plain writes), and mark them present in ``present_cells`` (bool).  ``data`` and
+    ``present_cells`` are contiguous arrays of ``xp``, laid out as the head's axes (a whole
+    relation, or a block's region); they are written in place."""
+    view = _write_view(data, node.out_axes, out_vars, xp)
     if view is not None:  # the common case: write in place through a strided view
-        where: np.ndarray | bool = True if present is None else np.broadcast_to(present, view.shape)
-        vals = np.broadcast_to(value, view.shape).astype(data.dtype, copy=False)
-        if agg is None:
-            np.copyto(view, vals, where=where)
-        else:
-            _COMBINE[agg](view, vals, out=view, where=where)
-        pview = _write_view(present_cells, node.out_axes, out_vars)
+        where = None if present is None else xp.broadcast_to(present, view.shape)
+        vals = xp.cast(xp.broadcast_to(value, view.shape), data.dtype)
+        xp.assign(view, vals if agg is None else ops.fold(agg, view, vals, xp), where)
+        pview = _write_view(present_cells, node.out_axes, out_vars, xp)
         assert pview is not None
-        np.logical_or(pview, where, out=pview)
+        xp.assign(pview, True, where)
         return
-    # Heads that repeat an index (d[i, i]): write through flat cell numbers.
-    box = node.box
-    coords = []
-    for ax in node.out_axes:
-        vals_of = {}
-        for k, v in enumerate(out_vars):
-            shape = [1] * len(out_vars)
-            shape[k] = box[v]
-            vals_of[v] = np.arange(box[v]).reshape(shape)
-        coords.append(np.broadcast_to(np.asarray(ax.affine().evaluate(vals_of)), value.shape))
-    flat = np.ravel_multi_index(tuple(coords), data.shape) if coords else np.zeros(value.shape, dtype=np.intp)
-    pres = np.ones(value.shape, dtype=bool) if present is None else np.broadcast_to(present, value.shape)
-    flat_data = data.reshape(-1)
-    cells = flat[pres]
-    vals = value[pres].astype(data.dtype, copy=False)
-    flat_data[cells] = vals if agg is None else _COMBINE[agg](flat_data[cells], vals)
-    present_cells.reshape(-1)[cells] = True
+    # Heads that repeat an index (d[i, i]): write through flat cell numbers.  Every output point
+    # has its own cell (each output index is a whole part of the head), so there are no clashes.
+    full = [node.box[v] for v in out_vars]
+    device = xp.device_of([data])
+    int64 = xp.dtype("i64")
+    grids: dict[str, Array] = {}
+    for k, v in enumerate(out_vars):
+        shape = [1] * len(out_vars)
+        shape[k] = full[k]
+        grids[v] = xp.arange(0, full[k], int64, device).reshape(shape)
+    flat = xp.full(full, 0, int64, device)
+    stride = 1
+    for ax, n in reversed(list(zip(node.out_axes, data.shape, strict=True))):
+        flat = flat + ax.affine().evaluate(grids) * stride
+        stride *= n
+    flat_data = xp.view(data, [math.prod(data.shape)])
+    flat_present = xp.view(present_cells, [math.prod(data.shape)])
+    old = flat_data[flat]
+    vals = xp.cast(xp.broadcast_to(value, full), data.dtype)
+    new = vals if agg is None else ops.fold(agg, old, vals, xp)
+    if present is None:
+        flat_data[flat] = new
+        flat_present[flat] = True
+    else:
+        pres = xp.broadcast_to(present, full)
+        flat_data[flat] = xp.where(pres, new, old)
+        flat_present[flat] = xp.logical_or(flat_present[flat], pres)
 
 
 class _Accumulator:
-    """Combines the results of the rules for one relation with its aggregation operator."""
+    """Combines the results of the rules for one relation with its aggregation operator, in the
+    compute dtype; :meth:`finish` rounds to the relation's dtype (``f16``, ``bf16``) once."""
 
-    def __init__(self, graph: Graph, name: str) -> None:
+    def __init__(self, graph: Graph, name: str, xp: ArrayOps = NUMPY, device: Any = None) -> None:
         self.rel = graph.relation(name)
-        self.cdt = dtypes.to_numpy(dtypes.compute_dtype(self.rel.dtype))
+        self.xp = xp
+        self.cdt = xp.dtype(dtypes.compute_dtype(self.rel.dtype))
         self.agg = AGG_NAMES[self.rel.aggop or "="]
-        fill = 0 if self.agg is None else identity(self.agg, self.cdt)
-        self.data = np.full(self.rel.shape, fill, dtype=self.cdt)
-        self.present = np.zeros(self.rel.shape, dtype=bool)
+        fill = 0 if self.agg is None else ops.identity(self.agg, self.cdt, xp)
+        self.data = xp.full(self.rel.shape, fill, self.cdt, device)
+        self.present = xp.full(self.rel.shape, False, xp.bool_, device)
 
-    def add(self, node: JoinAgg, value: np.ndarray, present: np.ndarray | None, out_vars: list[str]) -> None:
-        write_cells(self.data, self.present, node, value, present, out_vars, self.agg)
+    def add(self, node: JoinAgg, value: Array, present: Array | None, out_vars: list[str]) -> None:
+        write_cells(self.data, self.present, node, value, present, out_vars, self.agg, self.xp)
 
     def finish(self) -> Value:
-        out_dt = dtypes.to_numpy(self.rel.dtype)
-        all_present = bool(self.present.all())
+        xp = self.xp
+        out_dt = xp.dtype(self.rel.dtype)
+        all_present = xp.all(self.present)
         if not all_present:
-            self.data[~self.present] = 0
-        return Value(self.data.astype(out_dt, copy=False), None if all_present else self.present)
+            xp.masked_fill(self.data, ~self.present, 0)
+        return Value(xp.cast(self.data, out_dt), None if all_present else self.present)

@@ -329,9 +329,11 @@ class Graph:
                 for p in ax.parts:
                     _check(p.extent > 0, f"{where}: part {p} of {acc} has a non-positive extent")
                     _check(set(p.indices) <= set(box), f"{where}: unknown index in {p}")
-                    if p.const is not None:
+                    if acc.relation != n.out:
+                        pass  # any affine place: where it falls outside, the read is absent
+                    elif p.const is not None:
                         _check(0 <= p.const < p.extent, f"{where}: bad constant part")
-                    elif acc.relation == n.out:  # heads address cells with plain indices
+                    else:  # heads address cells with plain indices
                         index = p.index
                         _check(index is not None, f"{where}: the head {acc} has an index expression")
                         _check(box[str(index)] == p.extent, f"{where}: {index} used with extent {p.extent}")

@@ -1,0 +1,427 @@
+"""Array namespaces: the array operations the evaluator needs, on numpy arrays or torch tensors.
+
+The evaluator (:mod:`edatalog.backend.joinagg`, :mod:`~edatalog.backend.operands`,
+:mod:`~edatalog.backend.contract`, :mod:`~edatalog.backend.reference`) is written once, against
+an :class:`ArrayOps` passed to it explicitly: :data:`NUMPY`, the reference and ground truth, or
+:data:`TORCH`, so that a runtime computes exactly the reference's algorithm (same contraction
+order, same masks, same rounding points) on CPU or CUDA tensors.  Only what numpy and torch spell
+or behave differently is a method here: strided views, padding, dtype names, in-place writes,
+reductions to a Python bool.  The scalar ops and aggregations live in :mod:`edatalog.backend.ops`.
+
+Nothing here copies a tensor to the host or asks where its cells are (no ``nonzero``, no boolean
+indexing): a CUDA evaluation never waits on the device except where it must decide a path
+(:meth:`ArrayOps.all`).  torch is imported on first use of :data:`TORCH`, never on import, so
+``import edatalog`` stays fast and numpy-only runs never load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from edatalog.ir import dtypes
+
+Array = Any  # a numpy.ndarray (or numpy scalar) with NUMPY, a torch.Tensor with TORCH
+Pads = Sequence[tuple[int, int]]
+
+
+@functools.cache
+def torch_module() -> Any:
+    """torch, imported on first use (a second or so): only torch evaluations and ops that need it
+    (erf) pay for it."""
+    import torch
+
+    return torch
+
+
+class ArrayOps:
+    """The operations of one array library, as the evaluator uses them.  ``device`` arguments are
+    where new arrays go (None: the library's default); numpy ignores them."""
+
+    name: str
+
+    # -- dtypes -------------------------------------------------------------------------------
+
+    def dtype(self, name: str) -> Any:
+        """The library's dtype for an edatalog dtype name (``bf16`` included)."""
+        raise NotImplementedError
+
+    @property
+    def bool_(self) -> Any:
+        return self.dtype("bool")
+
+    def is_float(self, dtype: Any) -> bool:
+        raise NotImplementedError
+
+    def limits(self, dtype: Any) -> tuple[float | int | bool, float | int | bool]:
+        """The least and greatest value of ``dtype`` (infinities for floats): what ``max`` and
+        ``min`` start from."""
+        raise NotImplementedError
+
+    def constant(self, value: float | int | bool, dtype: Any) -> Any:
+        """``value`` as a scalar that ``where`` and arithmetic keep in ``dtype``."""
+        raise NotImplementedError
+
+    # -- making arrays ------------------------------------------------------------------------
+
+    def device_of(self, arrays: Sequence[Array | None]) -> Any:
+        """Where the results of an evaluation on ``arrays`` go: the first array's device."""
+        return None
+
+    def asarray(self, x: Any, dtype: Any = None, device: Any = None) -> Array:
+        """``x`` (an array of either library, or a number) as this library's array, in ``dtype``
+        when given; no copy when it already is one."""
+        raise NotImplementedError
+
+    def to_numpy(self, a: Array) -> np.ndarray:
+        """A copy on the host, for results handed to users and tests (never in evaluation)."""
+        raise NotImplementedError
+
+    def cast(self, a: Array, dtype: Any) -> Array:
+        """``a`` in ``dtype``; ``a`` itself when it already is."""
+        raise NotImplementedError
+
+    def scalar(self, value: float | int | bool, dtype: Any, device: Any = None) -> Array:
+        """A 0-d array."""
+        return self.full((), value, dtype, device)
+
+    def full(self, shape: Sequence[int], fill: float | int | bool, dtype: Any, device: Any = None) -> Array:
+        raise NotImplementedError
+
+    def empty(self, shape: Sequence[int], dtype: Any, device: Any = None) -> Array:
+        raise NotImplementedError
+
+    def arange(self, lo: int, hi: int, dtype: Any, device: Any = None) -> Array:
+        raise NotImplementedError
+
+    # -- views and layout ---------------------------------------------------------------------
+
+    def contiguous(self, a: Array) -> Array:
+        raise NotImplementedError
+
+    def element_strides(self, a: Array) -> tuple[int, ...]:
+        """Strides in elements, not bytes."""
+        raise NotImplementedError
+
+    def as_strided(self, a: Array, shape: Sequence[int], strides: Sequence[int], offset: int) -> Array:
+        """A read-only view of the contiguous ``a``: element ``offset + sum(i_k * strides[k])`` at
+        index ``i``; strides in elements, possibly negative or zero."""
+        raise NotImplementedError
+
+    def pad(self, a: Array, pads: Pads, fill: float | int | bool) -> Array:
+        """``a`` with ``pads[k] = (before, after)`` cells of ``fill`` around axis ``k``."""
+        raise NotImplementedError
+
+    def view(self, a: Array, shape: Sequence[int]) -> Array:
+        """``a`` reshaped without a copy (an error where that needs one): writes go to ``a``."""
+        raise NotImplementedError
+
+    def transpose(self, a: Array, axes: Sequence[int]) -> Array:
+        raise NotImplementedError
+
+    def broadcast_to(self, a: Array, shape: Sequence[int]) -> Array:
+        raise NotImplementedError
+
+    # -- computing ----------------------------------------------------------------------------
+
+    def where(self, cond: Array, a: Array, b: Array) -> Array:
+        raise NotImplementedError
+
+    def logical_and(self, a: Array, b: Array) -> Array:
+        raise NotImplementedError
+
+    def logical_or(self, a: Array, b: Array) -> Array:
+        raise NotImplementedError
+
+    def isfinite(self, a: Array) -> Array:
+        raise NotImplementedError
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        raise NotImplementedError
+
+    def any(self, a: Array, axes: tuple[int, ...]) -> Array:
+        """Logical or over ``axes`` (at least one)."""
+        raise NotImplementedError
+
+    def all(self, a: Array) -> bool:
+        """Whether every element is true: a host decision (on CUDA it waits for the device)."""
+        raise NotImplementedError
+
+    # -- writing in place ---------------------------------------------------------------------
+
+    def assign(self, view: Array, values: Array | bool, where: Array | None) -> None:
+        """``view = values`` (an array or a number) where ``where`` holds (everywhere when None),
+        in place."""
+        raise NotImplementedError
+
+    def masked_fill(self, a: Array, mask: Array, value: float | int | bool) -> None:
+        """``a = value`` where ``mask`` holds, in place."""
+        raise NotImplementedError
+
+    def ignore_fp_errors(self) -> AbstractContextManager[object]:
+        """IEEE semantics without warnings: overflow gives inf, 0/0 gives nan."""
+        return contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        return f"<array namespace {self.name}>"
+
+
+class NumpyOps(ArrayOps):
+    """numpy: the reference.  bf16 arrays use ``ml_dtypes.bfloat16``."""
+
+    name = "numpy"
+
+    def dtype(self, name: str) -> np.dtype:
+        return dtypes.to_numpy(name)
+
+    def is_float(self, dtype: Any) -> bool:
+        return np.dtype(dtype).kind == "f"
+
+    def limits(self, dtype: Any) -> tuple[float | int | bool, float | int | bool]:
+        dtype = np.dtype(dtype)
+        if dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16):
+            return -math.inf, math.inf
+        if dtype.kind == "b":
+            return False, True
+        info = np.iinfo(dtype)
+        return int(info.min), int(info.max)
+
+    def constant(self, value: float | int | bool, dtype: Any) -> Any:
+        return np.dtype(dtype).type(value)
+
+    def asarray(self, x: Any, dtype: Any = None, device: Any = None) -> Array:
+        if type(x).__module__.split(".")[0] == "torch":
+            x = TORCH.to_numpy(x)
+        a = np.asarray(x)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def to_numpy(self, a: Array) -> np.ndarray:
+        return np.array(a)
+
+    def cast(self, a: Array, dtype: Any) -> Array:
+        return np.asarray(a).astype(dtype, copy=False)
+
+    def full(self, shape: Sequence[int], fill: float | int | bool, dtype: Any, device: Any = None) -> Array:
+        return np.full(tuple(shape), fill, dtype=dtype)
+
+    def empty(self, shape: Sequence[int], dtype: Any, device: Any = None) -> Array:
+        return np.empty(tuple(shape), dtype=dtype)
+
+    def arange(self, lo: int, hi: int, dtype: Any, device: Any = None) -> Array:
+        return np.arange(lo, hi, dtype=dtype)
+
+    def contiguous(self, a: Array) -> Array:
+        return np.ascontiguousarray(a)
+
+    def element_strides(self, a: Array) -> tuple[int, ...]:
+        return tuple(s // a.itemsize for s in a.strides)
+
+    def as_strided(self, a: Array, shape: Sequence[int], strides: Sequence[int], offset: int) -> Array:
+        flat = a.reshape(-1)
+        base = flat[offset:] if a.size else flat
+        return as_strided(base, shape=tuple(shape), strides=[s * a.itemsize for s in strides], writeable=False)
+
+    def pad(self, a: Array, pads: Pads, fill: float | int | bool) -> Array:
+        return np.pad(a, [tuple(p) for p in pads], constant_values=fill)
+
+    def view(self, a: Array, shape: Sequence[int]) -> Array:
+        out = a.reshape(tuple(shape))
+        assert not a.size or np.may_share_memory(out, a), "reshape copied: the array must be contiguous"
+        return out
+
+    def transpose(self, a: Array, axes: Sequence[int]) -> Array:
+        return np.transpose(a, tuple(axes))
+
+    def broadcast_to(self, a: Array, shape: Sequence[int]) -> Array:
+        return np.broadcast_to(a, tuple(shape))
+
+    def where(self, cond: Array, a: Array, b: Array) -> Array:
+        return np.where(cond, a, b)
+
+    def logical_and(self, a: Array, b: Array) -> Array:
+        return np.logical_and(a, b)
+
+    def logical_or(self, a: Array, b: Array) -> Array:
+        return np.logical_or(a, b)
+
+    def isfinite(self, a: Array) -> Array:
+        return np.isfinite(a)
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        return np.matmul(a, b)
+
+    def any(self, a: Array, axes: tuple[int, ...]) -> Array:
+        return np.any(a, axis=axes)
+
+    def all(self, a: Array) -> bool:
+        return bool(np.all(a))
+
+    def assign(self, view: Array, values: Array | bool, where: Array | None) -> None:
+        np.copyto(view, values, where=True if where is None else where)
+
+    def masked_fill(self, a: Array, mask: Array, value: float | int | bool) -> None:
+        np.copyto(a, value, where=mask)
+
+    def ignore_fp_errors(self) -> AbstractContextManager[object]:
+        return np.errstate(all="ignore")
+
+
+class TorchOps(ArrayOps):
+    """torch tensors on any device.  New arrays go where the inputs are; ``device`` is where those
+    with no input to follow go (None: torch's default)."""
+
+    name = "torch"
+
+    def __init__(self, device: Any = None) -> None:
+        self.default_device = device
+
+    def dtype(self, name: str) -> Any:
+        t = torch_module()
+        return {
+            "f64": t.float64,
+            "f32": t.float32,
+            "f16": t.float16,
+            "bf16": t.bfloat16,
+            "i64": t.int64,
+            "i32": t.int32,
+            "bool": t.bool,
+        }[name]
+
+    def is_float(self, dtype: Any) -> bool:
+        return bool(dtype.is_floating_point)
+
+    def limits(self, dtype: Any) -> tuple[float | int | bool, float | int | bool]:
+        t = torch_module()
+        if dtype.is_floating_point:
+            return -math.inf, math.inf
+        if dtype == t.bool:
+            return False, True
+        info = t.iinfo(dtype)
+        return int(info.min), int(info.max)
+
+    def constant(self, value: float | int | bool, dtype: Any) -> Any:
+        # A Python number: torch keeps a tensor's dtype against it, and it needs no device.
+        if dtype == torch_module().bool:
+            return bool(value)
+        return float(value) if dtype.is_floating_point else int(value)
+
+    def device_of(self, arrays: Sequence[Array | None]) -> Any:
+        t = torch_module()
+        return next((a.device for a in arrays if isinstance(a, t.Tensor)), self.default_device)
+
+    def asarray(self, x: Any, dtype: Any = None, device: Any = None) -> Any:
+        t = torch_module()
+        if not isinstance(x, t.Tensor):
+            a = np.asarray(x, order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
+            if not a.flags.writeable:  # torch warns on (and may not write) read-only memory
+                a = a.copy()
+            if a.dtype == np.dtype(ml_dtypes.bfloat16):  # torch cannot read ml_dtypes' bf16
+                x = t.from_numpy(a.view(np.int16)).view(t.bfloat16)
+            else:
+                x = t.from_numpy(a)
+        return x.to(device=device if device is not None else x.device, dtype=dtype if dtype is not None else x.dtype)
+
+    def to_numpy(self, a: Array) -> np.ndarray:
+        t = torch_module()
+        a = a.detach().cpu().contiguous()
+        if a.dtype == t.bfloat16:
+            return a.view(t.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        return a.numpy().copy()
+
+    def cast(self, a: Array, dtype: Any) -> Any:
+        return a.to(dtype)
+
+    def full(self, shape: Sequence[int], fill: float | int | bool, dtype: Any, device: Any = None) -> Any:
+        return torch_module().full(tuple(shape), fill, dtype=dtype, device=device or self.default_device)
+
+    def empty(self, shape: Sequence[int], dtype: Any, device: Any = None) -> Any:
+        return torch_module().empty(tuple(shape), dtype=dtype, device=device or self.default_device)
+
+    def arange(self, lo: int, hi: int, dtype: Any, device: Any = None) -> Any:
+        return torch_module().arange(lo, hi, dtype=dtype, device=device or self.default_device)
+
+    def contiguous(self, a: Array) -> Any:
+        return a.contiguous()
+
+    def element_strides(self, a: Array) -> tuple[int, ...]:
+        return tuple(a.stride())
+
+    def as_strided(self, a: Array, shape: Sequence[int], strides: Sequence[int], offset: int) -> Any:
+        # torch has no negative strides: step along such an axis backwards (from its far end),
+        # then flip it, a copy of the view (rare: ``x[N - 1 - i]``, ``x[l - k]``).
+        t = torch_module()
+        steps = [s if n > 1 else 0 for s, n in zip(strides, shape, strict=True)]
+        flip = [k for k, s in enumerate(steps) if s < 0]
+        for k in flip:
+            offset += steps[k] * (shape[k] - 1)
+            steps[k] = -steps[k]
+        if not a.numel():
+            offset = 0
+        out = t.as_strided(a, tuple(shape), tuple(steps), a.storage_offset() + offset)
+        return t.flip(out, flip) if flip else out
+
+    def pad(self, a: Array, pads: Pads, fill: float | int | bool) -> Any:
+        shape = [n + lo + hi for n, (lo, hi) in zip(a.shape, pads, strict=True)]
+        out = self.full(shape, fill, a.dtype, a.device)
+        out[tuple(slice(lo, lo + n) for n, (lo, _) in zip(a.shape, pads, strict=True))] = a
+        return out
+
+    def view(self, a: Array, shape: Sequence[int]) -> Any:
+        return a.view(tuple(shape))
+
+    def transpose(self, a: Array, axes: Sequence[int]) -> Any:
+        return a.permute(tuple(axes))
+
+    def broadcast_to(self, a: Array, shape: Sequence[int]) -> Any:
+        return torch_module().broadcast_to(a, tuple(shape))
+
+    def where(self, cond: Array, a: Array, b: Array) -> Any:
+        return torch_module().where(cond, a, b)
+
+    def logical_and(self, a: Array, b: Array) -> Any:
+        return torch_module().logical_and(a, b)
+
+    def logical_or(self, a: Array, b: Array) -> Any:
+        return torch_module().logical_or(a, b)
+
+    def isfinite(self, a: Array) -> Any:
+        return torch_module().isfinite(a)
+
+    def matmul(self, a: Array, b: Array) -> Any:
+        t = torch_module()
+        dtype = t.promote_types(a.dtype, b.dtype)
+        a, b = a.to(dtype), b.to(dtype)
+        if not dtype.is_floating_point and a.device.type != "cpu":  # CUDA has no integer matmul
+            return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2, dtype=dtype)
+        return t.matmul(a, b)
+
+    def any(self, a: Array, axes: tuple[int, ...]) -> Any:
+        assert axes, "torch reduces every axis for dim=()"
+        return torch_module().any(a, dim=axes)
+
+    def all(self, a: Array) -> bool:
+        return bool(torch_module().all(a))
+
+    def assign(self, view: Array, values: Array | bool, where: Array | None) -> None:
+        t = torch_module()
+        if where is not None:
+            view.copy_(t.where(where, values, view))
+        elif isinstance(values, t.Tensor):
+            view.copy_(values)
+        else:
+            view.fill_(values)
+
+    def masked_fill(self, a: Array, mask: Array, value: float | int | bool) -> None:
+        a.masked_fill_(mask, value)
+
+
+NUMPY = NumpyOps()
+TORCH = TorchOps()

@@ -1,0 +1,203 @@
+"""The scalar ops and aggregations of the language, on numpy and on torch: one table each.
+
+:data:`SCALAR_OPS` has a row per op of :data:`edatalog.ir.scalar.OPS` and :data:`AGGREGATIONS`
+a row per aggregation (``sum``, ``prod``, ``max``, ``min``: what absent points contribute, how two
+partials combine, how an array reduces over axes); each row holds the numpy and the torch
+implementation side by side, so that a backend cannot miss an op or disagree on one silently.
+Evaluators call them through :func:`apply_op`, :func:`identity`, :func:`fold` and
+:func:`reduce` with an array namespace (:mod:`edatalog.backend.arrays`).
+
+Numeric results stay in the rule's compute dtype (``f64`` stays ``f64``; ``f16`` and ``bf16``
+compute in ``f32``).  ``erf`` and ``gelu`` are torch's on both sides: numpy has no ``erf``, and
+torch's is what GPU backends compute.  Torch functions are named, not imported, here (:class:`_T`):
+torch loads on first use only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edatalog.backend.arrays import NUMPY, Array, ArrayOps, torch_module
+from edatalog.ir.scalar import OPS
+
+Fn = Callable[..., Any]
+
+
+class _T:
+    """The torch function at ``path`` (``"special.erf"``), with keyword arguments bound, looked
+    up when first called."""
+
+    def __init__(self, path: str, **kwargs: object) -> None:
+        self.path = path
+        self.kwargs = kwargs
+
+    @functools.cached_property
+    def fn(self) -> Fn:
+        return functools.reduce(getattr, self.path.split("."), torch_module())
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"torch.{self.path}"
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One operation in each library: ``numpy`` on numpy arrays, ``torch`` on tensors."""
+
+    numpy: Fn
+    torch: Fn
+
+    def on(self, xp: ArrayOps) -> Fn:
+        return self.numpy if xp.name == "numpy" else self.torch
+
+
+# -- scalar ops -----------------------------------------------------------------------------------
+
+
+def _np_erf(a: np.ndarray) -> np.ndarray:
+    torch = torch_module()  # numpy has no erf; torch's matches what GPU backends compute
+    # ascontiguousarray makes a 0-d array 1-d; reshape so a scalar stays a scalar.
+    return torch.special.erf(torch.from_numpy(np.require(a, requirements=("C", "W")))).numpy().reshape(a.shape)
+
+
+def _np_sigmoid(a: np.ndarray) -> np.ndarray:
+    one = a.dtype.type(1)
+    return one / (one + np.exp(-a))
+
+
+def _np_gelu_tanh(a: np.ndarray) -> np.ndarray:
+    t = a.dtype.type
+    return t(0.5) * a * (t(1) + np.tanh(t(math.sqrt(2.0 / math.pi)) * (a + t(0.044715) * a * a * a)))
+
+
+def _np_gelu(a: np.ndarray) -> np.ndarray:
+    t = a.dtype.type
+    return t(0.5) * a * (t(1) + _np_erf(a / t(math.sqrt(2.0))))
+
+
+SCALAR_OPS: dict[str, Impl] = {
+    "neg": Impl(np.negative, _T("neg")),
+    "not": Impl(np.logical_not, _T("logical_not")),
+    "add": Impl(np.add, _T("add")),
+    "sub": Impl(np.subtract, _T("sub")),
+    "mul": Impl(np.multiply, _T("mul")),
+    "div": Impl(np.true_divide, _T("true_divide")),
+    "pow": Impl(np.power, _T("pow")),
+    "max": Impl(np.maximum, _T("maximum")),
+    "min": Impl(np.minimum, _T("minimum")),
+    "and": Impl(np.logical_and, _T("logical_and")),
+    "or": Impl(np.logical_or, _T("logical_or")),
+    "lt": Impl(np.less, _T("lt")),
+    "le": Impl(np.less_equal, _T("le")),
+    "gt": Impl(np.greater, _T("gt")),
+    "ge": Impl(np.greater_equal, _T("ge")),
+    "eq": Impl(np.equal, _T("eq")),
+    "ne": Impl(np.not_equal, _T("ne")),
+    "where": Impl(np.where, _T("where")),
+    "exp": Impl(np.exp, _T("exp")),
+    "log": Impl(np.log, _T("log")),
+    "sqrt": Impl(np.sqrt, _T("sqrt")),
+    "rsqrt": Impl(lambda a: a.dtype.type(1) / np.sqrt(a), _T("rsqrt")),
+    "abs": Impl(np.abs, _T("abs")),
+    "sin": Impl(np.sin, _T("sin")),
+    "cos": Impl(np.cos, _T("cos")),
+    "tanh": Impl(np.tanh, _T("tanh")),
+    "sigmoid": Impl(_np_sigmoid, _T("sigmoid")),
+    "silu": Impl(lambda a: a * _np_sigmoid(a), _T("nn.functional.silu")),
+    "gelu": Impl(_np_gelu, _T("nn.functional.gelu")),
+    "gelu_tanh": Impl(_np_gelu_tanh, _T("nn.functional.gelu", approximate="tanh")),
+    "relu": Impl(lambda a: np.maximum(a, a.dtype.type(0)), _T("relu")),
+    "erf": Impl(_np_erf, _T("special.erf")),
+}
+assert SCALAR_OPS.keys() == OPS.keys(), "every op of the language needs an implementation"
+
+_LOGICAL = ("not", "and", "or")
+
+
+def apply_op(op: str, args: Sequence[Array], cdt: Any, xp: ArrayOps = NUMPY) -> Array:
+    """Apply a scalar op; numeric results stay in ``cdt`` (the rule's compute dtype, as ``xp``
+    names it).  Logical ops work on truth values, comparisons on their operands as they are."""
+    fn = SCALAR_OPS[op].on(xp)
+    if op == "where":
+        cond, a, b = args
+        return xp.cast(fn(xp.cast(cond, xp.bool_), a, b), cdt)
+    info = OPS[op]
+    if op == "not":
+        return xp.asarray(fn(args[0]))
+    if op in _LOGICAL:
+        return xp.asarray(fn(*(xp.cast(a, xp.bool_) for a in args)))
+    if info.result == "bool":
+        return xp.asarray(fn(*args))
+    return xp.asarray(fn(*(xp.cast(a, cdt) for a in args)))
+
+
+def warm_up(ops: Iterable[str]) -> None:
+    """Apply each unary op of ``ops`` once to a one-element array, so that what an op loads on
+    first use (torch, for erf and gelu: a second or so) is loaded now, and timing a run measures
+    the work.  Unknown names are ignored."""
+    one = np.ones(1, np.float32)
+    for op in sorted(set(ops) & SCALAR_OPS.keys()):
+        if OPS[op].arity == 1:
+            SCALAR_OPS[op].numpy(one)
+
+
+# -- aggregations ---------------------------------------------------------------------------------
+
+
+def _torch_prod(a: Any, axes: tuple[int, ...]) -> Any:
+    """torch's prod takes one axis: move ``axes`` last, as one."""
+    keep = [k for k in range(a.dim()) if k not in axes]
+    moved = a.permute(*keep, *axes).reshape(*(a.shape[k] for k in keep), math.prod(a.shape[k] for k in axes))
+    return torch_module().prod(moved, dim=-1)
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """``identity``: what an absent point contributes, ``"zero"``, ``"one"``, or the ``"lowest"``
+    or ``"highest"`` value of the dtype; ``fold(a, b)`` combines partials elementwise;
+    ``reduce(a, axes)`` over a tuple of axes."""
+
+    identity: str
+    fold: Impl
+    reduce: Impl
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "sum": Aggregation("zero", Impl(np.add, _T("add")), Impl(np.sum, _T("sum"))),
+    "prod": Aggregation("one", Impl(np.multiply, _T("mul")), Impl(np.prod, _torch_prod)),
+    "max": Aggregation("lowest", Impl(np.maximum, _T("maximum")), Impl(np.max, _T("amax"))),
+    "min": Aggregation("highest", Impl(np.minimum, _T("minimum")), Impl(np.min, _T("amin"))),
+}
+
+
+def identity(agg: str, dtype: Any, xp: ArrayOps = NUMPY) -> Any:
+    """The identity of an aggregation in ``dtype``: what absent points contribute.  With numpy,
+    a numpy scalar of ``dtype``; with torch, a Python number (which keeps a tensor's dtype)."""
+    lowest, highest = xp.limits(dtype)
+    kind = AGGREGATIONS[agg].identity
+    value = {"zero": 0, "one": 1, "lowest": lowest, "highest": highest}[kind]
+    return xp.constant(value, dtype)
+
+
+def fold(agg: str, a: Array, b: Array, xp: ArrayOps = NUMPY) -> Array:
+    """Two partials combined elementwise."""
+    return AGGREGATIONS[agg].fold.on(xp)(a, b)
+
+
+def reduce(agg: str, a: Array, axes: tuple[int, ...], xp: ArrayOps = NUMPY) -> Array:
+    """``a`` aggregated over ``axes``, in ``a``'s dtype (numpy and torch sum integers in 64 bits;
+    wrapping back is what summing in the narrow type gives).  Empty ``axes``: ``a`` itself."""
+    if not axes:
+        return a
+    out = AGGREGATIONS[agg].reduce.on(xp)(a, axes)
+    if out.dtype != a.dtype and a.dtype != xp.bool_:
+        out = xp.cast(out, a.dtype)
+    return out
