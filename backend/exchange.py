@@ -18,6 +18,7 @@ another forever.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class Compute(Task):
     out: Region
     flops: int
     nbytes: int  # bytes read and written
+    every_point: bool  # the guard holds at every point of the (tightened) block
 
 
 @dataclass(eq=False)
@@ -220,6 +222,7 @@ class _Synthesizer:
                     out,
                     points * flops_per_point(node),
                     nbytes,
+                    points == math.prod(hi - lo for lo, hi in ranges.values()),
                 )
                 holders[d] = self._add(task, node.out, out)
             entries.append(Entry(out, holders))
@@ -430,27 +433,32 @@ def _lower(
     receive on its destination, at the same place), a ``Free`` after each buffer's last reader
     (loaded inputs and params, and output pieces, stay), and every op's cost."""
     dtype: dict[int, str] = {}
+    full: dict[int, bool] = {}  # every cell of the buffer's region is known to exist
     ops: list[list[tuple[ir.Op, OpCost]]] = [[] for _ in range(n)]
     for t in tasks:
         if isinstance(t, Load):
-            dtype[t.id] = graph.relation(t.relation).dtype
-            ops[t.device].append((ir.Load(t.id, t.relation, t.region, dtype[t.id]), OpCost(0, t.nbytes)))
+            dtype[t.id], full[t.id] = graph.relation(t.relation).dtype, True
+            ops[t.device].append((ir.Load(t.id, t.relation, t.region, dtype[t.id], True), OpCost(0, t.nbytes)))
         elif isinstance(t, Compute):
             node = graph.node(t.node)
             dtype[t.id] = dtypes.compute_dtype(node.dtype)
+            writes_all = _head_is_onto(node) and t.every_point
+            full[t.id] = writes_all and all(_covers(parts, full, need) for parts, need in _needs(node, t))
             ranges = tuple((i.name, *t.ranges[i.name]) for i in node.indices)
             reads = tuple(tuple((b, r) for b, r in parts) for parts in t.reads)
-            kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id])
+            kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id], full[t.id])
             ops[t.device].append((kernel, OpCost(t.flops, t.nbytes)))
         elif isinstance(t, Send):
-            dtype[t.id] = dtype[t.source]
+            dtype[t.id], full[t.id] = dtype[t.source], full[t.source]
             cost = OpCost(0, t.nbytes)
             ops[t.device].append((ir.Send(t.source, t.dst, t.id, t.region), cost))
-            ops[t.dst].append((ir.Recv(t.id, t.device, t.id, t.relation, t.region, dtype[t.id]), cost))
+            recv = ir.Recv(t.id, t.device, t.id, t.relation, t.region, dtype[t.id], full[t.id])
+            ops[t.dst].append((recv, cost))
         else:
             assert isinstance(t, Combine)
             dtype[t.id] = dtypes.compute_dtype(graph.relation(t.relation).dtype)
-            combine = ir.Combine(t.id, t.relation, t.region, tuple(t.sources), dtype[t.id])
+            full[t.id] = any(full[b] for b in t.sources)  # a cell exists where some partial has it
+            combine = ir.Combine(t.id, t.relation, t.region, tuple(t.sources), dtype[t.id], full[t.id])
             ops[t.device].append((combine, OpCost(t.flops, t.nbytes)))
     kept = {b for entries in outputs.values() for e in entries for b in e.holders.values()}
     kept |= {t.id for t in tasks if isinstance(t, Load)}
@@ -480,3 +488,21 @@ def _lower(
     )
     relations = tuple((r.name, r.shape, r.dtype) for r in graph.relations)
     return ProgramsIR(graph.fingerprint(), relations, tuple(devices), pieces), costs
+
+
+def _needs(node: JoinAgg, t: Compute) -> list[tuple[list[tuple[int, Region]], Region]]:
+    """Per input of a compute task: the buffers it reads and the block's whole need."""
+    return [(parts, Region.through(acc.axes, t.ranges)) for acc, parts in zip(node.inputs, t.reads, strict=True)]
+
+
+def _covers(parts: list[tuple[int, Region]], full: dict[int, bool], need: Region) -> bool:
+    """Whether full buffers give every cell of ``need``: parts are inside the need, so when
+    their sizes add up to the need's they tile it (overlapping parts are not trusted)."""
+    return all(full[b] for b, _ in parts) and sum(r.size for _, r in parts) == need.size
+
+
+def _head_is_onto(node: JoinAgg) -> bool:
+    """Whether every cell of a block's output region gets a point: not when the head repeats an
+    index (``d[i, i]`` writes a diagonal of its block's square)."""
+    indices = [p.index for ax in node.out_axes for p in ax.parts if p.index is not None]
+    return len(indices) == len(set(indices))

@@ -15,6 +15,10 @@ buffers defined earlier on its own device (and not freed); data crosses devices 
 - :class:`Combine`: partials of one region folded with the relation's aggregation;
 - :class:`Free`: a buffer no later op reads; what makes memory peaks real.
 
+A buffer is *full* when every cell of its region is known, when the programs are made, to
+exist: then no presence mask is kept or sent for it.  A partial result of a block that guards
+leave partly empty is not full, and its mask travels with it.
+
 Programs know nothing of time: what ops cost (FLOPs, bytes) is kept beside them, in
 :class:`OpCost` tables that the timeline reads.  ``verify()`` checks that every read is defined
 earlier on its device and covered by its buffer, that sends and receives pair up with equal
@@ -41,6 +45,7 @@ class Load:
     relation: str
     region: Region
     dtype: str
+    full: bool = True  # every cell of the region exists (see the module docstring)
 
     def __str__(self) -> str:
         return f"%{self.buf} = load {self.relation}{self.region}"
@@ -59,6 +64,7 @@ class Kernel:
     relation: str
     region: Region
     dtype: str  # the node's compute type: partials of half types stay f32 until read
+    full: bool = False
 
     @property
     def range_map(self) -> dict[str, tuple[int, int]]:
@@ -89,6 +95,7 @@ class Recv:
     relation: str
     region: Region
     dtype: str
+    full: bool = False
 
     def __str__(self) -> str:
         return f"%{self.buf} = recv {self.relation}{self.region} <- device {self.peer} #{self.tag}"
@@ -104,6 +111,7 @@ class Combine:
     region: Region
     sources: tuple[int, ...]
     dtype: str
+    full: bool = False
 
     def __str__(self) -> str:
         return f"%{self.buf} = combine {self.relation}{self.region} ({', '.join(f'%{b}' for b in self.sources)})"
@@ -182,8 +190,9 @@ class Programs:
         broken one: a bug in whatever made the programs, never a user mistake."""
         shapes = {name: (shape, dtype) for name, shape, dtype in self.relations}
         defined: dict[int, tuple[int, str, Region, str]] = {}  # buf -> device, relation, region, dtype
-        sends: dict[int, tuple[int, int, Region, str]] = {}  # tag -> src, dst, region, dtype
-        recvs: dict[int, tuple[int, int, Region, str]] = {}
+        full_of: dict[int, bool] = {}
+        sends: dict[int, tuple[int, int, Region, str, bool]] = {}  # tag -> src, dst, region, dtype, full
+        recvs: dict[int, tuple[int, int, Region, str, bool]] = {}
         for p in self.devices:
             _check(0 <= p.device < self.n_devices, f"program of unknown device {p.device}")
             live: set[int] = set()
@@ -200,13 +209,15 @@ class Programs:
                     _check(region.contains(op.region), f"{where}: %{op.buf} does not cover {op.region}")
                     _check(op.tag not in sends, f"{where}: tag #{op.tag} sent twice")
                     _check(op.peer != p.device, f"{where}: sends to itself")
-                    sends[op.tag] = (p.device, op.peer, op.region, dtype)
+                    sends[op.tag] = (p.device, op.peer, op.region, dtype, full_of[op.buf])
                 elif isinstance(op, Combine):
                     for b in op.sources:
                         _check(defined[b][2].contains(op.region), f"{where}: %{b} does not cover {op.region}")
                 if isinstance(op, Recv):
                     _check(op.tag not in recvs, f"{where}: tag #{op.tag} received twice")
-                    recvs[op.tag] = (op.peer, p.device, op.region, op.dtype)
+                    recvs[op.tag] = (op.peer, p.device, op.region, op.dtype, op.full)
+                if isinstance(op, Combine):
+                    _check(not any(full_of[b] for b in op.sources) or op.full, f"{where}: a full source, not full")
                 if isinstance(op, DEFINES):
                     _check(op.buf not in defined, f"{where}: %{op.buf} defined twice")
                     _check(op.relation in shapes, f"{where}: unknown relation {op.relation}")
@@ -221,6 +232,7 @@ class Programs:
                     )
                     _check(op.dtype in dtypes.DTYPES, f"{where}: bad dtype {op.dtype}")
                     defined[op.buf] = (p.device, op.relation, op.region, op.dtype)
+                    full_of[op.buf] = op.full
                     live.add(op.buf)
                 if isinstance(op, Free):
                     live.discard(op.buf)
@@ -230,6 +242,7 @@ class Programs:
             _check(s[:2] == r[:2], f"#{tag}: sent {s[0]} -> {s[1]} but received {r[0]} <- {r[1]}")
             _check(s[2] == r[2], f"#{tag}: sent {s[2]} but received {r[2]}")
             _check(s[3] == r[3], f"#{tag}: sent {s[3]} but received {r[3]}")
+            _check(s[4] == r[4], f"#{tag}: sent a buffer with full={s[4]}, received one with full={r[4]}")
         for out in self.outputs:
             _check(out.buf in defined, f"output piece of {out.relation} in unknown %{out.buf}")
             dev, rel, region, _ = defined[out.buf]

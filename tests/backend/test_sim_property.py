@@ -302,10 +302,20 @@ def test_programs_that_wait_for_each_other_are_refused() -> None:
         (("x", (2,), "f64"),),
         (
             ir.DeviceProgram(
-                0, (ir.Load(0, "x", region, "f64"), ir.Recv(2, 1, 11, "x", region, "f64"), ir.Send(0, 1, 10, region))
+                0,
+                (
+                    ir.Load(0, "x", region, "f64"),
+                    ir.Recv(2, 1, 11, "x", region, "f64", True),
+                    ir.Send(0, 1, 10, region),
+                ),
             ),
             ir.DeviceProgram(
-                1, (ir.Load(1, "x", region, "f64"), ir.Recv(3, 0, 10, "x", region, "f64"), ir.Send(1, 0, 11, region))
+                1,
+                (
+                    ir.Load(1, "x", region, "f64"),
+                    ir.Recv(3, 0, 10, "x", region, "f64", True),
+                    ir.Send(1, 0, 11, region),
+                ),
             ),
         ),
         (),

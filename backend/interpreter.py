@@ -1,0 +1,315 @@
+"""Running device programs: the one interpreter behind every runtime that executes a plan.
+
+A :class:`Device` runs one device's program (:mod:`edatalog.ir.program`) on an array namespace
+(:mod:`edatalog.backend.arrays`: numpy for the simulator, torch for the torch runtimes), keeping
+its buffers (:class:`Buffer`: a region's cells and, unless the buffer is *full*, which of them
+exist) in a store of its own.  Data crosses devices only through a :class:`Transport`: a
+:class:`Mailbox` when every device lives in this process, torch.distributed point-to-point ops
+across processes (:mod:`edatalog.backend.spmd`).  Kernels are the reference algorithm
+(:func:`edatalog.backend.joinagg.evaluate_node`) on each block, restricted once per block
+(:class:`Kernels`) however often the programs run.
+
+An op that reads what its device does not hold is an :class:`ExecutionError`: a bug in whatever
+made the programs, never a user mistake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from edatalog.backend import ops
+from edatalog.backend.arrays import NUMPY, Array, ArrayOps
+from edatalog.backend.joinagg import evaluate_node
+from edatalog.backend.reference import write_cells
+from edatalog.ir import program as ir
+from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
+from edatalog.ir.regions import Region
+from edatalog.ir.rewrite import restrict
+
+
+class ExecutionError(Exception):
+    """A device touched data it does not hold, or the devices wait for each other forever."""
+
+
+@dataclasses.dataclass
+class Buffer:
+    region: Region
+    data: Array
+    present: Array | None  # None: every cell of the region exists
+
+
+# Where a load's cells come from: the load -> its region's cells, laid out as the region.
+Loader = Callable[[ir.Load], Array]
+
+
+class Transport(Protocol):
+    def send(self, device: int, op: ir.Send, piece: Buffer) -> None: ...
+
+    def ready(self, device: int, op: ir.Recv) -> bool: ...
+
+    def recv(self, device: int, op: ir.Recv) -> Buffer: ...
+
+
+class Mailbox:
+    """Messages between devices of one process: a send leaves a copy of its region under its
+    tag, moved to the receiver's device by ``place``; the receive takes it."""
+
+    def __init__(self, place: Callable[[int, Buffer], Buffer] | None = None) -> None:
+        self.messages: dict[int, Buffer] = {}
+        self.place = place
+
+    def send(self, device: int, op: ir.Send, piece: Buffer) -> None:
+        self.messages[op.tag] = piece
+
+    def ready(self, device: int, op: ir.Recv) -> bool:
+        return op.tag in self.messages
+
+    def recv(self, device: int, op: ir.Recv) -> Buffer:
+        piece = self.messages.pop(op.tag)
+        return piece if self.place is None else self.place(device, piece)
+
+
+class Kernels:
+    """Each block of each rule as a join-agg of its own (:func:`restrict`), made once: the same
+    programs run many times."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.blocks: dict[tuple[str, ir.Ranges], JoinAgg] = {}
+        self.needs: dict[tuple[str, ir.Ranges], tuple[Region, ...]] = {}
+
+    def block(self, op: ir.Kernel) -> tuple[JoinAgg, JoinAgg, tuple[Region, ...]]:
+        """The rule, its block as a join-agg, and what the block reads of each input."""
+        node = self.nodes[op.node]
+        key = (op.node, op.ranges)
+        if key not in self.blocks:
+            ranges = op.range_map
+            self.blocks[key] = restrict(node, ranges)
+            self.needs[key] = tuple(Region.through(acc.axes, ranges) for acc in node.inputs)
+        return node, self.blocks[key], self.needs[key]
+
+
+class Device:
+    """One device running its program: ``step`` runs the next op."""
+
+    def __init__(
+        self,
+        program: ir.DeviceProgram,
+        graph: Graph,
+        kernels: Kernels,
+        loader: Loader,
+        xp: ArrayOps = NUMPY,
+        device: Any = None,
+        on_op: Callable[[int, ir.Op, str], None] | None = None,
+    ) -> None:
+        self.program, self.graph, self.kernels, self.loader = program, graph, kernels, loader
+        self.xp, self.device, self.on_op = xp, device, on_op
+        self.store: dict[int, Buffer] = {}
+        self.position = 0
+
+    @property
+    def index(self) -> int:
+        return self.program.device
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.program.ops)
+
+    def runnable(self, transport: Transport) -> bool:
+        if self.done:
+            return False
+        op = self.program.ops[self.position]
+        return not isinstance(op, ir.Recv) or transport.ready(self.index, op)
+
+    def step(self, transport: Transport) -> None:
+        op = self.program.ops[self.position]
+        if self.on_op is not None:
+            self.on_op(self.position, op, "begin")
+        self.execute(op, transport)
+        if self.on_op is not None:
+            self.on_op(self.position, op, "end")
+        self.position += 1
+
+    def execute(self, op: ir.Op, transport: Transport) -> None:
+        xp = self.xp
+        if isinstance(op, ir.Load):
+            data = xp.asarray(self.loader(op), xp.dtype(op.dtype), self.device)
+            self.store[op.buf] = Buffer(op.region, data, None)
+        elif isinstance(op, ir.Kernel):
+            self.store[op.buf] = self.kernel(op)
+        elif isinstance(op, ir.Send):
+            transport.send(self.index, op, self.cut(self.get(op.buf), op.region))
+        elif isinstance(op, ir.Recv):
+            piece = transport.recv(self.index, op)
+            if piece.region != op.region:
+                raise ExecutionError(f"device {self.index} receives {piece.region} for #{op.tag}, not {op.region}")
+            self.store[op.buf] = piece
+        elif isinstance(op, ir.Combine):
+            parts = [self.cut(self.get(b), op.region) for b in op.sources]
+            agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
+            self.store[op.buf] = self.fold(parts, agg, op.dtype, op.full)
+        else:
+            assert isinstance(op, ir.Free)
+            self.get(op.buf)
+            del self.store[op.buf]
+
+    # -- buffers -------------------------------------------------------------------------------
+
+    def get(self, buf: int) -> Buffer:
+        if buf not in self.store:
+            raise ExecutionError(f"device {self.index} reads buffer %{buf}, which it does not hold")
+        return self.store[buf]
+
+    def cut(self, buf: Buffer, region: Region) -> Buffer:
+        """The part of a buffer covering ``region`` (the buffer itself when it is all of it)."""
+        if region == buf.region:
+            return buf
+        if not buf.region.contains(region):
+            raise ExecutionError(f"a read of {region} falls outside the buffer's region {buf.region}")
+        at = self.index_of(region, buf.region)
+        data = self.xp.contiguous(buf.data[at])
+        present = None if buf.present is None else self.xp.contiguous(buf.present[at])
+        return Buffer(region, data, present)
+
+    def index_of(self, region: Region, outer: Region) -> tuple[Any, ...]:
+        """An index selecting ``region``'s cells in data laid out as ``outer``."""
+        at = region.at(outer)
+        if self.xp is NUMPY or all(isinstance(a, slice) for a in at):
+            return at
+        return tuple(a if isinstance(a, slice) else self.xp.asarray(a, device=self.device) for a in at)
+
+    def assemble(self, need: Region, parts: Sequence[tuple[int, Region]], dtype: str) -> tuple[Array, Array | None]:
+        """A block's view of one input, its need, from the local buffers that cover it, in the
+        relation's dtype (partials of half types are kept in f32 until they are read)."""
+        xp = self.xp
+        want = xp.dtype(dtype)
+        if len(parts) == 1:
+            buf = self.get(parts[0][0])
+            if parts[0][1] == need and buf.region == need:  # the usual case: the buffer is the need
+                return xp.cast(buf.data, want), buf.present
+        data = xp.full(need.shape, 0, want, self.device)
+        present = xp.full(need.shape, False, xp.bool_, self.device)
+        for b, part in parts:
+            piece = self.cut(self.get(b), part)
+            at = self.index_of(part, need)
+            # Pieces of a relation with several '=' rules can overlap, each present only on its own
+            # cells: an absent cell must not hide another's.
+            if piece.present is None:
+                data[at] = xp.cast(piece.data, want)
+                present[at] = True
+            else:
+                data[at] = xp.where(piece.present, xp.cast(piece.data, want), data[at])
+                present[at] = xp.logical_or(present[at], piece.present)
+        return data, (None if xp.all(present) else present)
+
+    def kernel(self, op: ir.Kernel) -> Buffer:
+        node, block, needs = self.kernels.block(op)
+        data, present = [], []
+        for acc, parts, need in zip(node.inputs, op.reads, needs, strict=True):
+            d, p = self.assemble(need, parts, self.graph.relation(acc.relation).dtype)
+            data.append(d)
+            present.append(p)
+        value, pres, out_vars = evaluate_node(block, data, present, self.xp)
+        xp = self.xp
+        out = xp.full(op.region.shape, 0, xp.dtype(op.dtype), self.device)
+        cells = xp.full(op.region.shape, False, xp.bool_, self.device)
+        write_cells(out, cells, block, value, pres, out_vars, None, xp)
+        return Buffer(op.region, out, None if op.full or xp.all(cells) else cells)
+
+    def fold(self, parts: list[Buffer], agg: str | None, dtype: str, full: bool) -> Buffer:
+        """Partials of one region folded with the aggregation; absent cells contribute nothing."""
+        if len(parts) == 1:
+            return parts[0]
+        assert agg is not None, "only aggregations have partials"
+        xp = self.xp
+        cdt = xp.dtype(dtype)
+        ident = ops.identity(agg, cdt, xp)
+        acc, present = None, None
+        for p in parts:
+            vals = xp.cast(p.data, cdt) if p.present is None else xp.where(p.present, xp.cast(p.data, cdt), ident)
+            acc = vals if acc is None else ops.fold(agg, acc, vals, xp)
+            if p.present is None:
+                present = True
+            elif present is not True:
+                present = p.present if present is None else xp.logical_or(present, p.present)
+        assert acc is not None
+        if present is True or full:
+            return Buffer(parts[0].region, acc, None)
+        assert present is not None
+        acc = xp.where(present, acc, xp.constant(0, cdt))
+        return Buffer(parts[0].region, acc, None if xp.all(present) else present)
+
+
+def run_devices(
+    devices: Sequence[Device], transport: Transport, choose: Callable[[list[int]], int] | None = None
+) -> None:
+    """Run every device's program to its end, in turns: each device runs until it waits on a
+    receive (or, with ``choose``, the chosen one of the runnable devices runs one op)."""
+    while True:
+        ready = [k for k, d in enumerate(devices) if d.runnable(transport)]
+        if not ready:
+            break
+        for k in [choose(ready)] if choose is not None else ready:
+            dev = devices[k]
+            while dev.runnable(transport):
+                dev.step(transport)
+                if choose is not None:
+                    break
+    stuck = [d for d in devices if not d.done]
+    if stuck:
+        where = ", ".join(f"device {d.index} at {d.program.ops[d.position]}" for d in stuck)
+        raise ExecutionError(f"devices wait forever: {where}")
+
+
+def slicer(values: Mapping[str, Array], blocks: Mapping[int, Array] | None = None) -> Loader:
+    """A loader cutting each load's region out of whole relations, or taking the block already
+    loaded for it (``blocks``, by buffer)."""
+
+    def load(op: ir.Load) -> Array:
+        if blocks is not None and op.buf in blocks:
+            return blocks[op.buf]
+        full = values[op.relation]
+        return full[op.region.at(Region.whole(tuple(full.shape)))]
+
+    return load
+
+
+def gather(
+    graph: Graph,
+    name: str,
+    pieces: Sequence[tuple[Region, Buffer]],
+    xp: ArrayOps = NUMPY,
+    device: Any = None,
+) -> tuple[Array, Array | None]:
+    """A whole relation from the pieces of it that some device holds: its cells (0 where absent)
+    in the relation's dtype, and which exist (None: all)."""
+    rel = graph.relation(name)
+    data = xp.full(rel.shape, 0, xp.dtype(rel.dtype), device)
+    present = xp.full(rel.shape, False, xp.bool_, device)
+    whole = Region.whole(rel.shape)
+    for region, buf in pieces:
+        piece = buf if buf.region == region else _cut_any(buf, region, xp, device)
+        at = region.at(whole)
+        if xp is not NUMPY:
+            at = tuple(a if isinstance(a, slice) else xp.asarray(a, device=device) for a in at)
+        vals = xp.cast(xp.asarray(piece.data, device=device), xp.dtype(rel.dtype))
+        if piece.present is None:
+            data[at] = vals
+            present[at] = True
+        else:
+            p = xp.asarray(piece.present, device=device)
+            data[at] = xp.where(p, vals, data[at])
+            present[at] = xp.logical_or(present[at], p)
+    if xp.all(present):
+        return data, None
+    return xp.where(present, data, xp.constant(0, data.dtype)), present
+
+
+def _cut_any(buf: Buffer, region: Region, xp: ArrayOps, device: Any) -> Buffer:
+    at = region.at(buf.region)
+    if xp is not NUMPY:
+        at = tuple(a if isinstance(a, slice) else xp.asarray(a, device=xp.device_of([buf.data])) for a in at)
+    return Buffer(region, buf.data[at], None if buf.present is None else buf.present[at])

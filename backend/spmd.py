@@ -1,0 +1,251 @@
+"""The torch runtime across processes (SPMD): rank ``r`` of a torch.distributed group runs
+device ``r``'s program; gloo on CPU, NCCL on CUDA; one node or many (``torchrun --nnodes``).
+
+- **Agreement.** Before anything runs, the ranks compare the fingerprints of their programs
+  and plans: a rank that compiled another program or loaded another plan is an error on every
+  rank, not a hang.
+- **Weights** are loaded once; each rank keeps only the blocks its program loads.  From a
+  safetensors file it reads only those slices.
+- **Exchanges.** Each run of consecutive sends and receives in a program is posted as one batch
+  of point-to-point ops (``batch_isend_irecv``) and waited for together.  Every receive follows
+  its send in one global order (see :mod:`edatalog.backend.exchange`), so the batches cannot
+  wait for each other forever.  Buffers that are not *full* send which cells exist with them.
+- **Outputs** end where the plan leaves them; a call brings each output whole to every rank
+  (a broadcast from a rank holding each piece), or returns this rank's pieces.
+- **Faults.** The group's timeout bounds every wait (:data:`TIMEOUT_SECONDS`); a rank that dies
+  is seen by the launcher, which stops the others (:mod:`edatalog.backend.launch`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from edatalog.backend.arrays import TorchOps, torch_module
+from edatalog.backend.exchange import Schedule
+from edatalog.backend.interpreter import Buffer, Device, Kernels, gather, slicer
+from edatalog.backend.torch_runtime import OpTime, Outputs, torch_devices
+from edatalog.errors import EdlError
+from edatalog.ir import program as ir
+from edatalog.ir.graph import Graph
+from edatalog.ir.regions import Region
+
+TIMEOUT_SECONDS = float(os.environ.get("EDL_DIST_TIMEOUT", "60"))  # the longest any rank waits for another
+
+
+def init_group(device: str | None = None) -> str:
+    """Join the torch.distributed group of this job (started by torchrun or by
+    :func:`edatalog.backend.launch.spawn`), once: NCCL when the ranks use CUDA, else gloo.
+    Returns the torch device this rank computes on."""
+    torch = torch_module()
+    dist = torch.distributed
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_SECONDS))
+    if use_cuda:
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    return "cpu"
+
+
+def in_group_of(n: int) -> bool:
+    """Whether this process is a rank of an initialized group of ``n`` ranks."""
+    dist = torch_module().distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == n
+
+
+class SpmdExecutable:
+    """This rank's program of a plan, ready to run with the other ranks of the group."""
+
+    def __init__(self, graph: Graph, schedule: Schedule, device: str | None = None) -> None:
+        torch = torch_module()
+        self.dist = torch.distributed
+        n = schedule.programs.n_devices
+        if not in_group_of(n):
+            world = self.dist.get_world_size() if self.dist.is_initialized() else 1
+            raise EdlError(
+                f"the plan has {n} devices, but this group has {world} ranks",
+                help=f"start {n} ranks (edl run --nproc {n}, or torchrun --nproc-per-node {n})",
+            )
+        self.rank = self.dist.get_rank()
+        self.graph, self.schedule = graph, schedule
+        self.program = schedule.programs.devices[self.rank]
+        default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"
+        self.device = torch_devices(device or default, 1)[0]
+        self.xp = TorchOps(self.device)
+        self.kernels = Kernels(graph)
+        self.blocks: dict[int, Any] = {}
+        made = [op for _, _, op in schedule.programs.ops() if isinstance(op, ir.DEFINES)]
+        self.full = {op.buf: op.full for op in made}
+        self.buffer_dtype = {op.buf: op.dtype for op in made}
+        self.last_times: list[OpTime] = []
+        self._agree()
+
+    def _agree(self) -> None:
+        """Every rank must hold the same program and plan."""
+        mine = f"{self.graph.fingerprint()}/{self.schedule.programs.fingerprint()}"
+        every: list[Any] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(every, mine)
+        others = [r for r, f in enumerate(every) if f != every[0]]
+        if others:
+            raise EdlError(
+                f"ranks {others} hold another program or plan than rank 0 "
+                f"(rank {self.rank} holds {mine}, rank 0 holds {every[0]})",
+                help="give every rank the same .edl file, dims, consts and plan file",
+            )
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def load(self, params: Mapping[str, Any] | str) -> None:
+        """Keep this rank's blocks of the params: from whole arrays or tensors, or read from a
+        safetensors file (only those slices)."""
+        loads = [op for op in self.program.ops if isinstance(op, ir.Load)]
+        names = {r.name for r in self.graph.relations if r.kind == "param"}
+        self.blocks = {}
+        if isinstance(params, str):
+            from safetensors import safe_open
+
+            with safe_open(params, framework="pt", device="cpu") as fh:
+                for op in loads:
+                    if op.relation in names:
+                        self.blocks[op.buf] = self._block(fh.get_slice(op.relation), op)
+            return
+        for op in loads:
+            if op.relation in params and op.relation in names:
+                whole = TorchOps().asarray(params[op.relation])
+                self.blocks[op.buf] = self._block(whole, op)
+
+    def _block(self, source: Any, op: ir.Load) -> Any:
+        ranges = tuple(slice(a[0][0], a[-1][1]) for a in op.region.axes)  # loads are boxes
+        return self.xp.asarray(source[ranges], self.xp.dtype(op.dtype), self.device).contiguous()
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
+        """Run this rank's program on ``inputs`` (whole; the same on every rank).  With
+        ``gather_outputs``, every rank gets each output whole; else only the pieces it holds
+        (the others read as absent).  With ``record``, each op's time is kept in ``last_times``."""
+        whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
+        start = time.perf_counter()
+        times: list[OpTime] = []
+        dev = Device(self.program, self.graph, self.kernels, slicer(whole, self.blocks), self.xp, self.device)
+        ops = self.program.ops
+        k = 0
+        while k < len(ops):
+            if isinstance(ops[k], ir.Send | ir.Recv):
+                j = k
+                while j < len(ops) and isinstance(ops[j], ir.Send | ir.Recv):
+                    j += 1
+                began = time.perf_counter() - start
+                self._exchange(dev, ops[k:j])
+                if record:
+                    times.append((self.rank, k, began, time.perf_counter() - start))
+                k = j
+                continue
+            began = time.perf_counter() - start
+            dev.execute(ops[k], _NO_TRANSPORT)
+            if record and not isinstance(ops[k], ir.Free):
+                times.append((self.rank, k, began, time.perf_counter() - start))
+            k += 1
+        self.last_times = times
+        return self._outputs(dev, gather_outputs)
+
+    def _exchange(self, dev: Device, ops: Sequence[ir.Op]) -> None:
+        """One batch of sends and receives, posted together and waited for together."""
+        dist = self.dist
+        posted: list[Any] = []
+        arriving: list[tuple[ir.Recv, Any, Any]] = []
+        keep: list[Any] = []  # what is sent stays alive until the batch is done
+        for op in ops:
+            if isinstance(op, ir.Send):
+                piece = dev.cut(dev.get(op.buf), op.region)
+                for slot, tensor in enumerate(self._wire(piece, self.full[op.buf])):
+                    keep.append(tensor)
+                    posted.append(dist.P2POp(dist.isend, tensor, op.peer, tag=2 * op.tag + slot))
+            else:
+                assert isinstance(op, ir.Recv)
+                data = self.xp.empty(op.region.shape, _wire_dtype(self.xp.dtype(op.dtype)), self.device)
+                posted.append(dist.P2POp(dist.irecv, data, op.peer, tag=2 * op.tag))
+                present = None
+                if not op.full:
+                    present = self.xp.empty(op.region.shape, torch_module().uint8, self.device)
+                    posted.append(dist.P2POp(dist.irecv, present, op.peer, tag=2 * op.tag + 1))
+                arriving.append((op, data, present))
+        for request in dist.batch_isend_irecv(posted) if posted else []:
+            request.wait()
+        for op, data, present in arriving:
+            value = data.view(self.xp.dtype(op.dtype))
+            dev.store[op.buf] = Buffer(op.region, value, None if present is None else present.bool())
+        del keep
+
+    def _wire(self, piece: Buffer, full: bool) -> list[Any]:
+        """The tensors a buffer travels as: its cells (half floats as 16-bit integers, which every
+        backend carries), and unless it is full, which cells exist."""
+        torch = torch_module()
+        data = piece.data.contiguous()
+        tensors = [data.view(_wire_dtype(data.dtype))]
+        if not full:
+            present = piece.present if piece.present is not None else torch.ones(data.shape, dtype=torch.bool)
+            tensors.append(present.to(device=data.device, dtype=torch.uint8).contiguous())
+        return tensors
+
+    def _outputs(self, dev: Device, everywhere: bool) -> Outputs:
+        values: dict[str, Any] = {}
+        present: dict[str, Any | None] = {}
+        for name, entries in self.schedule.outputs.items():
+            pieces: list[tuple[Region, Buffer]] = []
+            for e in entries:
+                if not e.holders:
+                    continue
+                holder, buf = min(e.holders.items())
+                if everywhere:
+                    pieces.append((e.region, self._broadcast(dev, holder, buf, e.region)))
+                elif holder == self.rank or self.rank in e.holders:
+                    pieces.append((e.region, dev.get(e.holders[self.rank])))
+            values[name], present[name] = gather(self.graph, name, pieces, self.xp, self.device)
+        return Outputs(values, present)
+
+    def _broadcast(self, dev: Device, holder: int, buf: int, region: Region) -> Buffer:
+        """A piece of an output, from its holder to every rank."""
+        torch = torch_module()
+        dtype = self.xp.dtype(self.buffer_dtype[buf])
+        full = self.full[buf]
+        if self.rank == holder:
+            wire = self._wire(dev.cut(dev.get(buf), region), full)
+        else:
+            wire = [self.xp.empty(region.shape, _wire_dtype(dtype), self.device)]
+            if not full:
+                wire.append(self.xp.empty(region.shape, torch.uint8, self.device))
+        for tensor in wire:
+            self.dist.broadcast(tensor, src=holder)
+        return Buffer(region, wire[0].view(dtype), None if full else wire[1].bool())
+
+
+class _NoTransport:
+    """Sends and receives never reach ``Device.execute`` here: they go in batches."""
+
+    def send(self, device: int, op: ir.Send, piece: Buffer) -> None:
+        raise AssertionError("unbatched send")
+
+    def ready(self, device: int, op: ir.Recv) -> bool:
+        raise AssertionError("unbatched receive")
+
+    def recv(self, device: int, op: ir.Recv) -> Buffer:
+        raise AssertionError("unbatched receive")
+
+
+_NO_TRANSPORT = _NoTransport()
+
+
+def _wire_dtype(dtype: Any) -> Any:
+    torch = torch_module()
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.int16
+    if dtype == torch.bool:
+        return torch.uint8
+    return dtype

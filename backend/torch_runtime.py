@@ -1,0 +1,154 @@
+"""The torch runtime in one process: a program on one torch device, or a plan's device programs
+on logical devices mapped to torch devices (``["cuda:0", "cuda:1"]``, or all of them on ``"cpu"``
+or on one GPU).
+
+Weights are loaded once (:meth:`TorchExecutable.load`): each logical device keeps only the
+blocks of each param its program loads, already on its torch device.  Each call then slices the
+inputs the same way, runs every device's program (:mod:`edatalog.backend.interpreter`; a
+message between devices is moved to the receiver's torch device), and returns the outputs as
+torch tensors.  Without a plan the whole program runs on one device, rule after rule, by the
+same evaluator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from edatalog.backend.arrays import TorchOps, torch_module
+from edatalog.backend.exchange import Schedule
+from edatalog.backend.interpreter import Buffer, Device, Kernels, Mailbox, gather, run_devices, slicer
+from edatalog.backend.reference import evaluate
+from edatalog.errors import EdlError
+from edatalog.ir import program as ir
+from edatalog.ir.graph import Graph
+from edatalog.ir.regions import Region
+
+# One op of one device as measured: (device, position, start seconds, end seconds) from the call's start.
+OpTime = tuple[int, int, float, float]
+
+
+def torch_devices(device: str | Sequence[str] | None, n: int) -> list[Any]:
+    """The torch device of each of ``n`` logical devices: one name for all of them, or one per
+    logical device; None: the first GPU when there is one, else the CPU."""
+    torch = torch_module()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = [device] * n if isinstance(device, str) else list(device)
+    if len(names) != n:
+        raise EdlError(f"the plan has {n} devices, but {len(names)} torch devices were given: {names}")
+    out = []
+    for name in names:
+        try:
+            dev = torch.device(name)
+        except RuntimeError as exc:
+            raise EdlError(f"'{name}' is not a torch device: {exc}", help="use cpu, cuda or cuda:N") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise EdlError(f"device {name} asked for, but this torch has no CUDA GPU", help="use --device cpu")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise EdlError(f"device {name} asked for, but there are {torch.cuda.device_count()} GPUs")
+        out.append(dev)
+    return out
+
+
+@dataclass
+class Outputs:
+    """What a call returns: each output whole, as a torch tensor (absent cells 0), and which
+    cells exist (None: all)."""
+
+    values: dict[str, Any]
+    present: dict[str, Any | None]
+
+
+class TorchExecutable:
+    """A program (and maybe a plan) ready to run on torch devices in this process."""
+
+    def __init__(self, graph: Graph, schedule: Schedule | None, device: str | Sequence[str] | None = None) -> None:
+        self.graph, self.schedule = graph, schedule
+        n = schedule.programs.n_devices if schedule is not None else 1
+        self.devices = torch_devices(device, n)
+        self.kernels = Kernels(graph)
+        self.params: dict[str, Any] = {}  # no plan: whole params on the device
+        self.loaded: dict[tuple[int, int], Any] = {}  # plan: (device, buffer) -> its block of a param
+        self.param_names = {r.name for r in graph.relations if r.kind == "param"}
+        self.last_times: list[OpTime] = []
+
+    def load(self, params: Mapping[str, Any]) -> None:
+        """Keep each param (or, with a plan, each device's blocks of it, on that device)."""
+        torch = torch_module()
+        self.params = {}
+        self.loaded = {}
+        for name, value in params.items():
+            if name not in self.param_names:
+                continue
+            if self.schedule is None:
+                self.params[name] = TorchOps(self.devices[0]).asarray(value, device=self.devices[0])
+                continue
+            whole = TorchOps().asarray(value)
+            for d, _, op in self.schedule.programs.ops():
+                if isinstance(op, ir.Load) and op.relation == name:
+                    block = whole[op.region.at(Region.whole(tuple(whole.shape)))]
+                    self.loaded[(d, op.buf)] = block.to(self.devices[d]).contiguous()
+        del torch
+
+    def __call__(self, inputs: Mapping[str, Any], *, record: bool = False) -> Outputs:
+        """Run on ``inputs`` (the program's inputs, whole); with ``record``, the time of every
+        op is kept in ``last_times``."""
+        if self.schedule is None:
+            return self._whole(inputs)
+        return self._planned(inputs, record)
+
+    def _whole(self, inputs: Mapping[str, Any]) -> Outputs:
+        xp = TorchOps(self.devices[0])
+        values = {**{k: xp.asarray(v, device=self.devices[0]) for k, v in inputs.items()}, **self.params}
+        env = evaluate(self.graph, values, keep=self.graph.outputs, xp=xp)
+        return Outputs({k: env[k].data for k in self.graph.outputs}, {k: env[k].present for k in self.graph.outputs})
+
+    def _planned(self, inputs: Mapping[str, Any], record: bool) -> Outputs:
+        schedule = self.schedule
+        assert schedule is not None
+        whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
+        start = time.perf_counter()
+        times: list[OpTime] = []
+
+        devices = []
+        for prog in schedule.programs.devices:
+            d = prog.device
+            blocks = {buf: t for (dd, buf), t in self.loaded.items() if dd == d}
+            on_op = _recorder(d, start, times) if record else None
+            load = slicer(whole, blocks)
+            devices.append(
+                Device(prog, self.graph, self.kernels, load, TorchOps(self.devices[d]), self.devices[d], on_op)
+            )
+
+        def place(device: int, piece: Buffer) -> Buffer:
+            target = self.devices[device]
+            present = None if piece.present is None else piece.present.to(target)
+            return Buffer(piece.region, piece.data.to(target), present)
+
+        run_devices(devices, Mailbox(place))
+        self.last_times = times
+        values, present = {}, {}
+        for name, entries in schedule.outputs.items():
+            pieces = []
+            for e in entries:
+                if e.holders:
+                    d, buf = next(iter(e.holders.items()))
+                    pieces.append((e.region, devices[d].get(buf)))
+            values[name], present[name] = gather(self.graph, name, pieces, TorchOps(self.devices[0]), self.devices[0])
+        return Outputs(values, present)
+
+
+def _recorder(device: int, start: float, times: list[OpTime]) -> Callable[[int, ir.Op, str], None]:
+    began: dict[int, float] = {}
+
+    def on_op(position: int, op: ir.Op, phase: str) -> None:
+        now = time.perf_counter() - start
+        if phase == "begin":
+            began[position] = now
+        elif not isinstance(op, ir.Free):
+            times.append((device, position, began.pop(position), now))
+
+    return on_op
