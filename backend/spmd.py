@@ -101,24 +101,24 @@ class SpmdExecutable:
 
     # -- weights ----------------------------------------------------------------------------------
 
-    def load(self, params: Mapping[str, Any] | str) -> None:
-        """Keep this rank's blocks of the params: from whole arrays or tensors, or read from a
-        safetensors file (only those slices)."""
-        loads = [op for op in self.program.ops if isinstance(op, ir.Load)]
+    def load(self, params: Mapping[str, Any]) -> None:
+        """Keep this rank's blocks of the params, from whole arrays or tensors."""
         names = {r.name for r in self.graph.relations if r.kind == "param"}
         self.blocks = {}
-        if isinstance(params, str):
-            from safetensors import safe_open
+        for op in self.program.ops:
+            if isinstance(op, ir.Load) and op.relation in params and op.relation in names:
+                self.blocks[op.buf] = self._block(TorchOps().asarray(params[op.relation]), op)
 
-            with safe_open(params, framework="pt", device="cpu") as fh:
-                for op in loads:
-                    if op.relation in names:
-                        self.blocks[op.buf] = self._block(fh.get_slice(op.relation), op)
-            return
-        for op in loads:
-            if op.relation in params and op.relation in names:
-                whole = TorchOps().asarray(params[op.relation])
-                self.blocks[op.buf] = self._block(whole, op)
+    def load_file(self, path: str) -> None:
+        """Keep this rank's blocks of the params, reading only those slices of a safetensors file."""
+        from safetensors import safe_open
+
+        names = {r.name for r in self.graph.relations if r.kind == "param"}
+        self.blocks = {}
+        with safe_open(path, framework="pt", device="cpu") as fh:
+            for op in self.program.ops:
+                if isinstance(op, ir.Load) and op.relation in names:
+                    self.blocks[op.buf] = self._block(fh.get_slice(op.relation), op)
 
     def _block(self, source: Any, op: ir.Load) -> Any:
         ranges = tuple(slice(a[0][0], a[-1][1]) for a in op.region.axes)  # loads are boxes
@@ -197,7 +197,8 @@ class SpmdExecutable:
     def _outputs(self, dev: Device, everywhere: bool) -> Outputs:
         values: dict[str, Any] = {}
         present: dict[str, Any | None] = {}
-        for name, entries in self.schedule.outputs.items():
+        for name in self.graph.outputs:
+            entries = self.schedule.outputs[name]
             pieces: list[tuple[Region, Buffer]] = []
             for e in entries:
                 if not e.holders:

@@ -93,9 +93,10 @@ class TorchExecutable:
                     self.loaded[(d, op.buf)] = block.to(self.devices[d]).contiguous()
         del torch
 
-    def __call__(self, inputs: Mapping[str, Any], *, record: bool = False) -> Outputs:
+    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
         """Run on ``inputs`` (the program's inputs, whole); with ``record``, the time of every
-        op is kept in ``last_times``."""
+        op is kept in ``last_times``.  Outputs come whole on the first device (every logical
+        device lives in this process: there is nothing else to gather to)."""
         if self.schedule is None:
             return self._whole(inputs)
         return self._planned(inputs, record)
@@ -131,7 +132,8 @@ class TorchExecutable:
         run_devices(devices, Mailbox(place))
         self.last_times = times
         values, present = {}, {}
-        for name, entries in schedule.outputs.items():
+        for name in self.graph.outputs:
+            entries = schedule.outputs[name]
             pieces = []
             for e in entries:
                 if e.holders:

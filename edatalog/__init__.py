@@ -6,7 +6,7 @@ out = prog.run(prog.random_inputs(seed=0))
 print(prog.graph)
 """
 
-from edatalog.api import Program, compile, compile_string
+from edatalog.api import Program, compile, compile_string, executable
 from edatalog.errors import Diagnostic, EdlError, EdlWarning
 from edatalog.plans import Plan, load_plan
 from edatalog.plans import make_plan as plan
@@ -22,6 +22,7 @@ __all__ = [
     "Topology",
     "compile",
     "compile_string",
+    "executable",
     "load_plan",
     "plan",
     "topology",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from edatalog.backend import memory
 from edatalog.backend.reference import Value, evaluate
 from edatalog.errors import Diagnostic, EdlError, EdlWarning, Note, Span, did_you_mean
+from edatalog.executable import Executable
 from edatalog.ir import dtypes
 from edatalog.ir.graph import Graph, JoinAgg, Relation
 from edatalog.lang import ast
@@ -68,19 +69,26 @@ class Program:
 
     # -- running ------------------------------------------------------------------------------
 
-    def prepare(self, values: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Check names, shapes and dtypes of the given inputs; convert them to the declared dtypes.
+    def prepare(self, values: Mapping[str, Any], *, kinds: Collection[str] = ("input", "param")) -> dict[str, Any]:
+        """Check names, shapes and dtypes of the given values of the relations of ``kinds``
+        (inputs and params: everything a run needs); convert them to the declared dtypes.
         Values may be numpy arrays, nested lists, numbers or torch tensors (of any device, with or
         without ``requires_grad``; converted exactly, bf16 included)."""
+        return self._prepare(values, kinds, keep_torch=False)
+
+    def _prepare(self, values: Mapping[str, Any], kinds: Collection[str], keep_torch: bool) -> dict[str, Any]:
+        """:meth:`prepare`; with ``keep_torch``, torch tensors stay torch tensors (in the
+        declared dtype, on their device), for the torch runtime."""
         _check_mapping(values)
-        expected = {r.name: r for r in self.arguments}
+        expected = {r.name: r for r in self.arguments if r.kind in kinds}
         for name in values:
             if name not in expected:
+                what = " and ".join(f"{k}s" for k in kinds)
                 raise EdlError(
-                    f"'{name}' is not an input or param of {self.name}",
-                    help=did_you_mean(name, expected, "inputs") or "the program takes no inputs",
+                    f"'{name}' is not an {' or '.join(kinds)} of {self.name}",
+                    help=did_you_mean(name, expected, what) or f"the program takes no such {what}",
                 )
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, Any] = {}
         for name, rel in expected.items():
             span = self._decl_spans.get(name)
             if name not in values:
@@ -89,7 +97,10 @@ class Program:
                     span,
                     help="pass every input and param; `edl run --random SEED` makes random ones",
                 )
-            out[name] = _convert(values[name], rel, span)
+            if keep_torch and _is_torch_tensor(values[name]):
+                out[name] = _torch_value(values[name], rel, span)
+            else:
+                out[name] = _convert(values[name], rel, span)
         return out
 
     def evaluate(
@@ -119,34 +130,37 @@ class Program:
         memory.check(steps, spans=self._spans)
 
     def run(
-        self, values: Mapping[str, Any], *, plan: Plan | None = None, backend: str | None = None
-    ) -> dict[str, np.ndarray]:
-        """The outputs as numpy arrays (absent cells read as 0), whichever the backend: the same
-        convention as :meth:`Plan.execute`.  :meth:`evaluate` gives every relation with its
-        presence mask instead.
+        self,
+        values: Mapping[str, Any],
+        *,
+        plan: Plan | None = None,
+        backend: str | None = None,
+        device: str | Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """The outputs (absent cells read as 0), as numpy arrays, or torch tensors on the torch
+        backend.  :meth:`evaluate` gives every relation with its presence mask instead.
 
-        ``backend="reference"`` (the default) evaluates whole tensors; ``backend="sim"`` runs the
-        per-device programs synthesized for ``plan`` in the simulator."""
+        ``backend`` is one of ``edatalog.backend.runtime.RUNTIMES``: ``"reference"`` (the
+        default without a plan) evaluates whole tensors on numpy; ``"sim"`` (the default with
+        one) simulates the plan's device programs; ``"torch"`` runs on torch ``device`` (one, or
+        one per device of the plan).  The same as ``self.executable(plan, backend, device)``,
+        loaded with the params in ``values`` and called on the inputs."""
         _check_mapping(values)
         backend = backend or ("sim" if plan is not None else "reference")
-        if backend == "sim":
-            if plan is None:
-                raise EdlError("the sim backend runs a plan", help="pass plan=edatalog.plan(prog, ...)")
-            if plan.graph.fingerprint() != self.graph.fingerprint():
-                raise EdlError("this plan was made for another program", help="make a plan for this program")
-            return plan.execute(self.prepare(values))
-        if backend != "reference":
-            raise EdlError(f"unknown backend '{backend}'", help="available backends: reference, sim")
-        if plan is not None:
-            raise EdlError("the reference backend evaluates whole tensors", help="run a plan with backend='sim'")
-        prepared = self.prepare(values)
-        self.check_memory()
-        env = evaluate(self.graph, prepared, keep=self.outputs)  # intermediates freed once read
-        # An output that is an input or param would alias the caller's array: hand back a copy.
-        return {
-            name: env[name].data if self.graph.relation(name).kind == "derived" else env[name].data.copy()
-            for name in self.outputs
-        }
+        exe = self.executable(plan, backend=backend, device=device)
+        checked = self._prepare(values, ("input", "param"), keep_torch=exe.runtime.arrays == "torch")
+        if backend == "reference":
+            self.check_memory()
+        params = {r.name for r in self.arguments if r.kind == "param"}
+        exe.load({k: v for k, v in checked.items() if k in params})
+        return exe({k: v for k, v in checked.items() if k not in params})
+
+    def executable(
+        self, plan: Plan | None = None, *, backend: str = "torch", device: str | Sequence[str] | None = None
+    ) -> Executable:
+        """This program (with ``plan``, or on one device) ready to run on ``backend`` many times:
+        ``exe.load(params)`` once, then ``exe(inputs)``; see :mod:`edatalog.executable`."""
+        return Executable(self.graph, self._prepare, plan, backend, device)
 
     def random_inputs(
         self,
@@ -234,6 +248,27 @@ def _from_torch(tensor: Any, rel: Relation, span: Span | None) -> np.ndarray:
         ) from None
 
 
+def _torch_value(tensor: Any, rel: Relation, span: Span | None) -> Any:
+    """A torch tensor checked like an array (:func:`_convert`) and cast to the declared type, on
+    its own device: no trip through numpy."""
+    from edatalog.backend.arrays import TorchOps
+
+    if tuple(tensor.shape) != rel.shape:
+        raise EdlError(
+            f"'{rel.name}' must have shape {rel.shape} ({_shape_text(rel)}), "
+            f"but the value has shape {tuple(tensor.shape)}",
+            span,
+            help="check the dims; override them with dims={...} or --dim K=V if the data is right",
+        )
+    if tensor.dtype.is_floating_point and dtypes.kind(rel.dtype) != "float":
+        raise EdlError(
+            f"'{rel.name}' is declared {rel.dtype}, but the value has dtype {tensor.dtype}",
+            span,
+            help="a float value does not cast to an integer or bool relation; convert it",
+        )
+    return tensor.detach().to(TorchOps().dtype(rel.dtype))
+
+
 def _convert(value: Any, rel: Relation, span: Span | None) -> np.ndarray:
     if _is_torch_tensor(value):
         value = _from_torch(value, rel, span)
@@ -291,4 +326,12 @@ def compile_string(
     return _finish(parse(text, name), dims, consts)
 
 
-__all__ = ["EdlError", "EdlWarning", "Note", "Program", "compile", "compile_string"]
+def executable(
+    prog: Program, plan: Plan | None = None, *, backend: str = "torch", device: str | Sequence[str] | None = None
+) -> Executable:
+    """``prog`` (with ``plan``, or on one device) ready to run on ``backend``:
+    ``exe = edatalog.executable(prog, plan)``, ``exe.load(params)``, ``out = exe(inputs)``."""
+    return prog.executable(plan, backend=backend, device=device)
+
+
+__all__ = ["EdlError", "EdlWarning", "Note", "Program", "compile", "compile_string", "executable"]

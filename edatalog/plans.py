@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edatalog.backend import sim
 from edatalog.backend.exchange import REDUCTIONS, Schedule, synthesize
+from edatalog.backend.runtime import check_plan, runtime
 from edatalog.backend.timeline import Report, analyze, write_trace
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
@@ -116,17 +116,21 @@ class Plan:
         except OSError as exc:
             raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None
 
-    def execute(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the per-device programs in the simulator; returns the outputs, gathered, as numpy
-        arrays (absent cells read as 0): the convention of ``Program.run``, which calls this for
-        ``backend="sim"``.  (``Program.evaluate`` is the detailed API, with presence masks.)
+    def execute(self, values: dict[str, np.ndarray], backend: str = "sim") -> dict[str, Any]:
+        """Run the device programs (in the simulator, or with any runtime that runs plans);
+        returns the outputs, gathered (absent cells read as 0): the convention of
+        ``Program.run``.  (``Program.evaluate`` is the detailed API, with presence masks.)
         ``values`` must hold every input and param in its declared shape and dtype (as
         ``Program.prepare`` makes them)."""
         missing = [r.name for r in self.graph.relations if r.kind != "derived" and r.name not in values]
         if missing:
             raise EdlError(f"missing values for {', '.join(missing)}", help="pass every input and param")
-        gathered = sim.run(self.schedule, values)
-        return {name: gathered[name].data for name in self.graph.outputs}
+        rt = runtime(backend)
+        check_plan(rt, True)
+        exe = rt.build(self.graph, self.schedule, None)
+        params = {r.name for r in self.graph.relations if r.kind == "param"}
+        exe.load({k: v for k, v in values.items() if k in params})
+        return exe({k: v for k, v in values.items() if k not in params}).values
 
     # -- files ----------------------------------------------------------------------------------
 

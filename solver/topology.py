@@ -218,6 +218,7 @@ def load(path: str) -> Topology:
     [links.inter]                     # needed when there are several nodes
     bandwidth = "25GB/s"
     latency = "10us"
+    [measured]                        # optional, any content: what `edl calibrate` measured
     """
     p = Path(path)
     try:
@@ -234,7 +235,7 @@ def load(path: str) -> Topology:
 
 
 _KEYS = {
-    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor"},
+    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "measured"},
     "device": {"kind", "memory", "flops", "bandwidth"},
     "links": {"intra", "inter"},
     "link": {"name", "bandwidth", "latency"},
@@ -261,6 +262,8 @@ def _positive(value: float, what: str, allow_zero: bool = False) -> float:
 
 def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     data = _table(data, "", _KEYS[""])
+    if not isinstance(data.get("measured", {}), dict):  # informational (edl calibrate's raw numbers): ignored
+        raise EdlError("topology: 'measured' must be a table", help="it holds what `edl calibrate` measured")
     nodes = data.get("nodes", [1])
     if not isinstance(nodes, list) or not nodes or not all(isinstance(n, int) and n > 0 for n in nodes):
         raise EdlError("topology: 'nodes' must be a list of device counts, e.g. nodes = [4, 4]")

@@ -13,8 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from edatalog import __version__
-from edatalog.cli import plans, programs, show
-from edatalog.cli.common import seed
+from edatalog.backend.runtime import RUNTIMES
+from edatalog.cli import calibrate, plans, programs, show
+from edatalog.cli.common import positive_int, seed
 from edatalog.errors import EdlError
 
 _RAW = argparse.RawDescriptionHelpFormatter
@@ -70,11 +71,24 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--inputs", metavar="PATH", help="input and param values: a .npz or .safetensors file")
     r.add_argument("--random", metavar="SEED", type=seed, help="random values for inputs not given by --inputs")
     r.add_argument("-o", "--output", metavar="PATH", help="save the outputs to PATH (.npz or .safetensors)")
-    r.add_argument("--plan", metavar="PLAN", help="run this plan (a file from 'edl plan -o') on the simulated devices")
+    r.add_argument("--plan", metavar="PLAN", help="run this plan (a file from 'edl plan -o')")
     r.add_argument(
-        "--backend", choices=("reference", "sim"), help="reference: whole tensors (default); sim: the plan's devices"
+        "--backend",
+        choices=tuple(RUNTIMES),
+        help="reference: whole tensors on numpy (default without --plan); sim: the plan's devices simulated "
+        "(default with --plan); torch: for real, on --device, one process or --nproc",
     )
-    r.add_argument("--trace", metavar="PATH", help="with --plan: write the predicted timeline as Chrome trace JSON")
+    r.add_argument("--device", metavar="DEV", help="torch: cpu, cuda or cuda:N (default: cuda if there is one)")
+    r.add_argument(
+        "--nproc", type=positive_int, metavar="N", help="torch: start N processes, rank r running the plan's device r"
+    )
+    r.add_argument("--repeat", type=positive_int, default=1, metavar="K", help="torch: time K calls (the median)")
+    r.add_argument("--warmup", type=int, default=1, metavar="W", help="torch: untimed calls first (default 1)")
+    r.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="with --plan: the timeline as Chrome trace JSON (predicted on sim; measured on torch)",
+    )
 
     pl = sub.add_parser(
         "plan", help="plan a program on a machine and predict its cost", epilog=plans.EPILOG_PLAN, formatter_class=_RAW
@@ -148,6 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("plan", metavar="PLAN", help="a plan file from 'edl plan -o'")
     sh.add_argument("relations", metavar="RELATION", nargs="*", help="the relations to draw (default: all)")
     sh.add_argument("-o", "--output", metavar="PATH", required=True, help="the picture to write (.png, .svg or .pdf)")
+
+    calibrate.add_parser(sub, _RAW)
     return p
 
 
@@ -159,6 +175,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "query": plans.cmd_query,
     "explain": plans.cmd_explain,
     "show": show.cmd_show,
+    "calibrate": calibrate.cmd_calibrate,
 }
 
 

@@ -25,6 +25,16 @@ def seed(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
 def overrides(items: Sequence[str], what: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:

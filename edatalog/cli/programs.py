@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -13,12 +15,15 @@ from typing import Any
 import numpy as np
 
 from edatalog.backend import numpy_ops, sim
+from edatalog.backend.launch import in_spmd_job
+from edatalog.cli import torch_run
 from edatalog.cli.common import (
     Progress,
     check_array_file,
     check_writable,
     compile_args,
     load_inputs,
+    overrides,
     print_warnings,
     save_outputs,
     shape_text,
@@ -173,6 +178,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise EdlError("--trace needs a plan: the timeline is the plan's", help="pass --plan plan.json")
     if args.plan and backend == "reference":
         raise EdlError("the reference backend evaluates whole tensors", help="run a plan with --backend sim")
+    torch_only = [f for f, v in (("--device", args.device), ("--nproc", args.nproc)) if v is not None]
+    if backend != "torch" and (torch_only or args.repeat != 1):
+        flags = ", ".join(torch_only + (["--repeat"] if args.repeat != 1 else []))
+        raise EdlError(f"{flags} go with --backend torch", help="add --backend torch")
+    if backend == "torch":
+        return _run_torch(args)
     prog = compile_args(args)
     plan = load_plan(args.plan, prog) if args.plan else None
     values: dict[str, Any] = load_inputs(args.inputs) if args.inputs is not None else {}
@@ -206,18 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     outputs = {name: env[name].data for name in prog.outputs}
     if args.output:
         save_outputs(args.output, outputs)
-    summary = {}
-    for name in prog.outputs:
-        val = env[name]
-        arr = val.data.astype(np.float64)
-        summary[name] = {
-            "shape": list(arr.shape),
-            "dtype": dtypes.from_numpy(val.data.dtype),
-            "norm": float(np.linalg.norm(arr.ravel())),
-            "mean": float(arr.mean()) if arr.size else 0.0,
-            "finite": bool(np.isfinite(arr).all()),
-            "absent": 0 if val.present is None else int((~val.present).sum()),
-        }
+    summary = {name: _summary(env[name].data, _absent(env[name].present)) for name in prog.outputs}
     if args.json:
         extra = {"predicted_ms": plan.report.seconds * 1e3} if plan is not None else {}
         print(
@@ -227,19 +227,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return 0
     print_warnings(prog)
-    rows = [
-        [
-            n,
-            str(s["shape"]),
-            str(s["dtype"]),
-            f"{s['norm']:.6g}",
-            f"{s['mean']:.6g}",
-            str(s["absent"]),
-            "yes" if s["finite"] else "NO",
-        ]
-        for n, s in summary.items()
-    ]
-    print(table(["output", "shape", "dtype", "norm", "mean", "absent", "finite"], rows, right=(3, 4, 5)))
+    _print_outputs(summary)
     if plan is not None:
         r = plan.report
         print(
@@ -256,3 +244,102 @@ def cmd_run(args: argparse.Namespace) -> int:
         if path:
             print(f"wrote {what} {path}")
     return 0
+
+
+def _run_torch(args: argparse.Namespace) -> int:
+    """``--backend torch``: run for real (here, or on --nproc new processes), timed."""
+    job = torch_run.Job(
+        args.file,
+        overrides(args.dim, "dim"),
+        overrides(args.const, "const"),
+        args.plan,
+        args.inputs,
+        args.random,
+        args.device,
+        args.repeat,
+        max(0, args.warmup),
+        args.trace is not None,
+    )
+    prog = compile_args(args)  # errors in the program are reported here, once, not by every rank
+    plan = load_plan(args.plan, prog) if args.plan else None
+    if args.nproc is not None and plan is not None and args.nproc != plan.ir.n_devices:
+        raise EdlError(
+            f"--nproc {args.nproc}, but the plan has {plan.ir.n_devices} devices",
+            help=f"use --nproc {plan.ir.n_devices}: rank r runs device r's program",
+        )
+    if in_spmd_job() and os.environ.get("RANK", "0") != "0":
+        torch_run.run(job, None)  # another rank of torchrun's job: rank 0 reports
+        return 0
+    result = torch_run.run(job, args.nproc)
+    if args.output:
+        save_outputs(args.output, result.outputs)
+    if args.trace:
+        torch_run.trace(args.trace, result, plan.schedule.programs if plan else None, _predicted(plan))
+    predicted = _predicted(plan)
+    measured = statistics.median(result.calls_ms)
+    summary = {name: _summary(arr, result.absent.get(name, 0)) for name, arr in result.outputs.items()}
+    if args.json:
+        report = {
+            "file": args.file,
+            "backend": "torch",
+            "nproc": args.nproc or (1 if not in_spmd_job() else int(os.environ["WORLD_SIZE"])),
+            "measured_ms": measured,
+            "calls_ms": result.calls_ms,
+            "per_rank_ms": result.per_rank_ms,
+            "predicted_ms": predicted,
+            "outputs": summary,
+        }
+        print(json.dumps(report, indent=1))
+        return 0
+    print_warnings(prog)
+    _print_outputs(summary)
+    where = f"{args.nproc} processes" if args.nproc else "this process"
+    what = f"the {plan.ir.strategy} plan on {plan.ir.n_devices} devices" if plan else "the program on one device"
+    print(
+        f"\nran {what} with torch in {where}: {measured:.3f} ms per call "
+        f"(median of {len(result.calls_ms)}; min {min(result.calls_ms):.3f}, max {max(result.calls_ms):.3f})"
+        + (f"; predicted {predicted:.4g} ms on {plan.topology.name}" if plan is not None else "")
+    )
+    if len(result.per_rank_ms) > 1:
+        print("per rank: " + ", ".join(f"{r}: {t:.3f} ms" for r, t in enumerate(result.per_rank_ms)))
+    for path, what in ((args.output, "outputs"), (args.trace, "measured trace")):
+        if path:
+            print(f"wrote {what} {path}")
+    return 0
+
+
+def _predicted(plan: Any) -> float | None:
+    return None if plan is None else plan.report.seconds * 1e3
+
+
+def _summary(data: np.ndarray, absent: int) -> dict[str, Any]:
+    """What the output table shows of one output."""
+    arr = data.astype(np.float64)
+    return {
+        "shape": list(arr.shape),
+        "dtype": dtypes.from_numpy(data.dtype),
+        "norm": float(np.linalg.norm(arr.ravel())),
+        "mean": float(arr.mean()) if arr.size else 0.0,
+        "finite": bool(np.isfinite(arr).all()),
+        "absent": absent,
+    }
+
+
+def _print_outputs(summary: dict[str, dict[str, Any]]) -> None:
+    rows = [
+        [
+            n,
+            str(s["shape"]),
+            str(s["dtype"]),
+            f"{s['norm']:.6g}",
+            f"{s['mean']:.6g}",
+            str(s["absent"]),
+            "yes" if s["finite"] else "NO",
+        ]
+        for n, s in summary.items()
+    ]
+    print(table(["output", "shape", "dtype", "norm", "mean", "absent", "finite"], rows, right=(3, 4, 5)))
+
+
+def _absent(present: np.ndarray | None) -> int:
+    return 0 if present is None else int(present.size - np.count_nonzero(present))

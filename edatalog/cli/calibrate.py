@@ -1,0 +1,156 @@
+"""`edl calibrate`: measure this machine and write it as a machine file for ``--topology``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from edatalog.cli.common import Progress, table
+
+EPILOG_CALIBRATE = """\
+Measures this machine with torch and writes what it measured as a machine file (-o), for
+--topology (edl plan, edl run) and edatalog.topology(FILE): plans are then predicted with this
+machine's own rates instead of a preset's.
+
+It starts --nproc ranks as the runtime runs them (one process each, gloo on CPU, NCCL on CUDA,
+--threads torch threads each) and measures on all of them at once, since they share the machine:
+
+  matmul        FLOP/s per dtype (f32; bf16, f16, f64 where they run at a useful rate) at the
+                shapes of a transformer block; the median of --dtype's becomes the device's flops
+  copy          a large copy, bytes read + written per second: the device's memory bandwidth
+  kernel floor  the time of a 1-element add: the least any kernel costs
+  links         latency (half a 4-byte ping-pong) and bandwidth (every rank sending and
+                receiving at once) between ranks; all_reduce and reduce_scatter bus bandwidth
+
+The file holds rates the ranks reached (the slowest rank's), not peaks, so its efficiency is
+1.0; memory is the machine's available memory divided among the ranks (on CUDA, the GPU's).
+Every raw number is kept in its [measured] table.  A full run takes a minute or two; --quick
+measures tiny sizes in seconds, to check the setup (its numbers predict nothing).  Other
+programs running meanwhile slow the machine down: calibrate a quiet machine.
+
+examples:
+  edl calibrate -o machine.toml                  # 2 CPU ranks, 1 thread each
+  edl calibrate --nproc 4 --threads 2 -o cpu4.toml
+  edl calibrate --device cuda --nproc 8 --dtype bf16 -o node.toml
+  edl calibrate --nproc 1 --quick --json         # a quick check of the setup
+  edl plan programs/llama_block.edl -t machine.toml --dim S=512 -s megatron
+"""
+
+
+def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """The ``calibrate`` subcommand and its options."""
+    c = sub.add_parser(
+        "calibrate",
+        help="measure this machine and write it as a machine file for --topology",
+        description="Measure this machine (matmul rates, memory bandwidth, kernel floor, links between\n"
+        "ranks) and write it as a machine file for --topology.",
+        epilog=EPILOG_CALIBRATE,
+        formatter_class=formatter,
+    )
+    c.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks to start and measure (default 2)")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="what a rank runs on (default cpu)")
+    c.add_argument(
+        "--threads",
+        type=int,
+        metavar="T",
+        help="torch threads per rank, as the runtime will use (default 1 with several ranks, else torch's)",
+    )
+    c.add_argument(
+        "--dtype",
+        choices=("f32", "bf16", "f16", "f64"),
+        default="f32",
+        help="the programs' dtype: its matmul rate becomes the device's flops (default f32)",
+    )
+    c.add_argument("--quick", action="store_true", help="tiny sizes, seconds: checks the setup, predicts nothing")
+    c.add_argument("-o", "--output", metavar="PATH", help="write the machine file (.toml or .json) to PATH")
+    c.add_argument("--json", action="store_true", help="print the machine and every measurement as JSON")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from edatalog.backend import calibrate as cal
+
+    if args.output is not None:
+        cal.check_output(args.output)  # before minutes of measuring
+    opts = cal.Options(
+        nproc=args.nproc, device=args.device, threads=args.threads, quick=args.quick, dtype=args.dtype
+    ).resolved()
+    with Progress() as progress:
+        task = progress.task("calibrating", 1)
+
+        def report(done: float, total: float, what: str) -> None:
+            progress.bar.update(task, completed=done, total=max(total, 1), description=what)
+
+        result = cal.calibrate(opts, progress=report)
+    if args.output is not None:
+        result.save(args.output)
+    if args.json:
+        doc = {"topology": result.topology.to_dict(), "measured": result.measured, "output": args.output}
+        print(json.dumps(doc, indent=1))
+    else:
+        _print(result, args.output)
+    if args.output is None:
+        print("note: nothing written; pass -o machine.toml to save the machine file", file=sys.stderr)
+    busy = result.measured.get("busy_cores")
+    if busy is not None and busy >= cal.BUSY_CORES:
+        print(
+            f"note: other programs kept {busy:g} of {os.cpu_count()} cores busy when calibration began: these "
+            "numbers describe a busier machine than a quiet one; calibrate again when it is idle",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _print(result: Any, output: str | None) -> None:
+    from edatalog.backend.calibrate import rate, seconds, size
+
+    t, m = result.topology, result.measured
+    d = t.devices[0]
+    ranks = (
+        f"{m['ranks']} rank{'s' if m['ranks'] != 1 else ''} x {m['threads']} thread{'s' if m['threads'] != 1 else ''}"
+    )
+    print(f"{ranks} on {m['device']} ({m['processor']}), torch {m['torch']}")
+    if m["quick"]:
+        print("--quick: tiny sizes, to check the setup; these numbers predict nothing")
+    into = "-> "  # the rows the machine file takes its numbers from
+    probe = m["matmul"]["f32"] and next(iter(m["matmul"]["f32"]))
+    rows: list[list[str]] = []
+    for dtype, entry in m["matmul"].items():
+        for key, value in entry.items():
+            if isinstance(value, float):
+                rows.append([f"matmul {dtype} {key}", rate(value, "FLOP/s"), "probe" if key == probe else ""])
+        if "skipped" in entry:
+            rows.append([f"matmul {dtype}", "skipped", entry["skipped"]])
+        if "too_slow" in entry:
+            rows.append([f"matmul {dtype}", "skipped", "too slow at " + ", ".join(entry["too_slow"])])
+        if dtype == m["dtype"]:
+            rows.append([f"matmul {dtype} median", rate(d.flops, "FLOP/s"), f"{into}device.flops"])
+    for k, (nbytes, value) in enumerate(m["copy"].items()):
+        rows.append([f"copy {size(int(nbytes))}", rate(value, "B/s"), f"{into}device.bandwidth" if k == 0 else ""])
+    rows.append(["kernel floor", seconds(t.kernel_floor), f"a 1-element add {into}kernel_floor"])
+    if "p2p" in m:
+        p2p = m["p2p"]
+        for k, (nbytes, value) in enumerate(p2p["one_way"].items()):
+            note = "one way (half a ping-pong)" + (f" {into}links.intra.latency" if k == 0 else "")
+            rows.append([f"p2p {size(int(nbytes))}", seconds(value), note])
+        rows.append(["p2p bandwidth", rate(p2p["bandwidth"], "B/s"), "one way, the largest message"])
+        ex = m["exchange"]
+        note = f"per direction, all ranks at once {into}links.intra.bandwidth"
+        rows.append([f"exchange {size(ex['bytes'])}", rate(ex["bandwidth"], "B/s"), note])
+        for op in ("all_reduce", "reduce_scatter"):
+            rows.append([f"{op} {size(m[op]['bytes'])}", rate(m[op]["busbw"], "B/s"), "bus bandwidth"])
+    print()
+    print(table(["measured", "value", "note"], rows, right=(1,)))
+    print()
+    print(t)
+    print(
+        f"  per device: {rate(d.flops, 'FLOP/s')} ({m['dtype']} matmul, median), {rate(d.bandwidth, 'B/s')} memory, "
+        f"kernel floor {seconds(t.kernel_floor)}, memory {size(d.memory)}"
+    )
+    if t.n > 1:
+        link = f"{rate(t.intra.bandwidth, 'B/s')} per direction, {seconds(t.intra.latency)} latency"
+        print(f"  link {t.intra.name}: {link}")
+    if output is not None:
+        print(f"wrote {output}: use it with --topology {output}")

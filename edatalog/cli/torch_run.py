@@ -1,0 +1,199 @@
+"""``edl run --backend torch``: a program (or a plan) run for real with torch, timed.
+
+Without ``--nproc`` the plan's devices are logical devices of this process (``--device``).
+With ``--nproc N`` edl starts N processes itself (torch's elastic launcher) and rank ``r`` runs
+device ``r``'s program; under ``torchrun --nproc-per-node N -m edatalog.cli run ...`` this
+process is one of the ranks.  Each call is timed between barriers (the slowest rank's time);
+the median of ``--repeat`` calls is printed beside the plan's predicted time, with each rank's
+own median.  ``--trace`` writes the measured run as Chrome trace JSON, laid out like the
+predicted trace of ``edl plan --trace`` (one process per device), so the two read side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edatalog.backend.launch import in_spmd_job, spawn
+from edatalog.backend.torch_runtime import OpTime, Outputs
+from edatalog.errors import EdlError
+from edatalog.ir import program as ir
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank needs to run the same thing (picklable: it crosses into new processes)."""
+
+    file: str
+    dims: dict[str, int]
+    consts: dict[str, float]
+    plan: str | None
+    inputs: str | None
+    random: int | None
+    device: str | None
+    repeat: int
+    warmup: int
+    record: bool
+
+
+@dataclass
+class Result:
+    """What rank 0 reports: the outputs (whole, numpy), each call's time (slowest rank), each
+    rank's own median, and the measured op times of the last call (with ``record``)."""
+
+    outputs: dict[str, np.ndarray]
+    absent: dict[str, int]
+    calls_ms: list[float]
+    per_rank_ms: list[float]
+    op_times: list[OpTime] = field(default_factory=list)
+
+
+def run(job: Job, nproc: int | None) -> Result:
+    """Run ``job`` here (no plan, logical devices, or a rank of torchrun's job) or on ``nproc``
+    new processes; the result as rank 0 sees it."""
+    if nproc is not None:
+        if job.plan is None:
+            raise EdlError("--nproc runs a plan, one device per process", help="pass --plan plan.json")
+        results = spawn(nproc, rank_main, (job,))
+        return results[0]
+    if in_spmd_job():
+        return rank_main(job)
+    return _in_process(job)
+
+
+def _program_and_plan(job: Job) -> tuple[Any, Any]:
+    import edatalog
+
+    prog = edatalog.compile(job.file, dims=job.dims, consts=job.consts)
+    plan = edatalog.load_plan(job.plan, prog) if job.plan is not None else None
+    return prog, plan
+
+
+def _values(job: Job, prog: Any) -> dict[str, Any]:
+    from edatalog.cli.common import load_inputs
+
+    values: dict[str, Any] = load_inputs(job.inputs) if job.inputs is not None else {}
+    missing = {r.name for r in prog.arguments if r.name not in values}
+    if missing and job.random is None:
+        raise EdlError(f"no values for {', '.join(sorted(missing))}", help="pass --random SEED or --inputs FILE")
+    if missing:
+        values.update(prog.random_inputs(job.random, names=missing))  # the same on every rank: seeded
+    return values
+
+
+def _split(prog: Any, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    params = {r.name for r in prog.arguments if r.kind == "param"}
+    return {k: v for k, v in values.items() if k in params}, {k: v for k, v in values.items() if k not in params}
+
+
+def _in_process(job: Job) -> Result:
+    prog, plan = _program_and_plan(job)
+    params, inputs = _split(prog, _values(job, prog))
+    exe = prog.executable(plan, backend="torch", device=job.device)
+    exe.load(params)
+    for _ in range(job.warmup):
+        exe(inputs)
+    calls = []
+    out = None
+    for k in range(job.repeat):
+        start = time.perf_counter()
+        out = exe.run(inputs, record=job.record and k == job.repeat - 1)
+        _synchronize(out.values)
+        calls.append((time.perf_counter() - start) * 1e3)
+    assert out is not None
+    outputs, absent = _numpy_outputs(out)
+    return Result(outputs, absent, calls, [statistics.median(calls)], list(exe.last_times))
+
+
+def rank_main(job: Job) -> Result:
+    """One rank: join the group, run the job's plan, time each call between barriers."""
+    import torch
+
+    from edatalog.backend.spmd import init_group
+
+    torch.set_num_threads(1)  # one thread per rank: ranks share this machine's cores
+    device = init_group(job.device)
+    dist = torch.distributed
+    prog, plan = _program_and_plan(job)
+    if plan is None:
+        raise EdlError("a torch.distributed job runs a plan, one device per rank", help="pass --plan plan.json")
+    params, inputs = _split(prog, _values(job, prog))
+    exe = prog.executable(plan, backend="torch", device=device)
+    exe.load(params)
+    for _ in range(job.warmup):
+        exe(inputs, gather=False)
+    mine, calls = [], []
+    for k in range(job.repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        exe(inputs, gather=False, record=job.record and k == job.repeat - 1)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        mine.append(float(elapsed) * 1e3)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        calls.append(float(elapsed) * 1e3)
+    times = list(exe.last_times)
+    out = exe.run(inputs)  # once more, gathered: every rank gets the outputs whole
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, statistics.median(mine))
+    all_times: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(all_times, times)
+    outputs, absent = _numpy_outputs(out)
+    dist.barrier()
+    return Result(outputs, absent, calls, [float(t) for t in per_rank], [t for ts in all_times for t in ts])
+
+
+def _synchronize(out: dict[str, Any]) -> None:
+    import torch
+
+    if any(getattr(v, "is_cuda", False) for v in out.values()):
+        torch.cuda.synchronize()
+
+
+def _numpy_outputs(out: Outputs) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    from edatalog.backend.arrays import TORCH
+
+    arrays = {k: TORCH.to_numpy(v) for k, v in out.values.items()}
+    absent = {k: 0 if p is None else int((~TORCH.to_numpy(p)).sum()) for k, p in out.present.items()}
+    return arrays, absent
+
+
+def trace(path: str, result: Result, programs: ir.Programs | None, predicted_ms: float | None) -> None:
+    """The measured run as Chrome trace JSON: one process per device, its ops on one lane."""
+    events: list[dict[str, Any]] = []
+    devices = sorted({d for d, _, _, _ in result.op_times})
+    for d in devices:
+        events.append({"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d} (measured)"}})
+    for d, k, start, end in result.op_times:
+        name = _op_name(programs, d, k)
+        events.append(
+            {
+                "name": name,
+                "cat": "measured",
+                "ph": "X",
+                "pid": d,
+                "tid": 0,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+            }
+        )
+    other = {"measured_ms": result.calls_ms[-1] if result.calls_ms else None, "predicted_ms": predicted_ms}
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, fh)
+
+
+def _op_name(programs: ir.Programs | None, device: int, k: int) -> str:
+    if programs is None:
+        return "program"
+    op = programs.devices[device].ops[k]
+    if isinstance(op, ir.Kernel):
+        return op.node
+    if isinstance(op, ir.Combine):
+        return f"combine {op.relation}"
+    if isinstance(op, ir.Send | ir.Recv):
+        return "exchange"
+    return type(op).__name__.lower()

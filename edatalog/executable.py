@@ -1,0 +1,122 @@
+"""Executables: a compiled program, maybe with a plan, ready to run on a backend many times.
+
+    exe = edatalog.executable(prog, plan, backend="torch", device=None)   # plan=None: one device
+    exe.load(params)          # whole arrays or torch tensors, or a safetensors path
+    out = exe(inputs)         # dict of outputs: torch tensors on the torch backend, numpy else
+
+Params are checked and loaded once (on the torch backend each device, or each rank, keeps only
+the blocks its program loads); every call checks and runs the inputs.  Inside an initialized
+torch.distributed group as large as the plan, a torch executable is SPMD: this rank runs its
+device's program, and every rank gets the outputs whole (``gather=False``: the pieces it holds,
+the rest reading as absent).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from edatalog.backend.runtime import Executable as Runnable
+from edatalog.backend.runtime import check_plan, runtime
+from edatalog.backend.torch_runtime import OpTime, Outputs
+from edatalog.errors import EdlError
+from edatalog.ir.graph import Graph
+from edatalog.plans import Plan
+
+Prepare = Callable[[Mapping[str, Any], Collection[str], bool], dict[str, Any]]
+
+
+class Executable:
+    """See the module docstring; made by ``edatalog.executable`` or ``Program.executable``."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        prepare: Prepare,
+        plan: Plan | None,
+        backend: str,
+        device: str | Sequence[str] | None,
+    ) -> None:
+        rt = runtime(backend)
+        check_plan(rt, plan is not None)
+        if plan is not None and plan.graph.fingerprint() != graph.fingerprint():
+            raise EdlError("this plan was made for another program", help="make a plan for this program")
+        self.graph, self.plan, self.runtime = graph, plan, rt
+        self._prepare = prepare
+        self._keep_torch = rt.arrays == "torch"
+        self._impl: Runnable = rt.build(graph, plan.schedule if plan is not None else None, device)
+        self._params = [r.name for r in graph.relations if r.kind == "param"]
+        self._loaded = not self._params
+
+    def __repr__(self) -> str:
+        where = f"plan '{self.plan.ir.strategy}' on {self.plan.ir.n_devices} devices" if self.plan else "no plan"
+        return f"<edatalog.Executable {self.runtime.name}, {where}>"
+
+    @property
+    def last_times(self) -> list[OpTime]:
+        """Each op's (device, position, start, end) seconds in the last call made with ``record``."""
+        return self._impl.last_times
+
+    def load(self, params: Mapping[str, Any] | str | os.PathLike[str]) -> None:
+        """Load every param: whole arrays or torch tensors by name, or a safetensors file whose
+        tensors are named like the params."""
+        if isinstance(params, str | os.PathLike):
+            path = Path(params)
+            shapes = _safetensors_shapes(path, self._params)
+            for name, shape in shapes.items():
+                want = self.graph.relation(name).shape
+                if shape != want:
+                    raise EdlError(f"{path}: '{name}' has shape {shape}, but the program declares {want}")
+            load_file = getattr(self._impl, "load_file", None)
+            if load_file is not None:  # an SPMD rank reads only its slices
+                load_file(str(path))
+                self._loaded = True
+                return
+            params = _read_safetensors(path, self._params)
+        values = self._prepare(params, ("param",), self._keep_torch)
+        self._impl.load(values)
+        self._loaded = True
+
+    def __call__(self, inputs: Mapping[str, Any], *, gather: bool = True, record: bool = False) -> dict[str, Any]:
+        """The outputs for ``inputs`` (absent cells read as 0)."""
+        return self.run(inputs, gather=gather, record=record).values
+
+    def run(self, inputs: Mapping[str, Any], *, gather: bool = True, record: bool = False) -> Outputs:
+        """As a call, with which cells of each output exist (``Outputs.present``; None: all)."""
+        if not self._loaded:
+            raise EdlError(
+                "the params are not loaded", help="call exe.load(params) first (a dict or a .safetensors path)"
+            )
+        values = self._prepare(inputs, ("input",), self._keep_torch)
+        return self._impl(values, gather_outputs=gather, record=record)
+
+
+def _safetensors_shapes(path: Path, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the params in a safetensors file, from its header (no tensor is read);
+    an error naming the params it lacks."""
+    if not path.exists():
+        raise EdlError(f"no such file: {path}", help="pass the path of a .safetensors file, or a dict of arrays")
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            keys = set(fh.keys())
+            missing = [n for n in names if n not in keys]
+            if missing:
+                raise EdlError(
+                    f"{path} lacks the params {', '.join(missing)}",
+                    help=f"it holds {', '.join(sorted(keys)[:10])}{', ...' if len(keys) > 10 else ''}",
+                )
+            return {n: tuple(fh.get_slice(n).get_shape()) for n in names}
+    except SafetensorError as exc:
+        raise EdlError(f"{path} is not a safetensors file: {exc}") from None
+
+
+def _read_safetensors(path: Path, names: list[str]) -> dict[str, Any]:
+    """The params in a safetensors file, whole (never unpickled: it holds raw tensors)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as fh:
+        return {n: fh.get_tensor(n) for n in names}

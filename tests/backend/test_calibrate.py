@@ -1,0 +1,224 @@
+"""``edl calibrate``: measuring the machine and writing it as a machine file.
+
+Only the logic is checked (what is measured, how it becomes a topology, that the file loads),
+never how fast this machine is: every timing here is at tiny sizes, on a machine that may be busy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import edatalog
+from edatalog.backend import calibrate as cal
+from edatalog.cli import main
+from edatalog.errors import EdlError
+from edatalog.solver.topology import from_dict
+
+QUICK_KEYS = [cal.shape_key(s) for s in cal.QUICK.matmuls]
+
+
+def _finite_positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def _check_machine(topo: edatalog.Topology, n: int) -> None:
+    assert topo.n == n and topo.name == f"calibrated-cpux{n}"
+    assert topo.efficiency == 1.0
+    assert _finite_positive(topo.kernel_floor)
+    assert _finite_positive(topo.intra.bandwidth) and math.isfinite(topo.intra.latency) and topo.intra.latency >= 0
+    for d in topo.devices:
+        assert d.kind.startswith("CPU (")
+        assert d.memory > 0 and _finite_positive(d.flops) and _finite_positive(d.bandwidth)
+
+
+def _check_measured(measured: dict[str, Any], ranks: int) -> None:
+    assert measured["command"].startswith("edl calibrate --nproc")
+    assert measured["date"] and measured["ranks"] == ranks and measured["quick"] is True
+    f32 = measured["matmul"]["f32"]
+    assert set(QUICK_KEYS) <= set(f32) and "skipped" not in f32
+    assert all(_finite_positive(f32[k]) for k in QUICK_KEYS)
+    assert set(measured["matmul"]) == set(cal.DTYPES)
+    for entry in measured["matmul"].values():  # every dtype: rates, or why it was not measured
+        assert any(isinstance(v, float) for v in entry.values()) or "skipped" in entry
+    assert sorted(measured["copy"]) == sorted(str(b) for b in cal.QUICK.copy_bytes)
+    assert all(_finite_positive(v) for v in measured["copy"].values())
+    for key in ("flops", "bandwidth", "kernel_floor"):
+        assert len(measured["per_rank"][key]) == ranks
+        assert all(_finite_positive(v) for v in measured["per_rank"][key])
+
+
+def test_quick_calibration_in_one_process(tmp_path: Path) -> None:
+    seen: list[tuple[float, float, str]] = []
+    result = cal.calibrate(cal.Options(nproc=1, quick=True, threads=1), progress=lambda *a: seen.append(a))
+    _check_machine(result.topology, 1)
+    _check_measured(result.measured, 1)
+    assert result.topology.devices[0].kind == "CPU (1 thread)"
+    # The device's flops are the median of f32's rates at the block shapes.
+    rates = sorted(result.measured["matmul"]["f32"][k] for k in QUICK_KEYS)
+    assert rates[0] <= result.topology.devices[0].flops <= rates[-1]
+
+    # Progress: steps counted up to their total, each named.
+    assert seen and all(0 <= done <= total for done, total, _ in seen)
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+    assert seen[-1][0] == seen[-1][1] and all(what for _, _, what in seen)
+
+    for name in ("machine.toml", "machine.json"):
+        path = tmp_path / name
+        result.save(str(path))
+        assert edatalog.topology(str(path)) == result.topology
+    raw = tomllib.loads((tmp_path / "machine.toml").read_text())
+    assert raw["measured"] == result.measured  # every raw number, as measured
+    assert json.loads((tmp_path / "machine.json").read_text())["measured"] == result.measured
+    text = (tmp_path / "machine.toml").read_text()
+    assert text.startswith("# calibrated-cpux1: ") and "# FLOP/s: f32 matmul" in text
+
+
+def _rank(flops: float, copy: float, floor: float, links: dict[str, Any]) -> dict[str, Any]:
+    sizes = cal.QUICK
+    matmul = {cal.shape_key(sizes.probe): flops} | dict.fromkeys(QUICK_KEYS, flops)
+    device = {
+        "matmul": {"f32": matmul, "bf16": {"skipped": "slow"}, "f16": {"skipped": "slow"}, "f64": dict(matmul)},
+        "copy": {str(b): copy for b in sizes.copy_bytes},
+        "kernel_floor": floor,
+        "memory": 0,
+        "kind": "CPU (1 thread)",
+    }
+    return {"device": device, "links": links}
+
+
+def test_the_machine_is_the_slowest_ranks() -> None:
+    """From made-up measurements: device rates are the slowest rank's; the link's latency is half
+    a small ping-pong, its bandwidth the exchange's bytes over its time less that latency."""
+    sizes = cal.QUICK
+    latency, exchange = 1e-4, 2e-3
+    links = {
+        "pingpong": {str(b): latency + b / 1e9 for b in sizes.p2p_bytes},
+        "exchange": exchange,
+        "collective_bytes": 1 << 16,
+        "all_reduce": 1e-3,
+        "reduce_scatter": 5e-4,
+    }
+    slow = dict(links, exchange=2 * exchange)
+    opts = cal.Options(nproc=2, quick=True).resolved()
+    result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links), 1: _rank(1e10, 2e10, 3e-6, slow)})
+    topo = result.topology
+    assert topo.devices[0].flops == 1e10 and topo.devices[0].bandwidth == 1e10 and topo.kernel_floor == 3e-6
+    assert topo.intra.name == "gloo" and topo.intra.latency == latency
+    assert topo.intra.bandwidth == pytest.approx(sizes.exchange_bytes / (2 * exchange - latency), rel=1e-3)
+    m = result.measured
+    assert m["per_rank"]["flops"] == [2e10, 1e10]
+    assert m["all_reduce"]["busbw"] == pytest.approx((1 << 16) / 1e-3 * 2 * 1 / 2, rel=1e-3)
+    assert m["reduce_scatter"]["busbw"] == pytest.approx((1 << 16) / 5e-4 * 1 / 2, rel=1e-3)
+    assert m["matmul"]["bf16"] == {"skipped": "slow"}
+    assert from_dict(json.loads(json.dumps(result.to_dict()))) == topo
+
+
+@pytest.mark.distributed
+def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
+    seen: list[tuple[float, float, str]] = []
+    result = cal.calibrate(cal.Options(nproc=2, quick=True), progress=lambda *a: seen.append(a))
+    topo = result.topology
+    _check_machine(topo, 2)
+    _check_measured(result.measured, 2)
+    assert topo.devices[0].kind == "CPU (1 thread)"  # one thread per rank by default
+    assert topo.intra.name == "gloo" and topo.intra.latency > 0
+    m = result.measured
+    assert m["backend"] == "gloo" and m["threads"] == 1
+    assert sorted(m["p2p"]["one_way"], key=int) == [str(b) for b in cal.QUICK.p2p_bytes]
+    assert m["p2p"]["latency"] == topo.intra.latency
+    assert m["exchange"]["bandwidth"] == topo.intra.bandwidth
+    for op in ("all_reduce", "reduce_scatter"):
+        assert _finite_positive(m[op]["seconds"]) and _finite_positive(m[op]["busbw"])
+    assert seen and seen[-1][0] == seen[-1][1]  # rank 0's progress reached this process
+    path = tmp_path / "cpu2.toml"
+    result.save(str(path))
+    assert edatalog.topology(str(path)) == topo
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["calibrate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_writes_a_machine_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "machine.toml"
+    code, out, err = _run(capsys, "--nproc", "1", "--threads", "1", "--quick", "-o", str(path))
+    assert code == 0, err
+    topo = edatalog.topology(str(path))
+    _check_machine(topo, 1)
+    lines = out.splitlines()
+    assert lines[0].startswith("1 rank x 1 thread on cpu")
+    header = next(line for line in lines if line.startswith("measured"))
+    assert header.split() == ["measured", "value", "note"]
+    assert any(line.startswith("matmul f32 ") and "FLOP/s" in line for line in lines)
+    assert any(line.startswith("kernel floor") for line in lines)
+    assert str(topo) in lines
+    assert f"wrote {path}: use it with --topology {path}" in out
+
+    code, out, err = _run(capsys, "--nproc", "1", "--threads", "1", "--quick", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert sorted(doc) == ["measured", "output", "topology"] and doc["output"] is None
+    _check_measured(doc["measured"], 1)
+    assert from_dict(doc["topology"]).n == 1
+    assert "nothing written" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc", "0"], "--nproc must be at least 1, not 0"),
+        (["--nproc", "1", "--threads", "0"], "--threads must be at least 1, not 0"),
+        (["--quick", "-o", "no/such/dir/machine.toml"], "the directory no/such/dir does not exist"),
+        (["--quick", "-o", "machine.txt"], "its name must end in .toml or .json"),
+    ],
+)
+def test_cli_mistakes_are_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, out, err = _run(capsys, *argv)
+    assert code == 1 and not out
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_cli_output_must_not_be_a_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "d.toml").mkdir()
+    code, _, err = _run(capsys, "--quick", "-o", str(tmp_path / "d.toml"))
+    assert code == 1 and "it is a directory" in err
+
+
+def test_cli_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = _run(capsys, "--device", "cuda", "--quick")
+    assert code == 1 and "no CUDA device" in err and "help: " in err
+
+
+def test_cli_help_teaches() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--help"])
+    assert info.value.code == 0
+
+
+# -- the machine file format -----------------------------------------------------------------------
+
+
+def test_topology_files_accept_a_measured_table(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text('name = "m"\n[device]\nflops = 1e12\n[measured]\nanything = [1, 2]\n[measured.deeper]\nx = "y"\n')
+    assert edatalog.topology(str(path)).devices[0].flops == 1e12
+    with pytest.raises(EdlError, match="'measured' must be a table"):
+        from_dict({"measured": 3})
+    with pytest.raises(EdlError, match="unknown key 'measure'") as info:
+        from_dict({"measure": {}})
+    assert "measured" in str(info.value)
