@@ -111,8 +111,25 @@ def _pair(a: Operand, b: Operand, keep: set[str], xp: ArrayOps) -> Operand:
     rows = [v for v in ix if v not in iy]
     cols = [v for v in iy if v not in ix]
     size = dict(zip(ix, x.shape, strict=True)) | dict(zip(iy, y.shape, strict=True))
+    if not shared:
+        return _product(x, ix, y, iy, xp)
     nb, nr, ns, nc = (math.prod(size[v] for v in group) for group in (batch, rows, shared, cols))
     lhs = xp.transpose(x, [ix.index(v) for v in (*batch, *rows, *shared)]).reshape(nb, nr, ns)
     rhs = xp.transpose(y, [iy.index(v) for v in (*batch, *shared, *cols)]).reshape(nb, ns, nc)
     result = xp.matmul(lhs, rhs)
     return result.reshape([size[v] for v in (*batch, *rows, *cols)]), (*batch, *rows, *cols)
+
+
+def _product(x: Array, ix: tuple[str, ...], y: Array, iy: tuple[str, ...], xp: ArrayOps) -> Operand:
+    """Nothing to sum: an elementwise product by broadcasting, in the larger operand's layout
+    (a matmul of 1-by-1 blocks would be one call per cell, and transposing a large operand a
+    copy of it)."""
+    if x.ndim < y.ndim:
+        x, ix, y, iy = y, iy, x, ix
+    extra = tuple(v for v in iy if v not in ix)
+    order = (*ix, *extra)
+    x = x.reshape(tuple(x.shape) + (1,) * len(extra))
+    mine = [v for v in order if v in iy]  # y's indices, in the result's order
+    y = xp.transpose(y, [iy.index(v) for v in mine])
+    dims = dict(zip(mine, y.shape, strict=True))
+    return x * y.reshape(tuple(dims.get(v, 1) for v in order)), order

@@ -464,6 +464,7 @@ def _lower(
     kept |= {t.id for t in tasks if isinstance(t, Load)}
     devices, costs = [], {}
     for d, listed in enumerate(ops):
+        listed = _sends_early(listed)
         last: dict[int, int] = {}
         for k, (op, _) in enumerate(listed):
             for b in ir.reads(op):
@@ -506,3 +507,24 @@ def _head_is_onto(node: JoinAgg) -> bool:
     index (``d[i, i]`` writes a diagonal of its block's square)."""
     indices = [p.index for ax in node.out_axes for p in ax.parts if p.index is not None]
     return len(indices) == len(set(indices))
+
+
+def _sends_early(listed: list[tuple[ir.Op, OpCost]]) -> list[tuple[ir.Op, OpCost]]:
+    """Each send moved up to just after the op that makes its buffer (but never before an earlier
+    send to the same peer, so every pair of devices keeps its order of messages, as NCCL needs):
+    a device hands its data over as soon as it has it, so a reduce-scatter runs both ways at
+    once rather than one device receiving, combining and only then sending.  Moving a send up
+    removes waits and adds none, so the programs still cannot wait for each other forever."""
+    keys: list[tuple[int, int, int]] = []  # (position it follows, 0 for itself / 1 for a send, order)
+    made: dict[int, int] = {}  # buffer -> position of the op that makes it
+    last_to: dict[int, int] = {}  # peer -> the position the latest send to it follows
+    for k, (op, _) in enumerate(listed):
+        if isinstance(op, ir.Send):
+            after = max(made[op.buf], last_to.get(op.peer, -1))
+            last_to[op.peer] = after
+            keys.append((after, 1, k))
+            continue
+        if isinstance(op, ir.DEFINES):
+            made[op.buf] = k
+        keys.append((k, 0, k))
+    return [listed[k] for _, _, k in sorted(keys)]

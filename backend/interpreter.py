@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from edatalog.backend import ops
 from edatalog.backend.arrays import NUMPY, Array, ArrayOps
-from edatalog.backend.joinagg import evaluate_node
+from edatalog.backend.fusion import KIND, AttentionKernel, Chain, attention_chains
+from edatalog.backend.joinagg import Known, evaluate_node, known_presence
 from edatalog.backend.reference import write_cells
 from edatalog.ir import program as ir
 from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
@@ -80,6 +81,12 @@ class Kernels:
         self.nodes = {n.name: n for n in graph.nodes}
         self.blocks: dict[tuple[str, ir.Ranges], JoinAgg] = {}
         self.needs: dict[tuple[str, ir.Ranges], tuple[Region, ...]] = {}
+        self.known: dict[tuple[str, ir.Ranges], Known | None] = {}
+        self.direct: dict[tuple[str, ir.Ranges], bool] = {}
+        self.onto: dict[tuple[str, ir.Ranges], bool] = {}
+        self.placed: dict[tuple[object, ...], Known] = {}
+        self.attention: dict[tuple[object, ...], AttentionKernel] = {}
+        self._chains: list[Chain] | None = None
 
     def block(self, op: ir.Kernel) -> tuple[JoinAgg, JoinAgg, tuple[Region, ...]]:
         """The rule, its block as a join-agg, and what the block reads of each input."""
@@ -87,9 +94,47 @@ class Kernels:
         key = (op.node, op.ranges)
         if key not in self.blocks:
             ranges = op.range_map
-            self.blocks[key] = restrict(node, ranges)
+            block = restrict(node, ranges)
+            self.blocks[key] = block
             self.needs[key] = tuple(Region.through(acc.axes, ranges) for acc in node.inputs)
+            # Supports decide presence when every relation read has an exact one.
+            exact = all(self.graph.relation(acc.relation).support_exact for acc in node.inputs)
+            self.known[key] = known_presence(block, exact)
+            self.direct[key] = _head_is_result_layout(block)
+            heads = [p.index for ax in block.out_axes for p in ax.parts if p.index is not None]
+            self.onto[key] = len(heads) == len(set(heads))  # d[i, i] writes a diagonal only
         return node, self.blocks[key], self.needs[key]
+
+    def fused_kernel(self, op: ir.Fused, xp: ArrayOps, device: Any) -> AttentionKernel | None:
+        """The fast kernel of a fused op on ``xp`` (torch's attention), made once per device; None
+        where there is none."""
+        if xp.name != "torch" or op.kind != KIND:
+            return None
+        where = (op.kernels[0].node, op.kernels[0].ranges, op.kernels[-1].ranges, str(device))
+        if where not in self.attention:
+            chain = next((c for c in self.chains() if c.nodes == tuple(k.node for k in op.kernels)), None)
+            if chain is None:
+                return None
+            _, sc, _ = self.block(op.kernels[0])
+            _, out, _ = self.block(op.kernels[-1])
+            self.attention[where] = AttentionKernel(chain, op, sc, out, xp, device)
+        return self.attention[where]
+
+    def chains(self) -> list[Chain]:
+        if self._chains is None:
+            self._chains = attention_chains(self.graph)
+        return self._chains
+
+    def known_on(self, key: tuple[str, ir.Ranges], xp: ArrayOps, device: Any) -> Known | None:
+        """The block's decided presence (see ``known_presence``) as arrays of ``xp`` on ``device``,
+        made once per device."""
+        static = self.known[key]
+        if static is None or static.present is None:
+            return static
+        where = (key, xp.name, str(device))
+        if where not in self.placed:
+            self.placed[where] = Known(xp.asarray(static.present, xp.bool_, device))
+        return self.placed[where]
 
 
 class Device:
@@ -147,6 +192,8 @@ class Device:
             if piece.region != op.region:
                 raise ExecutionError(f"device {self.index} receives {piece.region} for #{op.tag}, not {op.region}")
             self.store[op.buf] = piece
+        elif isinstance(op, ir.Fused):
+            self.store[op.buf] = self.fused(op)
         elif isinstance(op, ir.Combine):
             parts = [self.cut(self.get(b), op.region) for b in op.sources]
             agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
@@ -207,17 +254,51 @@ class Device:
 
     def kernel(self, op: ir.Kernel) -> Buffer:
         node, block, needs = self.kernels.block(op)
+        key = (op.node, op.ranges)
         data, present = [], []
         for acc, parts, need in zip(node.inputs, op.reads, needs, strict=True):
             d, p = self.assemble(need, parts, self.graph.relation(acc.relation).dtype)
             data.append(d)
             present.append(p)
-        value, pres, out_vars = evaluate_node(block, data, present, self.xp)
         xp = self.xp
-        out = xp.full(op.region.shape, 0, xp.dtype(op.dtype), self.device)
+        known = self.kernels.known_on(key, xp, self.device)
+        value, pres, out_vars = evaluate_node(block, data, present, xp, known)
+        dtype = xp.dtype(op.dtype)
+        if self.kernels.direct[key]:  # the result is laid out as the head: keep it
+            shape = [block.box[v] for v in out_vars]  # composite heads: the same cells, row-major
+            value = xp.broadcast_to(value, shape)
+            if pres is not None:  # absent cells hold 0
+                value = xp.where(pres, value, xp.constant(0, value.dtype))
+            out = xp.view(xp.contiguous(xp.cast(value, dtype)), op.region.shape)
+            if op.full or pres is None:
+                return Buffer(op.region, out, None)
+            return Buffer(op.region, out, xp.view(xp.contiguous(xp.broadcast_to(pres, shape)), op.region.shape))
+        out = xp.full(op.region.shape, 0, dtype, self.device)
         cells = xp.full(op.region.shape, False, xp.bool_, self.device)
         write_cells(out, cells, block, value, pres, out_vars, None, xp)
-        return Buffer(op.region, out, None if op.full or xp.all(cells) else cells)
+        if op.full or (pres is None and self.kernels.onto[key]):
+            return Buffer(op.region, out, None)
+        return Buffer(op.region, out, None if xp.all(cells) else cells)
+
+    def fused(self, op: ir.Fused) -> Buffer:
+        """Fused kernels: one fast kernel where this namespace has one, else each kernel in turn
+        (exactly the rules), their inner buffers gone when the last one is made."""
+        fast = self.kernels.fused_kernel(op, self.xp, self.device)
+        if fast is None:
+            for k in op.kernels:
+                self.store[k.buf] = self.kernel(k)
+            for b in op.internal:
+                del self.store[b]
+            return self.store.pop(op.buf)
+        sc, out = op.kernels[0], op.kernels[-1]
+        chain = fast.chain
+        operands = []
+        for kernel, position in ((sc, chain.q), (sc, chain.k), (out, chain.v)):
+            node, _, needs = self.kernels.block(kernel)
+            relation = node.inputs[position].relation
+            data, _ = self.assemble(needs[position], kernel.reads[position], self.graph.relation(relation).dtype)
+            operands.append(data)
+        return Buffer(op.region, fast(*operands), None)
 
     def fold(self, parts: list[Buffer], agg: str | None, dtype: str, full: bool) -> Buffer:
         """Partials of one region folded with the aggregation; absent cells contribute nothing."""
@@ -313,3 +394,11 @@ def _cut_any(buf: Buffer, region: Region, xp: ArrayOps, device: Any) -> Buffer:
     if xp is not NUMPY:
         at = tuple(a if isinstance(a, slice) else xp.asarray(a, device=xp.device_of([buf.data])) for a in at)
     return Buffer(region, buf.data[at], None if buf.present is None else buf.present[at])
+
+
+def _head_is_result_layout(block: JoinAgg) -> bool:
+    """Whether the evaluator's result (over the output indices, in join order) already is the
+    head's layout: plain indices in that order, no fixed places."""
+    parts = [p for ax in block.out_axes for p in ax.parts]
+    out_vars = [i.name for i in block.indices if i.name not in block.agg_indices]
+    return all(p.index is not None for p in parts) and [p.index for p in parts] == out_vars

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from edatalog.backend import ops
 from edatalog.backend.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.contract import contract, squeeze
@@ -67,6 +69,7 @@ class _Space:
     data: list[Array]  # per input: a view over the space
     present: list[Array | None]
     offsets: dict[str, int]  # where the chunk starts, per index (missing: 0)
+    track_presence: bool = True  # False: the result's presence is known beforehand (``Known``)
 
     def index_array(self, name: str) -> Array:
         lo = self.offsets.get(name, 0)
@@ -98,17 +101,34 @@ class _Space:
             [cut(a) for a in self.data],
             [None if p is None else cut(p) for p in self.present],
             {**self.offsets, var: self.offsets.get(var, 0) + lo},
+            self.track_presence,
         )
 
 
+class Known:
+    """Presence decided before running (see :func:`known_presence`): the inputs' absent cells
+    are those their supports say, so the guard alone excludes every point that reads one, and
+    the result's cells that exist are ``present`` (None: every cell)."""
+
+    def __init__(self, present: Array | None) -> None:
+        self.present = present
+
+
 def evaluate_node(
-    node: JoinAgg, data: Sequence[Array], present: Sequence[Array | None], xp: ArrayOps = NUMPY
+    node: JoinAgg,
+    data: Sequence[Array],
+    present: Sequence[Array | None],
+    xp: ArrayOps = NUMPY,
+    known: Known | None = None,
 ) -> tuple[Array, Array | None, list[str]]:
     """The node's result over its output indices (in join order), in its compute dtype, its
     presence (None: every cell), and those indices.  ``data[k]``/``present[k]`` hold input
-    ``k``'s relation laid out as the node's access reads it, as arrays of ``xp`` (numpy arrays
-    are accepted by every namespace); results are ``xp``'s, on the inputs' device."""
+    ``k``'s relation laid out as the node's access reads it (0 where absent), as arrays of
+    ``xp`` (numpy arrays are accepted by every namespace); results are ``xp``'s, on the inputs'
+    device.  With ``known`` the presence masks are neither read nor computed."""
     node = prepare(node)
+    if known is not None:
+        present = [None] * len(present)
     order = [i.name for i in node.indices]
     box = node.box
     cdt = xp.dtype(dtypes.compute_dtype(node.dtype))
@@ -121,14 +141,31 @@ def evaluate_node(
         None if p is None else access_view(xp.asarray(p, xp.bool_, device), acc, order, box, fill=False, xp=xp)
         for p, acc in zip(present, node.inputs, strict=True)
     ]
-    space = _Space(node, order, box, cdt, xp, device, views, masks, {})
+    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None)
     out_vars = [v for v in order if v not in node.agg_indices]
-    if node.agg == "sum" and node.agg_indices:
-        result = _contraction(space, out_vars)
-        if result is not None:
-            return result[0], result[1], out_vars
-    value, pres = _broadcast_reduce(space, out_vars)
-    return value, pres, out_vars
+    result = _contraction(space, out_vars) if node.agg == "sum" and node.agg_indices else None
+    value, pres = result if result is not None else _broadcast_reduce(space, out_vars)
+    return value, (pres if known is None else known.present), out_vars
+
+
+def known_presence(node: JoinAgg, exact_inputs: bool, xp: ArrayOps = NUMPY, device: Any = None) -> Known | None:
+    """The presence of ``node``'s result decided from its guard alone, when it can be: every
+    relation it reads has an exact support (``exact_inputs``: their absent cells are what the
+    guard excludes) and the guard's shadow on the output indices is exact.  None otherwise (the
+    evaluator then tracks presence cell by cell)."""
+    if not exact_inputs:
+        return None
+    node = prepare(node)
+    box = node.box
+    out_vars = [i.name for i in node.indices if i.name not in node.agg_indices]
+    shadow, exact = node.guard.project(out_vars, box)
+    if not exact:
+        return None
+    out_box = {v: box[v] for v in out_vars}
+    if shadow.is_true or shadow.count(out_box) == math.prod(out_box.values()):
+        return Known(None)
+    mask = np.asarray(shadow.mask(out_vars, out_box))  # size 1 along the indices it does not involve
+    return Known(xp.asarray(mask.reshape(mask.shape + (1,) * (len(out_vars) - mask.ndim)), xp.bool_, device))
 
 
 # -- the scalar DAG ----------------------------------------------------------------------------
@@ -192,18 +229,20 @@ def _contraction(space: _Space, out_vars: list[str]) -> tuple[Array, Array | Non
     memo: dict[int, Array] = {}
     values: list[Array] = []
     masks: list[Array] = []
+    guard = space.guard_mask()
     for node_id, power in factors:
         val = xp.cast(_eval_dag(space, node_id, memo), space.cdt)
         if power < 0:
             val = space.scalar(1) / val
-        if xp.is_float(space.cdt) and not xp.all(xp.isfinite(val)):
+        # The guard is a 0/1 factor: an infinite value where it is 0 would give inf * 0 = nan.
+        # (Absent cells are set to 0 below, whatever they held.)
+        if guard is not None and xp.is_float(space.cdt) and not xp.all(xp.isfinite(val)):
             return None
         m = _and(xp, [space.present[k] for k in _loads_under(space, node_id)])
         if m is not None:
             val = xp.where(m, val, space.scalar(0))
             masks.append(m)
         values.append(val)
-    guard = space.guard_mask()
     if guard is not None:
         values.append(xp.cast(guard, space.cdt))
         masks.append(guard)
@@ -212,7 +251,9 @@ def _contraction(space: _Space, out_vars: list[str]) -> tuple[Array, Array | Non
         value = value * scale
     # A cell exists where some point has every mask set: count such points with a contraction.
     f32 = xp.dtype("f32")
-    present = _sum_over([xp.cast(m, f32) for m in masks], space, out_vars) > 0 if masks else None
+    present = None
+    if masks and space.track_presence:
+        present = _sum_over([xp.cast(m, f32) for m in masks], space, out_vars) > 0
     return xp.cast(value, space.cdt), present
 
 
@@ -347,11 +388,10 @@ def _reduce_block(space: _Space) -> tuple[Array, Array | None]:
     value = xp.asarray(_eval_dag(space, node.expr.root, {}))
     mask = _and(xp, [space.guard_mask(), *space.present])
     axes = tuple(space.order.index(v) for v in node.agg_indices)
+    track = space.track_presence and mask is not None
     if not axes:
-        present = None if mask is None else xp.broadcast_to(mask, full)
-        return xp.broadcast_to(value, full), present
+        return xp.broadcast_to(value, full), (xp.broadcast_to(mask, full) if track else None)
     assert node.agg is not None
     masked = value if mask is None else xp.where(mask, value, ops.identity(node.agg, value.dtype, xp))
     result = ops.reduce(node.agg, xp.broadcast_to(masked, full), axes, xp)
-    present = None if mask is None else xp.any(xp.broadcast_to(mask, full), axes)
-    return result, present
+    return result, (xp.any(xp.broadcast_to(mask, full), axes) if track else None)

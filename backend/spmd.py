@@ -26,8 +26,9 @@ from typing import Any
 
 from edatalog.backend.arrays import TorchOps, torch_module
 from edatalog.backend.exchange import Schedule
+from edatalog.backend.fusion import fuse_programs
 from edatalog.backend.interpreter import Buffer, Device, Kernels, gather, slicer
-from edatalog.backend.torch_runtime import OpTime, Outputs, torch_devices
+from edatalog.backend.torch_runtime import OpTime, Outputs, op_label, torch_devices
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
@@ -74,7 +75,7 @@ class SpmdExecutable:
             )
         self.rank = self.dist.get_rank()
         self.graph, self.schedule = graph, schedule
-        self.program = schedule.programs.devices[self.rank]
+        self.program = fuse_programs(schedule.programs, graph).devices[self.rank]
         default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"
         self.device = torch_devices(device or default, 1)[0]
         self.xp = TorchOps(self.device)
@@ -84,6 +85,8 @@ class SpmdExecutable:
         self.full = {op.buf: op.full for op in made}
         self.buffer_dtype = {op.buf: op.dtype for op in made}
         self.last_times: list[OpTime] = []
+        self._in_flight: list[Any] = []  # sends posted and not yet waited for
+        self._kept: list[Any] = []  # what they send
         self._agree()
 
     def _agree(self) -> None:
@@ -144,14 +147,17 @@ class SpmdExecutable:
                 began = time.perf_counter() - start
                 self._exchange(dev, ops[k:j])
                 if record:
-                    times.append((self.rank, k, began, time.perf_counter() - start))
+                    times.append((self.rank, "exchange", began, time.perf_counter() - start))
                 k = j
                 continue
             began = time.perf_counter() - start
             dev.execute(ops[k], _NO_TRANSPORT)
             if record and not isinstance(ops[k], ir.Free):
-                times.append((self.rank, k, began, time.perf_counter() - start))
+                times.append((self.rank, op_label(ops[k]), began, time.perf_counter() - start))
             k += 1
+        for request in self._in_flight:
+            request.wait()
+        self._in_flight, self._kept = [], []
         self.last_times = times
         return self._outputs(dev, gather_outputs)
 
@@ -160,7 +166,7 @@ class SpmdExecutable:
         dist = self.dist
         posted: list[Any] = []
         arriving: list[tuple[ir.Recv, Any, Any]] = []
-        keep: list[Any] = []  # what is sent stays alive until the batch is done
+        keep: list[Any] = []  # what is sent stays alive until the send is done
         for op in ops:
             if isinstance(op, ir.Send):
                 piece = dev.cut(dev.get(op.buf), op.region)
@@ -176,12 +182,19 @@ class SpmdExecutable:
                     present = self.xp.empty(op.region.shape, torch_module().uint8, self.device)
                     posted.append(dist.P2POp(dist.irecv, present, op.peer, tag=2 * op.tag + 1))
                 arriving.append((op, data, present))
-        for request in dist.batch_isend_irecv(posted) if posted else []:
-            request.wait()
+        requests = dist.batch_isend_irecv(posted) if posted else []
+        # Wait for the receives only: a send may need its peer to post the matching receive,
+        # which the peer may do only after sending to us (later in its program).  Sends stay in
+        # flight, their tensors kept alive, until the call ends.
+        for p2p, request in zip(posted, requests, strict=True):
+            if p2p.op is dist.irecv:
+                request.wait()
+            else:
+                self._in_flight.append(request)
+        self._kept.extend(keep)
         for op, data, present in arriving:
             value = data.view(self.xp.dtype(op.dtype))
             dev.store[op.buf] = Buffer(op.region, value, None if present is None else present.bool())
-        del keep
 
     def _wire(self, piece: Buffer, full: bool) -> list[Any]:
         """The tensors a buffer travels as: its cells (half floats as 16-bit integers, which every

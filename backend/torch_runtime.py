@@ -19,6 +19,7 @@ from typing import Any
 
 from edatalog.backend.arrays import TorchOps, torch_module
 from edatalog.backend.exchange import Schedule
+from edatalog.backend.fusion import fuse_programs
 from edatalog.backend.interpreter import Buffer, Device, Kernels, Mailbox, gather, run_devices, slicer
 from edatalog.backend.reference import evaluate
 from edatalog.errors import EdlError
@@ -26,8 +27,21 @@ from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
 from edatalog.ir.regions import Region
 
-# One op of one device as measured: (device, position, start seconds, end seconds) from the call's start.
-OpTime = tuple[int, int, float, float]
+# One op of one device as measured: (device, what it was, start and end seconds from the call's start).
+OpTime = tuple[int, str, float, float]
+
+
+def op_label(op: ir.Op) -> str:
+    """What a measured op was, for traces: the rule of a kernel, ``attention`` for fused ones."""
+    if isinstance(op, ir.Kernel):
+        return op.node
+    if isinstance(op, ir.Fused):
+        return f"{op.kind} ({' + '.join(k.node for k in op.kernels)})"
+    if isinstance(op, ir.Combine):
+        return f"combine {op.relation}"
+    if isinstance(op, ir.Send | ir.Recv):
+        return "exchange"
+    return type(op).__name__.lower()
 
 
 def torch_devices(device: str | Sequence[str] | None, n: int) -> list[Any]:
@@ -69,6 +83,8 @@ class TorchExecutable:
         self.graph, self.schedule = graph, schedule
         n = schedule.programs.n_devices if schedule is not None else 1
         self.devices = torch_devices(device, n)
+        # The programs as run: attention chains fused where their blocks line up on a device.
+        self.programs = fuse_programs(schedule.programs, graph) if schedule is not None else None
         self.kernels = Kernels(graph)
         self.params: dict[str, Any] = {}  # no plan: whole params on the device
         self.loaded: dict[tuple[int, int], Any] = {}  # plan: (device, buffer) -> its block of a param
@@ -87,7 +103,8 @@ class TorchExecutable:
                 self.params[name] = TorchOps(self.devices[0]).asarray(value, device=self.devices[0])
                 continue
             whole = TorchOps().asarray(value)
-            for d, _, op in self.schedule.programs.ops():
+            assert self.programs is not None
+            for d, _, op in self.programs.ops():
                 if isinstance(op, ir.Load) and op.relation == name:
                     block = whole[op.region.at(Region.whole(tuple(whole.shape)))]
                     self.loaded[(d, op.buf)] = block.to(self.devices[d]).contiguous()
@@ -108,14 +125,14 @@ class TorchExecutable:
         return Outputs({k: env[k].data for k in self.graph.outputs}, {k: env[k].present for k in self.graph.outputs})
 
     def _planned(self, inputs: Mapping[str, Any], record: bool) -> Outputs:
-        schedule = self.schedule
-        assert schedule is not None
+        schedule, programs = self.schedule, self.programs
+        assert schedule is not None and programs is not None
         whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
         start = time.perf_counter()
         times: list[OpTime] = []
 
         devices = []
-        for prog in schedule.programs.devices:
+        for prog in programs.devices:
             d = prog.device
             blocks = {buf: t for (dd, buf), t in self.loaded.items() if dd == d}
             on_op = _recorder(d, start, times) if record else None
@@ -151,6 +168,6 @@ def _recorder(device: int, start: float, times: list[OpTime]) -> Callable[[int, 
         if phase == "begin":
             began[position] = now
         elif not isinstance(op, ir.Free):
-            times.append((device, position, began.pop(position), now))
+            times.append((device, op_label(op), began.pop(position), now))
 
     return on_op

@@ -274,7 +274,7 @@ def _run_torch(args: argparse.Namespace) -> int:
     if args.output:
         save_outputs(args.output, result.outputs)
     if args.trace:
-        torch_run.trace(args.trace, result, plan.schedule.programs if plan else None, _predicted(plan))
+        torch_run.trace(args.trace, result, _predicted(plan))
     predicted = _predicted(plan)
     measured = statistics.median(result.calls_ms)
     summary = {name: _summary(arr, result.absent.get(name, 0)) for name, arr in result.outputs.items()}

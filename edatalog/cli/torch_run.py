@@ -22,7 +22,6 @@ import numpy as np
 from edatalog.backend.launch import in_spmd_job, spawn
 from edatalog.backend.torch_runtime import OpTime, Outputs
 from edatalog.errors import EdlError
-from edatalog.ir import program as ir
 
 
 @dataclass(frozen=True)
@@ -162,38 +161,14 @@ def _numpy_outputs(out: Outputs) -> tuple[dict[str, np.ndarray], dict[str, int]]
     return arrays, absent
 
 
-def trace(path: str, result: Result, programs: ir.Programs | None, predicted_ms: float | None) -> None:
+def trace(path: str, result: Result, predicted_ms: float | None) -> None:
     """The measured run as Chrome trace JSON: one process per device, its ops on one lane."""
     events: list[dict[str, Any]] = []
-    devices = sorted({d for d, _, _, _ in result.op_times})
-    for d in devices:
+    for d in sorted({d for d, _, _, _ in result.op_times}):
         events.append({"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d} (measured)"}})
-    for d, k, start, end in result.op_times:
-        name = _op_name(programs, d, k)
-        events.append(
-            {
-                "name": name,
-                "cat": "measured",
-                "ph": "X",
-                "pid": d,
-                "tid": 0,
-                "ts": start * 1e6,
-                "dur": (end - start) * 1e6,
-            }
-        )
+    for d, name, start, end in result.op_times:
+        span = {"ts": start * 1e6, "dur": (end - start) * 1e6}
+        events.append({"name": name, "cat": "measured", "ph": "X", "pid": d, "tid": 0, **span})
     other = {"measured_ms": result.calls_ms[-1] if result.calls_ms else None, "predicted_ms": predicted_ms}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, fh)
-
-
-def _op_name(programs: ir.Programs | None, device: int, k: int) -> str:
-    if programs is None:
-        return "program"
-    op = programs.devices[device].ops[k]
-    if isinstance(op, ir.Kernel):
-        return op.node
-    if isinstance(op, ir.Combine):
-        return f"combine {op.relation}"
-    if isinstance(op, ir.Send | ir.Recv):
-        return "exchange"
-    return type(op).__name__.lower()

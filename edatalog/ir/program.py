@@ -13,6 +13,8 @@ buffers defined earlier on its own device (and not freed); data crosses devices 
   local buffers; partial results of split aggregated indices included;
 - :class:`Send` / :class:`Recv`: a region of a buffer to a peer, and its arrival;
 - :class:`Combine`: partials of one region folded with the relation's aggregation;
+- :class:`Fused`: kernels of one device run as one (a runtime's optimization; see
+  :mod:`edatalog.backend.fusion`);
 - :class:`Free`: a buffer no later op reads; what makes memory peaks real.
 
 A buffer is *full* when every cell of its region is known, when the programs are made, to
@@ -118,6 +120,30 @@ class Combine:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """Several kernels of one device run as one (``kind`` names how, e.g. ``"attention"``): the
+    buffers the inner kernels make and read among themselves never exist outside; the last
+    kernel's buffer is the op's."""
+
+    buf: int
+    kind: str
+    kernels: tuple[Kernel, ...]
+    relation: str
+    region: Region
+    dtype: str
+    full: bool = False
+
+    @property
+    def internal(self) -> frozenset[int]:
+        return frozenset(k.buf for k in self.kernels[:-1])
+
+    def __str__(self) -> str:
+        outer = ", ".join(f"%{b}" for b in reads(self))
+        inner = " + ".join(k.node for k in self.kernels)
+        return f"%{self.buf} = fused {self.kind} ({inner}) ({outer}) -> {self.relation}{self.region}"
+
+
+@dataclass(frozen=True)
 class Free:
     buf: int
 
@@ -125,14 +151,17 @@ class Free:
         return f"free %{self.buf}"
 
 
-Op = Load | Kernel | Send | Recv | Combine | Free
-DEFINES = (Load, Kernel, Recv, Combine)  # the ops that make a buffer
+Op = Load | Kernel | Send | Recv | Combine | Fused | Free
+DEFINES = (Load, Kernel, Recv, Combine, Fused)  # the ops that make a buffer
 
 
 def reads(op: Op) -> tuple[int, ...]:
     """The buffers an op reads (a Free "reads" the buffer it ends)."""
     if isinstance(op, Kernel):
         return tuple(dict.fromkeys(b for parts in op.reads for b, _ in parts))
+    if isinstance(op, Fused):
+        inside = op.internal
+        return tuple(dict.fromkeys(b for k in op.kernels for b in reads(k) if b not in inside))
     if isinstance(op, Combine):
         return op.sources
     if isinstance(op, Send | Free):
@@ -204,6 +233,17 @@ class Programs:
                     for parts in op.reads:
                         for b, part in parts:
                             _check(defined[b][2].contains(part), f"{where}: %{b} does not cover {part}")
+                elif isinstance(op, Fused):
+                    made_inside = set()
+                    for k in op.kernels:
+                        for parts in k.reads:
+                            for b, part in parts:
+                                inner = b in made_inside
+                                _check(inner or b in live, f"{where}: %{b} is not made before it is read")
+                                if not inner:
+                                    _check(defined[b][2].contains(part), f"{where}: %{b} does not cover {part}")
+                        made_inside.add(k.buf)
+                    _check(op.kernels[-1].buf == op.buf, f"{where}: the last kernel's buffer is not the op's")
                 elif isinstance(op, Send):
                     _, rel, region, dtype = defined[op.buf]
                     _check(region.contains(op.region), f"{where}: %{op.buf} does not cover {op.region}")
@@ -325,6 +365,7 @@ PROGRAM_CLASSES: tuple[type, ...] = (
     Region,
     Load,
     Kernel,
+    Fused,
     Send,
     Recv,
     Combine,

@@ -1,0 +1,461 @@
+"""Fusing the softmax-attention chain into one kernel.
+
+Five rules mean exactly what ``scaled_dot_product_attention`` computes::
+
+    sc[.., s, t] += q[.., s, .., e] * k[.., t, .., e] * c   (where g(s, t))
+    mx[.., s]   max= sc[.., s, t]
+    p[.., s, t]    = exp(sc[.., s, t] - mx[.., s])
+    l[.., s]      += p[.., s, t]
+    o[.., s, .., f] += p[.., s, t] * v[.., t, .., f] / l[.., s]
+
+:func:`attention_chains` finds such chains in a graph by their structure (never by rule or
+relation names): what each body computes, which index each access holds, and that the scores,
+maxima, probabilities and sums are read by nothing else.  :func:`fuse_programs` then replaces,
+on each device, the five kernels of one block (each reading the previous ones' buffers whole,
+on that device: no key index split across devices, no exchange in between) by one
+:class:`~edatalog.ir.program.Fused` op.  The torch runtime runs it as one
+``scaled_dot_product_attention`` call (flash attention where torch has it); every other runtime
+runs the five kernels in order, which is exactly the rules.  The guard ``g(s, t)`` (causal or any
+other) becomes the attention mask; a block whose guard leaves a query without keys is not fused
+(softmax over nothing is absent in the rules, NaN in the kernel).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edatalog.backend.arrays import Array, ArrayOps
+from edatalog.backend.joinagg import prepare, product_form
+from edatalog.backend.operands import access_view
+from edatalog.ir import program as ir
+from edatalog.ir.graph import Access, Graph, JoinAgg
+from edatalog.ir.scalar import Const, Load, Op
+
+KIND = "attention"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One attention chain of a graph: its five rules, and which inputs are q, k and v."""
+
+    scores: str  # sc += q * k * c
+    maxima: str  # mx max= sc
+    probs: str  # p = exp(sc - mx)
+    sums: str  # l += p
+    out: str  # o += p * v / l
+    q: int  # input of ``scores``
+    k: int  # input of ``scores``
+    v: int  # input of ``out``
+    scale: float
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return (self.scores, self.maxima, self.probs, self.sums, self.out)
+
+
+def attention_chains(graph: Graph) -> list[Chain]:
+    """Every attention chain of ``graph`` (see the module docstring)."""
+    readers: dict[str, list[JoinAgg]] = {}
+    for n in graph.nodes:
+        for acc in n.inputs:
+            readers.setdefault(acc.relation, []).append(n)
+    out = []
+    for o in graph.nodes:
+        chain = _match(graph, o, readers)
+        if chain is not None:
+            out.append(chain)
+    return out
+
+
+def _only(graph: Graph, relation: str) -> JoinAgg | None:
+    producers = graph.producers(relation)
+    return producers[0] if len(producers) == 1 and relation not in graph.outputs else None
+
+
+def _plain(acc: Access) -> list[str] | None:
+    """The indices of an access made of plain indices only, one per axis; else None."""
+    names = [ax.parts[0].index for ax in acc.axes if len(ax.parts) == 1]
+    plain = [n for n in names if n is not None]
+    return plain if len(plain) == len(acc.axes) else None
+
+
+def _match(graph: Graph, o: JoinAgg, readers: dict[str, list[JoinAgg]]) -> Chain | None:
+    # o += p * v / l: a product of three loads, p and v multiplied, l divided, one summed index.
+    if o.agg != "sum" or len(o.agg_indices) != 1:
+        return None
+    form = product_form(o)
+    if form is None or form.negate or form.constants or len(form.factors) != 3:
+        return None
+    loads: dict[int, list[int]] = {}
+    for node_id, power in form.factors:
+        n = o.expr.nodes[node_id]
+        if not isinstance(n, Load):
+            return None
+        loads.setdefault(power, []).append(n.input)
+    if sorted(len(v) for v in loads.values()) != [1, 2] or len(loads.get(1, [])) != 2 or len(loads.get(-1, [])) != 1:
+        return None
+    (l_in,) = loads[-1]
+    t = o.agg_indices[0]
+    p_pos = next((k for k in loads[1] if _produced_by(graph, o.inputs[k].relation, "=")), None)
+    if p_pos is None:
+        return None
+    v_pos = next(k for k in loads[1] if k != p_pos)
+    p_acc, l_acc = o.inputs[p_pos], o.inputs[l_in]
+    p_node, l_node = _only(graph, p_acc.relation), _only(graph, l_acc.relation)
+    if p_node is None or l_node is None:
+        return None
+    # p = exp(sc - mx)
+    sub = _exp_of_difference(p_node)
+    if sub is None or p_node.aggop != "=":
+        return None
+    sc_acc, mx_acc = p_node.inputs[sub[0]], p_node.inputs[sub[1]]
+    sc_node, mx_node = _only(graph, sc_acc.relation), _only(graph, mx_acc.relation)
+    if sc_node is None or mx_node is None:
+        return None
+    # mx max= sc; l += p: one load each, reducing one index.
+    if not (_reduces_one_load(mx_node, "max", sc_acc.relation) and _reduces_one_load(l_node, "sum", p_acc.relation)):
+        return None
+    # sc += q * k * c, one summed index.
+    s_form = product_form(sc_node)
+    if sc_node.agg != "sum" or len(sc_node.agg_indices) != 1 or s_form is None or s_form.negate:
+        return None
+    if len(s_form.factors) != 2 or any(
+        p != 1 or not isinstance(sc_node.expr.nodes[k], Load) for k, p in s_form.factors
+    ):
+        return None
+    scale = _constant(sc_node, s_form.constants)
+    if scale is None:
+        return None
+    q_pos, k_pos = (sc_node.expr.nodes[k].input for k, _ in s_form.factors)  # type: ignore[union-attr]
+    # Every access plain; the intermediates read by nothing else; the indices line up.
+    for acc in (*sc_node.inputs, *mx_node.inputs, *p_node.inputs, *l_node.inputs, *o.inputs):
+        if _plain(acc) is None:
+            return None
+    if {n.name for n in readers.get(sc_acc.relation, [])} != {mx_node.name, p_node.name}:
+        return None
+    if {n.name for n in readers.get(mx_acc.relation, [])} != {p_node.name}:
+        return None
+    if {n.name for n in readers.get(p_acc.relation, [])} != {l_node.name, o.name}:
+        return None
+    if {n.name for n in readers.get(l_acc.relation, [])} != {o.name}:
+        return None
+    if not _lined_up(sc_node, q_pos, k_pos, o, p_pos, v_pos, t):
+        return None
+    return Chain(sc_node.name, mx_node.name, p_node.name, l_node.name, o.name, q_pos, k_pos, v_pos, scale)
+
+
+def _produced_by(graph: Graph, relation: str, aggop: str) -> bool:
+    producers = graph.producers(relation)
+    return len(producers) == 1 and producers[0].aggop == aggop
+
+
+def _exp_of_difference(node: JoinAgg) -> tuple[int, int] | None:
+    root = node.expr.nodes[node.expr.root]
+    if not (isinstance(root, Op) and root.op == "exp"):
+        return None
+    sub = node.expr.nodes[root.args[0]]
+    if not (isinstance(sub, Op) and sub.op == "sub"):
+        return None
+    a, b = (node.expr.nodes[x] for x in sub.args)
+    if not (isinstance(a, Load) and isinstance(b, Load)):
+        return None
+    return a.input, b.input
+
+
+def _reduces_one_load(node: JoinAgg, agg: str, relation: str) -> bool:
+    root = node.expr.nodes[node.expr.root]
+    return (
+        node.agg == agg
+        and len(node.agg_indices) == 1
+        and isinstance(root, Load)
+        and node.inputs[root.input].relation == relation
+    )
+
+
+def _constant(node: JoinAgg, constants: Sequence[tuple[int, int]]) -> float | None:
+    """The product of the constant factors (``1 / sqrt(E)``), folded in Python."""
+    value = 1.0
+    for k, power in constants:
+        c = _fold(node, k)
+        if c is None or c == 0:
+            return None
+        value = value * c if power > 0 else value / c
+    return value
+
+
+def _fold(node: JoinAgg, k: int) -> float | None:
+    from edatalog.ir.scalar import FOLD
+
+    n = node.expr.nodes[k]
+    if isinstance(n, Const):
+        return float(n.value)
+    if isinstance(n, Op):
+        args = [_fold(node, a) for a in n.args]
+        if any(a is None for a in args):
+            return None
+        try:
+            return float(FOLD[n.op](*args))
+        except (ArithmeticError, ValueError):
+            return None
+    return None
+
+
+def _lined_up(sc: JoinAgg, q_pos: int, k_pos: int, o: JoinAgg, p_pos: int, v_pos: int, t: str) -> bool:
+    """The chain's accesses name the same axes the same way: the score's query index ``s`` and
+    key index ``t`` are the last two axes of every intermediate, in that order, as in
+    ``sc[.., s, t]``, and the key index is what ``o`` sums over."""
+    sc_head = [ax.parts[0].index for ax in sc.out_axes]
+    if len(sc_head) < 2:
+        return False
+    e = sc.agg_indices[0]
+    q_idx, k_idx = _plain(sc.inputs[q_pos]) or [], _plain(sc.inputs[k_pos]) or []
+    s_name, t_name = sc_head[-2], sc_head[-1]
+    if not sc.guard.vars <= {s_name, t_name}:
+        return False  # the mask is over (s, t) only
+    if s_name in k_idx or t_name in q_idx or s_name not in q_idx or t_name not in k_idx:
+        return False
+    if e not in q_idx or e not in k_idx:
+        return False
+    # o reads p[.., s, t]: its key index t must be the one it sums.
+    p_idx = _plain(o.inputs[p_pos]) or []
+    v_idx = _plain(o.inputs[v_pos]) or []
+    return bool(p_idx) and p_idx[-1] == t and t in v_idx and p_idx[-2] not in v_idx
+
+
+# -- programs --------------------------------------------------------------------------------------
+
+
+def fuse_programs(programs: ir.Programs, graph: Graph) -> ir.Programs:
+    """The programs with each device's attention blocks (see the module docstring) fused."""
+    chains = attention_chains(graph)
+    if not chains:
+        return programs
+    devices = tuple(_fuse_device(p, graph, chains) for p in programs.devices)
+    return ir.Programs(programs.graph, programs.relations, devices, programs.outputs)
+
+
+def _fuse_device(program: ir.DeviceProgram, graph: Graph, chains: list[Chain]) -> ir.DeviceProgram:
+    ops = list(program.ops)
+    made = {op.buf: k for k, op in enumerate(ops) if isinstance(op, ir.DEFINES)}
+    readers: dict[int, list[int]] = {}
+    for k, op in enumerate(ops):
+        for b in ir.reads(op):
+            if not isinstance(op, ir.Free):
+                readers.setdefault(b, []).append(k)
+    replace: dict[int, ir.Op] = {}
+    drop: set[int] = set()
+    for chain in chains:
+        for k, op in enumerate(ops):
+            if isinstance(op, ir.Kernel) and op.node == chain.out and k not in drop:
+                group = _group(ops, k, chain, made, readers)
+                if group is not None and _has_keys(graph, ops, group, chain):
+                    kernels = tuple(op for j in group if isinstance(op := ops[j], ir.Kernel))
+                    last = kernels[-1]
+                    fused = ir.Fused(last.buf, KIND, kernels, last.relation, last.region, last.dtype, last.full)
+                    replace[k] = fused
+                    drop.update(j for j in group if j != k)
+    if not replace:
+        return program
+    freed = {op.buf for op in ops if isinstance(op, ir.Free)}
+    body = [replace.get(k, op) for k, op in enumerate(ops) if k not in drop and not isinstance(op, ir.Free)]
+    return ir.DeviceProgram(program.device, tuple(_with_frees(body, freed)))
+
+
+def _with_frees(body: list[ir.Op], freed: set[int]) -> list[ir.Op]:
+    """``body`` with a Free after the last reader of each buffer in ``freed`` that it still
+    makes (the fused ops' inner buffers are gone; their inputs now end at the fused op)."""
+    last: dict[int, int] = {}
+    for k, op in enumerate(body):
+        for b in ir.reads(op):
+            last[b] = k
+        if isinstance(op, ir.DEFINES):
+            last.setdefault(op.buf, k)
+    ends: dict[int, list[int]] = {}
+    for b, k in last.items():
+        if b in freed:
+            ends.setdefault(k, []).append(b)
+    out: list[ir.Op] = []
+    for k, op in enumerate(body):
+        out.append(op)
+        out.extend(ir.Free(b) for b in sorted(ends.get(k, ())))
+    return out
+
+
+def _group(
+    ops: list[ir.Op], k_out: int, chain: Chain, made: dict[int, int], readers: dict[int, list[int]]
+) -> list[int] | None:
+    """The positions of the five kernels of one block ending at ``o``'s kernel at ``k_out``: each
+    intermediate read whole from the buffer the previous kernel made on this device, and by
+    nothing but the chain."""
+    o = ops[k_out]
+    assert isinstance(o, ir.Kernel)
+
+    def source(kernel: ir.Kernel, position: int, node: str) -> int | None:
+        parts = kernel.reads[position]
+        if len(parts) != 1:
+            return None
+        buf, region = parts[0]
+        j = made.get(buf)
+        if j is None:
+            return None
+        maker = ops[j]
+        if not isinstance(maker, ir.Kernel) or maker.node != node or maker.region != region:
+            return None
+        return j
+
+    p_pos, l_pos = _input_positions(o, ops, made, chain)
+    if p_pos is None or l_pos is None:
+        return None
+    j_p, j_l = source(o, p_pos, chain.probs), source(o, l_pos, chain.sums)
+    if j_p is None or j_l is None:
+        return None
+    p_k, l_k = ops[j_p], ops[j_l]
+    assert isinstance(p_k, ir.Kernel) and isinstance(l_k, ir.Kernel)
+    if source(l_k, 0, chain.probs) != j_p:
+        return None
+    j_sc, j_mx = source(p_k, 0, chain.scores), source(p_k, 1, chain.maxima)
+    if j_sc is None or j_mx is None:
+        return None
+    mx_k = ops[j_mx]
+    assert isinstance(mx_k, ir.Kernel)
+    if source(mx_k, 0, chain.scores) != j_sc:
+        return None
+    group = sorted({j_sc, j_mx, j_p, j_l, k_out})
+    inside = {op.buf for j in group[:-1] if isinstance(op := ops[j], ir.Kernel)}
+    for b in inside:
+        if any(r not in group for r in readers.get(b, [])):
+            return None  # sent, or read elsewhere
+    return group
+
+
+def _input_positions(
+    o: ir.Kernel, ops: list[ir.Op], made: dict[int, int], chain: Chain
+) -> tuple[int | None, int | None]:
+    """Which inputs of ``o``'s kernel are ``p`` and ``l`` (by the kernels that made them)."""
+    found: dict[str, int] = {}
+    for pos, parts in enumerate(o.reads):
+        for buf, _ in parts:
+            j = made.get(buf)
+            if j is not None and isinstance(ops[j], ir.Kernel):
+                found.setdefault(ops[j].node, pos)  # type: ignore[union-attr]
+    return found.get(chain.probs), found.get(chain.sums)
+
+
+def _has_keys(graph: Graph, ops: list[ir.Op], group: list[int], chain: Chain) -> bool:
+    """Whether every query of the block has a key its guard admits (the sums' block is then
+    full): softmax over no key is absent in the rules and NaN in the fused kernel."""
+    sums = next(op for j in group if isinstance(op := ops[j], ir.Kernel) and op.node == chain.sums)
+    return sums.full or _all_rows(graph, sums)
+
+
+def _all_rows(graph: Graph, kernel: ir.Kernel) -> bool:
+    from edatalog.ir.rewrite import restrict
+
+    node = prepare(restrict(graph.node(kernel.node), kernel.range_map))
+    out = [i.name for i in node.indices if i.name not in node.agg_indices]
+    shadow, exact = node.guard.project(out, node.box)
+    box = {v: node.box[v] for v in out}
+    return exact and (shadow.is_true or shadow.count(box) == math.prod(box.values()))
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+class AttentionKernel:
+    """One fused block on torch, prepared once: ``__call__(q, k, v)`` takes q and k laid out as
+    the scores block reads them and v as the out block reads it, and returns the out block laid
+    out as its region."""
+
+    def __init__(self, chain: Chain, fused: ir.Fused, sc: JoinAgg, o: JoinAgg, xp: ArrayOps, device: Any) -> None:
+        torch = _torch()
+        self.chain, self.fused, self.xp, self.device = chain, fused, xp, device
+        self.sc, self.o = prepare(sc), prepare(o)
+        head = [ax.parts[0].index for ax in self.sc.out_axes]
+        self.s, self.t = str(head[-2]), str(head[-1])
+        self.batch = [str(b) for b in head[:-2]]
+        self.e = self.sc.agg_indices[0]
+        self.o_s = _query_index(self.o, chain)
+        self.o_batch = _batch_of(self.o, chain, self.o_s)
+        self.o_head = [str(ax.parts[0].index) for ax in self.o.out_axes]
+        self.f = next(v for v in self.o_head if v != self.o_s and v not in self.o_batch)
+        self.mask = _mask(self.sc, self.s, self.t, torch, device)
+        self.cdt = xp.dtype(fused.kernels[0].dtype)
+
+    def __call__(self, q: Array, k: Array, v: Array) -> Array:
+        torch, xp = _torch(), self.xp
+        sc, o = self.sc, self.o
+        sc_order, o_order = [i.name for i in sc.indices], [i.name for i in o.indices]
+        s, t, e, f, o_t = self.s, self.t, self.e, self.f, o.agg_indices[0]
+        bsz = [sc.box[b] for b in self.batch]
+        qv = access_view(xp.asarray(q, self.cdt, self.device), sc.inputs[self.chain.q], sc_order, sc.box, xp=xp)
+        kv = access_view(xp.asarray(k, self.cdt, self.device), sc.inputs[self.chain.k], sc_order, sc.box, xp=xp)
+        vv = access_view(xp.asarray(v, self.cdt, self.device), o.inputs[self.chain.v], o_order, o.box, xp=xp)
+        # (batch.., s, e), (batch.., t, e), (batch.., t, f): axes moved, missing batch indices broadcast.
+        qq = _arrange(qv, sc_order, [*self.batch, s, e], [*bsz, sc.box[s], sc.box[e]])
+        kk = _arrange(kv, sc_order, [*self.batch, t, e], [*bsz, sc.box[t], sc.box[e]])
+        o_bsz = [o.box[b] for b in self.o_batch]
+        vv = _arrange(vv, o_order, [*self.o_batch, o_t, f], [*o_bsz, o.box[o_t], o.box[f]])
+        flat = math.prod(bsz)  # as (1, heads, sequence, features): the 4-d form reaches torch's flash kernel
+        qf, kf = qq.reshape(1, flat, sc.box[s], sc.box[e]), kk.reshape(1, flat, sc.box[t], sc.box[e])
+        vf = vv.reshape(1, flat, o.box[o_t], o.box[f])
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if self.mask is True:
+            res = sdpa(qf, kf, vf, is_causal=True, scale=self.chain.scale)
+        else:
+            res = sdpa(qf, kf, vf, attn_mask=self.mask, scale=self.chain.scale)
+        layout = [*self.o_batch, self.o_s, f]
+        res = res.reshape([*o_bsz, o.box[self.o_s], o.box[f]]).permute([layout.index(v) for v in self.o_head])
+        return xp.contiguous(xp.cast(res, xp.dtype(self.fused.dtype))).reshape(self.fused.region.shape)
+
+
+def _torch() -> Any:
+    from edatalog.backend.arrays import torch_module
+
+    return torch_module()
+
+
+def _arrange(view: Array, order: Sequence[str], want: Sequence[str], shape: Sequence[int]) -> Array:
+    """A join-space view (size 1 along indices it lacks) with axes ``want``, broadcast to
+    ``shape``, and contiguous."""
+    picked = view.permute([list(order).index(v) for v in want] + [k for k, v in enumerate(order) if v not in want])
+    picked = picked.reshape(list(picked.shape[: len(want)]))
+    return picked.expand(*shape).contiguous()
+
+
+def _p_read(o: JoinAgg, chain: Chain) -> Access:
+    """The out rule's read of ``p``: the input, not ``v``, whose last index is the summed key."""
+    return next(
+        acc
+        for k, acc in enumerate(o.inputs)
+        if k != chain.v and len(acc.axes) >= 2 and acc.axes[-1].parts[0].index == o.agg_indices[0]
+    )
+
+
+def _query_index(o: JoinAgg, chain: Chain) -> str:
+    """The query index of the out rule: the one before the key index in its read of ``p``."""
+    index = _p_read(o, chain).axes[-2].parts[0].index
+    assert index is not None
+    return index
+
+
+def _batch_of(o: JoinAgg, chain: Chain, s: str) -> list[str]:
+    """The out rule's batch indices: those of its read of ``p`` before the query index."""
+    names = [ax.parts[0].index for ax in _p_read(o, chain).axes]
+    return [n for n in names[: names.index(s)] if n is not None]
+
+
+def _mask(sc: JoinAgg, s: str, t: str, torch: Any, device: Any) -> Any:
+    """The guard over (s, t) as an attention mask: True for a plain causal one (``t <= s`` from
+    the block's corner), else a bool (s, t) array, or None when every key is admitted."""
+    if sc.guard.is_true:
+        return None
+    box = {s: sc.box[s], t: sc.box[t]}
+    mask = np.broadcast_to(np.asarray(sc.guard.mask([s, t], box)), (box[s], box[t]))
+    if box[s] == box[t] and np.array_equal(mask, np.tril(np.ones((box[s], box[t]), dtype=bool))):
+        return True
+    return torch.as_tensor(np.ascontiguousarray(mask), device=device)
