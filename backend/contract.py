@@ -116,7 +116,10 @@ def _pair(a: Operand, b: Operand, keep: set[str], xp: ArrayOps) -> Operand:
     nb, nr, ns, nc = (math.prod(size[v] for v in group) for group in (batch, rows, shared, cols))
     lhs = xp.transpose(x, [ix.index(v) for v in (*batch, *rows, *shared)]).reshape(nb, nr, ns)
     rhs = xp.transpose(y, [iy.index(v) for v in (*batch, *shared, *cols)]).reshape(nb, ns, nc)
-    result = xp.matmul(lhs, rhs)
+    if nr == 1 and nc == 1:  # a dot product per batch: one matmul of 1-by-1 results per batch is slow
+        result = ops.reduce("sum", lhs.reshape(nb, ns) * rhs.reshape(nb, ns), (1,), xp)
+    else:
+        result = xp.matmul(lhs, rhs)
     return result.reshape([size[v] for v in (*batch, *rows, *cols)]), (*batch, *rows, *cols)
 
 

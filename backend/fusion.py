@@ -34,6 +34,7 @@ from edatalog.backend.joinagg import prepare, product_form
 from edatalog.backend.operands import access_view
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Access, Graph, JoinAgg
+from edatalog.ir.regions import Region
 from edatalog.ir.scalar import Const, Load, Op
 
 KIND = "attention"
@@ -146,7 +147,28 @@ def _match(graph: Graph, o: JoinAgg, readers: dict[str, list[JoinAgg]]) -> Chain
         return None
     if not _lined_up(sc_node, q_pos, k_pos, o, p_pos, v_pos, t):
         return None
+    if not _same_cells(mx_node, p_node, l_node, sc_acc, mx_acc, p_acc, l_acc):
+        return None
     return Chain(sc_node.name, mx_node.name, p_node.name, l_node.name, o.name, q_pos, k_pos, v_pos, scale)
+
+
+def _same_cells(
+    mx: JoinAgg, p: JoinAgg, sums: JoinAgg, sc_in_p: Access, mx_in_p: Access, p_in_o: Access, l_in_o: Access
+) -> bool:
+    """The intermediates address one cell grid: ``p[.., s, t]`` is computed from
+    ``sc[.., s, t]`` and ``mx[..., s]``, ``mx`` and ``l`` drop the key axis of what they reduce,
+    and ``o`` reads ``l`` as it reads ``p`` without the key: so a region of one is the same cells
+    of the others (what fusing blocks relies on)."""
+    p_head = [ax.parts[0].index for ax in p.out_axes]
+    if _plain(sc_in_p) != p_head or _plain(mx_in_p) != p_head[:-1]:
+        return False
+    for reducer in (mx, sums):
+        read = _plain(reducer.inputs[0]) or []
+        head = [ax.parts[0].index for ax in reducer.out_axes]
+        if not read or head != read[:-1] or list(reducer.agg_indices) != read[-1:]:
+            return False
+    p_read, l_read = _plain(p_in_o) or [], _plain(l_in_o) or []
+    return bool(p_read) and l_read == p_read[:-1]
 
 
 def _produced_by(graph: Graph, relation: str, aggop: str) -> bool:
@@ -252,11 +274,12 @@ def _fuse_device(program: ir.DeviceProgram, graph: Graph, chains: list[Chain]) -
     for chain in chains:
         for k, op in enumerate(ops):
             if isinstance(op, ir.Kernel) and op.node == chain.out and k not in drop:
-                group = _group(ops, k, chain, made, readers)
+                group = _group(graph, ops, k, chain, made, readers)
                 if group is not None and _has_keys(graph, ops, group, chain):
-                    kernels = tuple(op for j in group if isinstance(op := ops[j], ir.Kernel))
-                    last = kernels[-1]
-                    fused = ir.Fused(last.buf, KIND, kernels, last.relation, last.region, last.dtype, last.full)
+                    inner = tuple(op for j in group if isinstance(op := ops[j], ir.Kernel | ir.Combine))
+                    last = inner[-1]
+                    assert isinstance(last, ir.Kernel)
+                    fused = ir.Fused(last.buf, KIND, inner, last.relation, last.region, last.dtype, last.full)
                     replace[k] = fused
                     drop.update(j for j in group if j != k)
     if not replace:
@@ -287,50 +310,64 @@ def _with_frees(body: list[ir.Op], freed: set[int]) -> list[ir.Op]:
 
 
 def _group(
-    ops: list[ir.Op], k_out: int, chain: Chain, made: dict[int, int], readers: dict[int, list[int]]
+    graph: Graph, ops: list[ir.Op], k_out: int, chain: Chain, made: dict[int, int], readers: dict[int, list[int]]
 ) -> list[int] | None:
-    """The positions of the five kernels of one block ending at ``o``'s kernel at ``k_out``: each
-    intermediate read whole from the buffer the previous kernel made on this device, and by
-    nothing but the chain."""
+    """The positions of the kernels of one attention block ending at ``o``'s kernel at
+    ``k_out``: one scores kernel covering exactly the block's queries and keys, then any number
+    of kernels of the maxima, probabilities and sums (blocks the plan cut them into), every
+    intermediate made by these kernels on this device and read by nothing else."""
     o = ops[k_out]
     assert isinstance(o, ir.Kernel)
-
-    def source(kernel: ir.Kernel, position: int, node: str) -> int | None:
-        parts = kernel.reads[position]
-        if len(parts) != 1:
-            return None
-        buf, region = parts[0]
-        j = made.get(buf)
-        if j is None:
-            return None
-        maker = ops[j]
-        if not isinstance(maker, ir.Kernel) or maker.node != node or maker.region != region:
-            return None
-        return j
-
     p_pos, l_pos = _input_positions(o, ops, made, chain)
     if p_pos is None or l_pos is None:
         return None
-    j_p, j_l = source(o, p_pos, chain.probs), source(o, l_pos, chain.sums)
-    if j_p is None or j_l is None:
+    p_sc, p_mx = _exp_of_difference(graph.node(chain.probs)) or (0, 1)
+    wanted = {  # per rule of the chain: which of its inputs are intermediates, made by which rule
+        chain.out: ((p_pos, chain.probs), (l_pos, chain.sums)),
+        chain.sums: ((0, chain.probs),),
+        chain.probs: ((p_sc, chain.scores), (p_mx, chain.maxima)),
+        chain.maxima: ((0, chain.scores),),
+        chain.scores: (),
+    }
+    group, todo = {k_out}, [k_out]
+
+    def take(buf: int, node: str) -> bool:
+        """Whether ``buf`` is made on this device by a kernel of ``node``, or by combining
+        partials that such kernels made; those ops join the group."""
+        j = made.get(buf)
+        maker = None if j is None else ops[j]
+        if isinstance(maker, ir.Combine):
+            if not all(take(b, node) for b in maker.sources):
+                return False
+        elif not isinstance(maker, ir.Kernel) or maker.node != node:
+            return False  # received, or made otherwise
+        assert j is not None
+        if j not in group:
+            group.add(j)
+            if isinstance(maker, ir.Kernel):
+                todo.append(j)
+        return True
+
+    while todo:
+        kernel = ops[todo.pop()]
+        assert isinstance(kernel, ir.Kernel)
+        for position, node in wanted[kernel.node]:
+            if not all(take(buf, node) for buf, _ in kernel.reads[position]):
+                return None
+    scores = [j for j in group if isinstance(op := ops[j], ir.Kernel) and op.node == chain.scores]
+    if len(scores) != 1:
         return None
-    p_k, l_k = ops[j_p], ops[j_l]
-    assert isinstance(p_k, ir.Kernel) and isinstance(l_k, ir.Kernel)
-    if source(l_k, 0, chain.probs) != j_p:
+    sc = ops[scores[0]]
+    assert isinstance(sc, ir.Kernel)
+    # The scores block is exactly what the out block reads of the probabilities: same queries,
+    # same keys (the chain's accesses line up, so the regions compare directly).
+    if Region.through(graph.node(o.node).inputs[p_pos].axes, o.range_map) != sc.region:
         return None
-    j_sc, j_mx = source(p_k, 0, chain.scores), source(p_k, 1, chain.maxima)
-    if j_sc is None or j_mx is None:
-        return None
-    mx_k = ops[j_mx]
-    assert isinstance(mx_k, ir.Kernel)
-    if source(mx_k, 0, chain.scores) != j_sc:
-        return None
-    group = sorted({j_sc, j_mx, j_p, j_l, k_out})
-    inside = {op.buf for j in group[:-1] if isinstance(op := ops[j], ir.Kernel)}
+    inside = {op.buf for j in group if j != k_out and isinstance(op := ops[j], ir.Kernel | ir.Combine)}
     for b in inside:
         if any(r not in group for r in readers.get(b, [])):
             return None  # sent, or read elsewhere
-    return group
+    return sorted(group)
 
 
 def _input_positions(
@@ -347,10 +384,10 @@ def _input_positions(
 
 
 def _has_keys(graph: Graph, ops: list[ir.Op], group: list[int], chain: Chain) -> bool:
-    """Whether every query of the block has a key its guard admits (the sums' block is then
+    """Whether every query of the block has a key its guard admits (the sums' blocks are then
     full): softmax over no key is absent in the rules and NaN in the fused kernel."""
-    sums = next(op for j in group if isinstance(op := ops[j], ir.Kernel) and op.node == chain.sums)
-    return sums.full or _all_rows(graph, sums)
+    sums = [op for j in group if isinstance(op := ops[j], ir.Kernel) and op.node == chain.sums]
+    return all(k.full or _all_rows(graph, k) for k in sums)
 
 
 def _all_rows(graph: Graph, kernel: ir.Kernel) -> bool:
@@ -458,4 +495,4 @@ def _mask(sc: JoinAgg, s: str, t: str, torch: Any, device: Any) -> Any:
     mask = np.broadcast_to(np.asarray(sc.guard.mask([s, t], box)), (box[s], box[t]))
     if box[s] == box[t] and np.array_equal(mask, np.tril(np.ones((box[s], box[t]), dtype=bool))):
         return True
-    return torch.as_tensor(np.ascontiguousarray(mask), device=device)
+    return torch.tensor(np.array(mask, dtype=bool), device=device)

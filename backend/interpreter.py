@@ -86,6 +86,7 @@ class Kernels:
         self.onto: dict[tuple[str, ir.Ranges], bool] = {}
         self.placed: dict[tuple[object, ...], Known] = {}
         self.attention: dict[tuple[object, ...], AttentionKernel] = {}
+        self.tiling: dict[tuple[Region, tuple[Region, ...]], bool] = {}
         self._chains: list[Chain] | None = None
 
     def block(self, op: ir.Kernel) -> tuple[JoinAgg, JoinAgg, tuple[Region, ...]]:
@@ -112,13 +113,23 @@ class Kernels:
             return None
         where = (op.kernels[0].node, op.kernels[0].ranges, op.kernels[-1].ranges, str(device))
         if where not in self.attention:
-            chain = next((c for c in self.chains() if c.nodes == tuple(k.node for k in op.kernels)), None)
+            ends = (op.kernels[0].node, op.kernels[-1].node)
+            chain = next((c for c in self.chains() if (c.scores, c.out) == ends), None)
             if chain is None:
                 return None
             _, sc, _ = self.block(op.kernels[0])
             _, out, _ = self.block(op.kernels[-1])
             self.attention[where] = AttentionKernel(chain, op, sc, out, xp, device)
         return self.attention[where]
+
+    def tiles(self, need: Region, parts: Sequence[tuple[int, Region]]) -> bool:
+        """Whether the parts of a read are disjoint and fill its need (decided once per read)."""
+        key = (need, tuple(r for _, r in parts))
+        if key not in self.tiling:
+            regions = key[1]
+            disjoint = all(a.intersect(b).empty for k, a in enumerate(regions) for b in regions[k + 1 :])
+            self.tiling[key] = disjoint and sum(r.size for r in regions) == need.size
+        return self.tiling[key]
 
     def chains(self) -> list[Chain]:
         if self._chains is None:
@@ -233,10 +244,19 @@ class Device:
         relation's dtype (partials of half types are kept in f32 until they are read)."""
         xp = self.xp
         want = xp.dtype(dtype)
-        if len(parts) == 1:
+        if len(parts) == 1 and parts[0][1] == need:  # the usual case: one buffer holds the need
             buf = self.get(parts[0][0])
-            if parts[0][1] == need and buf.region == need:  # the usual case: the buffer is the need
+            if buf.region == need:
                 return xp.cast(buf.data, want), buf.present
+            if buf.present is None:  # a view, not a copy: the kernel reads it once
+                return xp.cast(buf.data[self.index_of(need, buf.region)], want), None
+        tiled = self.kernels.tiles(need, parts) and all(self.get(b).present is None for b, _ in parts)
+        if tiled:  # disjoint full pieces that fill the need: no presence to track
+            data = xp.empty(need.shape, want, self.device)
+            for b, part in parts:
+                buf = self.get(b)
+                data[self.index_of(part, need)] = xp.cast(buf.data[self.index_of(part, buf.region)], want)
+            return data, None
         data = xp.full(need.shape, 0, want, self.device)
         present = xp.full(need.shape, False, xp.bool_, self.device)
         for b, part in parts:
@@ -274,19 +294,22 @@ class Device:
                 return Buffer(op.region, out, None)
             return Buffer(op.region, out, xp.view(xp.contiguous(xp.broadcast_to(pres, shape)), op.region.shape))
         out = xp.full(op.region.shape, 0, dtype, self.device)
+        if op.full:  # every cell is known to exist: nothing to mark
+            write_cells(out, None, block, value, pres, out_vars, None, xp)
+            return Buffer(op.region, out, None)
         cells = xp.full(op.region.shape, False, xp.bool_, self.device)
         write_cells(out, cells, block, value, pres, out_vars, None, xp)
-        if op.full or (pres is None and self.kernels.onto[key]):
+        if pres is None and self.kernels.onto[key]:
             return Buffer(op.region, out, None)
         return Buffer(op.region, out, None if xp.all(cells) else cells)
 
     def fused(self, op: ir.Fused) -> Buffer:
-        """Fused kernels: one fast kernel where this namespace has one, else each kernel in turn
+        """Fused ops: one fast kernel where this namespace has one, else each inner op in turn
         (exactly the rules), their inner buffers gone when the last one is made."""
         fast = self.kernels.fused_kernel(op, self.xp, self.device)
         if fast is None:
-            for k in op.kernels:
-                self.store[k.buf] = self.kernel(k)
+            for k in op.body:
+                self.execute(k, NO_MESSAGES)
             for b in op.internal:
                 del self.store[b]
             return self.store.pop(op.buf)
@@ -402,3 +425,20 @@ def _head_is_result_layout(block: JoinAgg) -> bool:
     parts = [p for ax in block.out_axes for p in ax.parts]
     out_vars = [i.name for i in block.indices if i.name not in block.agg_indices]
     return all(p.index is not None for p in parts) and [p.index for p in parts] == out_vars
+
+
+class _NoMessages:
+    """The transport of ops that never send or receive: those inside a fused op, and an SPMD
+    rank's kernels (its messages go in batches)."""
+
+    def send(self, device: int, op: ir.Send, piece: Buffer) -> None:
+        raise AssertionError("an unexpected send")
+
+    def ready(self, device: int, op: ir.Recv) -> bool:
+        raise AssertionError("an unexpected receive")
+
+    def recv(self, device: int, op: ir.Recv) -> Buffer:
+        raise AssertionError("an unexpected receive")
+
+
+NO_MESSAGES = _NoMessages()

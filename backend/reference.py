@@ -85,7 +85,7 @@ def _write_view(arr: Array, axes: tuple[AxisMap, ...], out_vars: list[str], xp: 
 
 def write_cells(
     data: Array,
-    present_cells: Array,
+    present_cells: Array | None,
     node: JoinAgg,
     value: Array,
     present: Array | None,
@@ -94,17 +94,19 @@ def write_cells(
     xp: ArrayOps = NUMPY,
 ) -> None:
     """Fold a node's result (over ``out_vars``) into the cells of ``data`` its head addresses, with
-    ``agg`` (None: plain writes), and mark them present in ``present_cells`` (bool).  ``data`` and
-    ``present_cells`` are contiguous arrays of ``xp``, laid out as the head's axes (a whole
-    relation, or a block's region); they are written in place."""
+    ``agg`` (None: plain writes), and mark them present in ``present_cells`` (bool; None: nothing to
+    mark, every cell is known to exist).  ``data`` and ``present_cells`` are contiguous arrays of
+    ``xp``, laid out as the head's axes (a whole relation, or a block's region); they are written
+    in place."""
     view = _write_view(data, node.out_axes, out_vars, xp)
     if view is not None:  # the common case: write in place through a strided view
         where = None if present is None else xp.broadcast_to(present, view.shape)
         vals = xp.cast(xp.broadcast_to(value, view.shape), data.dtype)
         xp.assign(view, vals if agg is None else ops.fold(agg, view, vals, xp), where)
-        pview = _write_view(present_cells, node.out_axes, out_vars, xp)
-        assert pview is not None
-        xp.assign(pview, True, where)
+        if present_cells is not None:
+            pview = _write_view(present_cells, node.out_axes, out_vars, xp)
+            assert pview is not None
+            xp.assign(pview, True, where)
         return
     # Heads that repeat an index (d[i, i]): write through flat cell numbers.  Every output point
     # has its own cell (each output index is a whole part of the head), so there are no clashes.
@@ -122,17 +124,14 @@ def write_cells(
         flat = flat + ax.affine().evaluate(grids) * stride
         stride *= n
     flat_data = xp.view(data, [math.prod(data.shape)])
-    flat_present = xp.view(present_cells, [math.prod(data.shape)])
     old = flat_data[flat]
     vals = xp.cast(xp.broadcast_to(value, full), data.dtype)
     new = vals if agg is None else ops.fold(agg, old, vals, xp)
-    if present is None:
-        flat_data[flat] = new
-        flat_present[flat] = True
-    else:
-        pres = xp.broadcast_to(present, full)
-        flat_data[flat] = xp.where(pres, new, old)
-        flat_present[flat] = xp.logical_or(flat_present[flat], pres)
+    pres = None if present is None else xp.broadcast_to(present, full)
+    flat_data[flat] = new if pres is None else xp.where(pres, new, old)
+    if present_cells is not None:
+        flat_present = xp.view(present_cells, [math.prod(data.shape)])
+        flat_present[flat] = True if pres is None else xp.logical_or(flat_present[flat], pres)
 
 
 class _Accumulator:

@@ -11,7 +11,8 @@ device ``r``'s program; gloo on CPU, NCCL on CUDA; one node or many (``torchrun 
   its send in one global order (see :mod:`edatalog.backend.exchange`), so the batches cannot
   wait for each other forever.  Buffers that are not *full* send which cells exist with them.
 - **Outputs** end where the plan leaves them; a call brings each output whole to every rank
-  (a broadcast from a rank holding each piece), or returns this rank's pieces.
+  (a broadcast from a rank holding each piece that not every rank holds), or returns this
+  rank's pieces.
 - **Faults.** The group's timeout bounds every wait (:data:`TIMEOUT_SECONDS`); a rank that dies
   is seen by the launcher, which stops the others (:mod:`edatalog.backend.launch`).
 """
@@ -27,7 +28,7 @@ from typing import Any
 from edatalog.backend.arrays import TorchOps, torch_module
 from edatalog.backend.exchange import Schedule
 from edatalog.backend.fusion import fuse_programs
-from edatalog.backend.interpreter import Buffer, Device, Kernels, gather, slicer
+from edatalog.backend.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
 from edatalog.backend.torch_runtime import OpTime, Outputs, op_label, torch_devices
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
@@ -73,7 +74,7 @@ class SpmdExecutable:
                 f"the plan has {n} devices, but this group has {world} ranks",
                 help=f"start {n} ranks (edl run --nproc {n}, or torchrun --nproc-per-node {n})",
             )
-        self.rank = self.dist.get_rank()
+        self.rank, self.world = self.dist.get_rank(), n
         self.graph, self.schedule = graph, schedule
         self.program = fuse_programs(schedule.programs, graph).devices[self.rank]
         default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"
@@ -151,7 +152,7 @@ class SpmdExecutable:
                 k = j
                 continue
             began = time.perf_counter() - start
-            dev.execute(ops[k], _NO_TRANSPORT)
+            dev.execute(ops[k], NO_MESSAGES)
             if record and not isinstance(ops[k], ir.Free):
                 times.append((self.rank, op_label(ops[k]), began, time.perf_counter() - start))
             k += 1
@@ -217,10 +218,10 @@ class SpmdExecutable:
                 if not e.holders:
                     continue
                 holder, buf = min(e.holders.items())
-                if everywhere:
+                if self.rank in e.holders and (not everywhere or len(e.holders) == self.world):
+                    pieces.append((e.region, dev.get(e.holders[self.rank])))  # every rank has it
+                elif everywhere:
                     pieces.append((e.region, self._broadcast(dev, holder, buf, e.region)))
-                elif holder == self.rank or self.rank in e.holders:
-                    pieces.append((e.region, dev.get(e.holders[self.rank])))
             values[name], present[name] = gather(self.graph, name, pieces, self.xp, self.device)
         return Outputs(values, present)
 
@@ -238,22 +239,6 @@ class SpmdExecutable:
         for tensor in wire:
             self.dist.broadcast(tensor, src=holder)
         return Buffer(region, wire[0].view(dtype), None if full else wire[1].bool())
-
-
-class _NoTransport:
-    """Sends and receives never reach ``Device.execute`` here: they go in batches."""
-
-    def send(self, device: int, op: ir.Send, piece: Buffer) -> None:
-        raise AssertionError("unbatched send")
-
-    def ready(self, device: int, op: ir.Recv) -> bool:
-        raise AssertionError("unbatched receive")
-
-    def recv(self, device: int, op: ir.Recv) -> Buffer:
-        raise AssertionError("unbatched receive")
-
-
-_NO_TRANSPORT = _NoTransport()
 
 
 def _wire_dtype(dtype: Any) -> Any:

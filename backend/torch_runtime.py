@@ -36,7 +36,7 @@ def op_label(op: ir.Op) -> str:
     if isinstance(op, ir.Kernel):
         return op.node
     if isinstance(op, ir.Fused):
-        return f"{op.kind} ({' + '.join(k.node for k in op.kernels)})"
+        return f"{op.kind} ({op.names()})"
     if isinstance(op, ir.Combine):
         return f"combine {op.relation}"
     if isinstance(op, ir.Send | ir.Recv):

@@ -121,13 +121,13 @@ class Combine:
 
 @dataclass(frozen=True)
 class Fused:
-    """Several kernels of one device run as one (``kind`` names how, e.g. ``"attention"``): the
-    buffers the inner kernels make and read among themselves never exist outside; the last
-    kernel's buffer is the op's."""
+    """Several ops of one device run as one (``kind`` names how, e.g. ``"attention"``): kernels,
+    and the combines of partials among them.  The buffers the inner ops make and read among
+    themselves never exist outside; the last op's buffer is the fused op's."""
 
     buf: int
     kind: str
-    kernels: tuple[Kernel, ...]
+    body: tuple[Kernel | Combine, ...]
     relation: str
     region: Region
     dtype: str
@@ -135,12 +135,19 @@ class Fused:
 
     @property
     def internal(self) -> frozenset[int]:
-        return frozenset(k.buf for k in self.kernels[:-1])
+        return frozenset(k.buf for k in self.body[:-1])
+
+    @property
+    def kernels(self) -> tuple[Kernel, ...]:
+        return tuple(k for k in self.body if isinstance(k, Kernel))
 
     def __str__(self) -> str:
         outer = ", ".join(f"%{b}" for b in reads(self))
-        inner = " + ".join(k.node for k in self.kernels)
-        return f"%{self.buf} = fused {self.kind} ({inner}) ({outer}) -> {self.relation}{self.region}"
+        return f"%{self.buf} = fused {self.kind} ({self.names()}) ({outer}) -> {self.relation}{self.region}"
+
+    def names(self) -> str:
+        """What the inner ops are, in order: ``sc + mx + combine mx + p + ...``."""
+        return " + ".join(k.node if isinstance(k, Kernel) else f"combine {k.relation}" for k in self.body)
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,7 @@ def reads(op: Op) -> tuple[int, ...]:
         return tuple(dict.fromkeys(b for parts in op.reads for b, _ in parts))
     if isinstance(op, Fused):
         inside = op.internal
-        return tuple(dict.fromkeys(b for k in op.kernels for b in reads(k) if b not in inside))
+        return tuple(dict.fromkeys(b for k in op.body for b in reads(k) if b not in inside))
     if isinstance(op, Combine):
         return op.sources
     if isinstance(op, Send | Free):
@@ -234,16 +241,18 @@ class Programs:
                         for b, part in parts:
                             _check(defined[b][2].contains(part), f"{where}: %{b} does not cover {part}")
                 elif isinstance(op, Fused):
-                    made_inside = set()
-                    for k in op.kernels:
-                        for parts in k.reads:
-                            for b, part in parts:
-                                inner = b in made_inside
-                                _check(inner or b in live, f"{where}: %{b} is not made before it is read")
-                                if not inner:
-                                    _check(defined[b][2].contains(part), f"{where}: %{b} does not cover {part}")
-                        made_inside.add(k.buf)
-                    _check(op.kernels[-1].buf == op.buf, f"{where}: the last kernel's buffer is not the op's")
+                    made_inside: dict[int, Region] = {}
+                    for k in op.body:
+                        if isinstance(k, Kernel):
+                            inputs = [part for ps in k.reads for part in ps]
+                        else:
+                            inputs = [(b, k.region) for b in k.sources]
+                        for b, part in inputs:
+                            _check(b in made_inside or b in live, f"{where}: %{b} is not made before it is read")
+                            region = made_inside[b] if b in made_inside else defined[b][2]
+                            _check(region.contains(part), f"{where}: %{b} does not cover {part}")
+                        made_inside[k.buf] = k.region
+                    _check(op.body[-1].buf == op.buf, f"{where}: the last inner op's buffer is not the op's")
                 elif isinstance(op, Send):
                     _, rel, region, dtype = defined[op.buf]
                     _check(region.contains(op.region), f"{where}: %{op.buf} does not cover {op.region}")
