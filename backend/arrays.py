@@ -107,10 +107,6 @@ class ArrayOps:
     def contiguous(self, a: Array) -> Array:
         raise NotImplementedError
 
-    def element_strides(self, a: Array) -> tuple[int, ...]:
-        """Strides in elements, not bytes."""
-        raise NotImplementedError
-
     def as_strided(self, a: Array, shape: Sequence[int], strides: Sequence[int], offset: int) -> Array:
         """A read-only view of the contiguous ``a``: element ``offset + sum(i_k * strides[k])`` at
         index ``i``; strides in elements, possibly negative or zero."""
@@ -221,9 +217,6 @@ class NumpyOps(ArrayOps):
     def contiguous(self, a: Array) -> Array:
         return np.ascontiguousarray(a)
 
-    def element_strides(self, a: Array) -> tuple[int, ...]:
-        return tuple(s // a.itemsize for s in a.strides)
-
     def as_strided(self, a: Array, shape: Sequence[int], strides: Sequence[int], offset: int) -> Array:
         flat = a.reshape(-1)
         base = flat[offset:] if a.size else flat
@@ -274,6 +267,20 @@ class NumpyOps(ArrayOps):
         return np.errstate(all="ignore")
 
 
+@functools.cache
+def _torch_dtypes() -> dict[str, Any]:
+    t = torch_module()
+    return {
+        "f64": t.float64,
+        "f32": t.float32,
+        "f16": t.float16,
+        "bf16": t.bfloat16,
+        "i64": t.int64,
+        "i32": t.int32,
+        "bool": t.bool,
+    }
+
+
 class TorchOps(ArrayOps):
     """torch tensors on any device.  New arrays go where the inputs are; ``device`` is where those
     with no input to follow go (None: torch's default)."""
@@ -284,16 +291,7 @@ class TorchOps(ArrayOps):
         self.default_device = device
 
     def dtype(self, name: str) -> Any:
-        t = torch_module()
-        return {
-            "f64": t.float64,
-            "f32": t.float32,
-            "f16": t.float16,
-            "bf16": t.bfloat16,
-            "i64": t.int64,
-            "i32": t.int32,
-            "bool": t.bool,
-        }[name]
+        return _torch_dtypes()[name]
 
     def is_float(self, dtype: Any) -> bool:
         return bool(dtype.is_floating_point)
@@ -327,6 +325,9 @@ class TorchOps(ArrayOps):
                 x = t.from_numpy(a.view(np.int16)).view(t.bfloat16)
             else:
                 x = t.from_numpy(a)
+        here = device is None or x.device == (device if isinstance(device, t.device) else t.device(device))
+        if here and (dtype is None or x.dtype == dtype):
+            return x  # already there: the common case on every call of a runtime
         return x.to(device=device if device is not None else x.device, dtype=dtype if dtype is not None else x.dtype)
 
     def to_numpy(self, a: Array) -> np.ndarray:
@@ -337,7 +338,7 @@ class TorchOps(ArrayOps):
         return a.numpy().copy()
 
     def cast(self, a: Array, dtype: Any) -> Any:
-        return a.to(dtype)
+        return a if a.dtype == dtype else a.to(dtype)
 
     def full(self, shape: Sequence[int], fill: float | int | bool, dtype: Any, device: Any = None) -> Any:
         return torch_module().full(tuple(shape), fill, dtype=dtype, device=device or self.default_device)
@@ -350,9 +351,6 @@ class TorchOps(ArrayOps):
 
     def contiguous(self, a: Array) -> Any:
         return a.contiguous()
-
-    def element_strides(self, a: Array) -> tuple[int, ...]:
-        return tuple(a.stride())
 
     def as_strided(self, a: Array, shape: Sequence[int], strides: Sequence[int], offset: int) -> Any:
         # torch has no negative strides: step along such an axis backwards (from its far end),

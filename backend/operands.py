@@ -17,6 +17,7 @@ Everything here works on numpy arrays and torch tensors alike, through an array 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,16 +37,32 @@ def access_view(
 ) -> Array:
     """``data`` (laid out as the relation ``acc`` reads) at every point of the join space
     ``order`` x ``box``; places outside the relation read ``fill``.  Read-only."""
+    order = tuple(order)
+    extents, pads, shape, strides, offset = _view_spec(acc, order, tuple(box[v] for v in order))
+    arr = xp.contiguous(data).reshape(extents)
+    if any(a or b for a, b in pads):
+        arr = xp.pad(arr, pads, fill)
+    return xp.as_strided(arr, shape, strides, offset)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _view_spec(
+    acc: Access, order: tuple[str, ...], sizes: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...], tuple[int, ...], int]:
+    """How :func:`access_view` lays an access over a join space, worked out once per access and
+    space (runtimes read the same blocks every call): the relation's shape as the access's parts,
+    the padding each part needs, and the view's shape, element strides and offset into the
+    (padded, row-major) array."""
+    box = dict(zip(order, sizes, strict=True))
     parts = [p for ax in acc.axes for p in ax.parts]
-    arr = xp.contiguous(data).reshape([p.extent for p in parts])
+    extents = [p.extent for p in parts]
     pads = []
     for p in parts:
         lo, hi = p.expr.bounds(box)
         pads.append((max(0, -lo), max(0, hi - (p.extent - 1))))
-    if any(a or b for a, b in pads):
-        arr = xp.pad(arr, pads, fill)
-    steps = xp.element_strides(arr) if math.prod(arr.shape) else (0,) * len(parts)
-    offset = 0  # elements from the start of ``arr`` to the cell of the point at the origin
+    padded = [n + a + b for n, (a, b) in zip(extents, pads, strict=True)]
+    steps = [math.prod(padded[k + 1 :]) for k in range(len(padded))] if math.prod(padded) else [0] * len(parts)
+    offset = 0  # elements from the start of the padded array to the cell of the point at the origin
     strides = dict.fromkeys(order, 0)
     for p, step, (pad, _) in zip(parts, steps, pads, strict=True):
         offset += (p.expr.const + pad) * step
@@ -53,7 +70,7 @@ def access_view(
             strides[v] += c * step
     used = set(acc.indices)
     shape = [box[v] if v in used else 1 for v in order]
-    return xp.as_strided(arr, shape, [strides[v] for v in order], offset)
+    return tuple(extents), tuple(pads), tuple(shape), tuple(strides[v] for v in order), offset
 
 
 def index_values(

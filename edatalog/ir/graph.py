@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
 
 from edatalog.ir import affine, dtypes, scalar, serialize
@@ -45,6 +45,27 @@ class Index:
 
     def __str__(self) -> str:
         return f"{self.name}:{self.symbol}"
+
+
+def _hash_once(self: object) -> int:
+    """The hash of a frozen IR object's compared fields, computed once: runtimes look blocks and
+    accesses up many times per call, and hashing the whole tree each time shows."""
+    cached = getattr(self, "_hash", None)
+    if cached is None:
+        assert is_dataclass(self)
+        cached = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+        object.__setattr__(self, "_hash", cached)  # frozen: not a field, never compared
+    return int(cached)
+
+
+def _state_without_hash(self: object) -> dict[str, object]:
+    # String hashes differ between processes: an unpickled object hashes itself afresh.
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
+def _set_state(self: object, state: dict[str, object]) -> None:
+    for k, v in state.items():
+        object.__setattr__(self, k, v)
 
 
 @dataclass(frozen=True)
@@ -80,7 +101,7 @@ class Part:
         """The place, when the part is fixed."""
         return None if self.expr.terms else self.expr.const
 
-    @property
+    @cached_property
     def indices(self) -> tuple[str, ...]:
         return tuple(v for v, _ in self.expr.terms)
 
@@ -114,7 +135,7 @@ class AxisMap:
     def extent(self) -> int:
         return math.prod(p.extent for p in self.parts)
 
-    @property
+    @cached_property
     def indices(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(v for p in self.parts for v in p.indices))
 
@@ -151,7 +172,11 @@ class Access:
     relation: str
     axes: tuple[AxisMap, ...]
 
-    @property
+    __hash__ = _hash_once
+    __getstate__ = _state_without_hash
+    __setstate__ = _set_state
+
+    @cached_property
     def indices(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(i for ax in self.axes for i in ax.indices))
 
@@ -178,20 +203,24 @@ class JoinAgg:
     dtype: str
     origin: str = field(default="", compare=False)
 
+    __hash__ = _hash_once
+    __getstate__ = _state_without_hash
+    __setstate__ = _set_state
+
     @property
     def box(self) -> dict[str, int]:
         return {i.name: i.extent for i in self.indices}
 
-    @property
+    @cached_property
     def out_indices(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(i for ax in self.out_axes for i in ax.indices))
 
-    @property
+    @cached_property
     def agg_indices(self) -> tuple[str, ...]:
         kept = set(self.out_indices)
         return tuple(i.name for i in self.indices if i.name not in kept)
 
-    @property
+    @cached_property
     def agg(self) -> str | None:
         """'sum', 'prod', 'max', 'min', or None for ``=``."""
         return AGG_NAMES[self.aggop]
