@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend import numpy_ops, sim
+from edatalog.backend import ops, sim
 from edatalog.backend.launch import in_spmd_job
 from edatalog.cli import torch_run
 from edatalog.cli.common import (
@@ -159,7 +159,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def _warm_up(graph: Graph) -> None:
     """Load what the program's ops load on first use (torch, for erf and gelu) before the clock
     starts, so that the time and FLOP/s printed are the work's alone."""
-    numpy_ops.warm_up(n.op for node in graph.nodes for n in node.expr.nodes if isinstance(n, Op))
+    ops.warm_up(n.op for node in graph.nodes for n in node.expr.nodes if isinstance(n, Op))
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -172,11 +172,11 @@ def test_run_times_only_the_work(
 ) -> None:
     """What ops load on first use (torch, for gelu) is loaded before the clock starts, so the
     FLOP/s printed are the work's.  Checked by the order of events, not by timing anything."""
-    from edatalog.backend import numpy_ops
+    from edatalog.backend import ops
     from edatalog.cli import programs
 
     events: list[str] = []
-    warm_up = numpy_ops.warm_up
+    warm_up = ops.warm_up
 
     def recording_warm_up(ops: Any) -> None:
         ops = set(ops)
@@ -188,7 +188,7 @@ def test_run_times_only_the_work(
             events.append("clock")
             return float(len(events))
 
-    monkeypatch.setattr(numpy_ops, "warm_up", recording_warm_up)
+    monkeypatch.setattr(ops, "warm_up", recording_warm_up)
     monkeypatch.setattr(programs, "time", Clock())
     src = tmp_path / "gelu.edl"
     src.write_text("dim N = 4.\ninput x[N] : f32.\ny[i] = gelu(x[i]) + exp(x[i]).\n")
@@ -200,10 +200,10 @@ def test_run_times_only_the_work(
 def test_warm_up_loads_torch_only_for_the_ops_that_need_it() -> None:
     code = (
         "import sys\n"
-        "from edatalog.backend import numpy_ops\n"
-        "numpy_ops.warm_up(['exp', 'silu', 'no such op'])\n"
+        "from edatalog.backend import ops\n"
+        "ops.warm_up(['exp', 'silu', 'no such op'])\n"
         "assert 'torch' not in sys.modules\n"
-        "numpy_ops.warm_up(['gelu'])\n"
+        "ops.warm_up(['gelu'])\n"
         "assert 'torch' in sys.modules\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
