@@ -142,6 +142,8 @@ def solve(
             f"for inputs and params split {n} ways ({heavy}), plus live activations; the leanest plan "
             f"the solver started from needs about {_fmt(model.memory(starts[0]))} by its estimate"
         )
+        if need > max(d.memory for d in topo.devices):  # a bound, not an estimate: inputs and params do not fit
+            _infeasible(infeasible, space)
         best = starts[0]
         shortlist = tuple(_plan(graph, topo, options, c, space) for c in starts[:3])
     plan = _plan(graph, topo, options, best, space)
@@ -208,8 +210,12 @@ def starting_plans(graph: Graph, topo: Topology, space: str = "join") -> list[Pl
 
 def raise_infeasible(solution: Solution, space: str) -> None:
     """The error for a solve where nothing fits, once the exact check agrees."""
+    _infeasible(solution.infeasible, space)
+
+
+def _infeasible(message: str, space: str) -> None:
     raise EdlError(
-        solution.infeasible,
+        message,
         help="give each device more memory (--memory), use more devices, shrink the dims"
         + (", or search the join space (--space join)" if space == "mesh" else ""),
     )

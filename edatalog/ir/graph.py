@@ -155,6 +155,8 @@ class AxisMap:
         for p in self.parts:
             if p.expr.terms:
                 cons += [Constraint(p.expr), Constraint(-p.expr + (p.extent - 1))]
+            elif not 0 <= p.expr.const < p.extent:
+                return Guard.false()  # a fixed place outside its axis: no point reads it
         return Guard.of(cons)
 
     def __str__(self) -> str:

@@ -100,6 +100,27 @@ def test_a_shifted_read_is_absent_where_it_falls_outside() -> None:
     assert str(prog.graph.node("prev")) == "prev[b,t] = x[b,t - 1] where t >= 1"
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_a_place_an_equality_guard_fixes_outside_its_axis_reads_nothing(backend: str) -> None:
+    """``i == 0`` fixes ``x[i - 1, i]`` at ``x[-1, 0]``: no point reads a cell there, so the sum has
+    no term and is absent (it once counted the place as a present 0, and before that did not
+    compile)."""
+    prog = _compile(
+        "dim N = 3.\ninput x[N, N] : f32.\noutput r0, r1, r2.\n"
+        "r0[] += (x[i, i] + x[i - 1, i]) where i == 0.\n"
+        "r1[] += x[i - 1, i] where i == 0.\n"
+        "r2[] += (x[i, i] + x[i - 1, i]) where i <= 1.\n"
+    )
+    x = np.arange(1, 10, dtype=np.float32).reshape(3, 3)
+    if backend == "reference":
+        env = prog.evaluate({"x": x})
+        assert env["r0"].present is not None and not env["r0"].present.any()
+        assert env["r1"].present is not None and not env["r1"].present.any()
+        assert env["r2"].present is None and float(env["r2"].data) == x[1, 1] + x[0, 1]
+    out = prog.run({"x": x}, backend=backend)
+    assert [float(out[k]) for k in ("r0", "r1", "r2")] == [0.0, 0.0, x[1, 1] + x[0, 1]]
+
+
 def test_a_band_is_evaluated_over_the_band() -> None:
     """``u >= t, u <= t + 2`` re-indexes ``u`` by its offset: the join space has 3 points per
     output cell, not T, and the result is numpy's sliding maximum."""
