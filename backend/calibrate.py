@@ -17,7 +17,11 @@ What goes where:
   ``efficiency = 1.0``: there is nothing left to discount.
 - ``device.bandwidth``: a large copy (larger than the caches), bytes read + written per second,
   as the cost model counts a kernel's bytes (everything it reads and writes).
-- ``kernel_floor``: the median time of a 1-element add, the least any kernel costs (dispatch).
+- ``kernel_floor``: the least a kernel op costs in edatalog's torch runtime: a one-cell rule run
+  by its interpreter, the time per kernel op of a chain of such rules
+  (:mod:`~edatalog.backend.calibrate_probe`; the command line compiles the probe and passes it as
+  ``Options.probe``).  Without a probe it falls back to torch's dispatch of a 1-element add, which
+  is recorded either way as ``[measured] torch_dispatch``, and ``[measured.how]`` says which.
 - ``links.intra.latency``: half the round trip of a 4-byte message between ranks 0 and 1.
 - ``links.intra.bandwidth``: the rate per direction when every rank sends to the next and
   receives from the previous one at once (a ring exchange of a large message), which is how
@@ -53,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from edatalog.backend import calibrate_probe
 from edatalog.errors import EdlError
 from edatalog.solver.topology import Device, Link, Topology
 
@@ -139,6 +144,9 @@ class Options:
     threads: int | None = None  # torch threads per rank; default 1 with several ranks, else torch's
     quick: bool = False  # tiny sizes: checks that calibration works, measures nothing useful
     dtype: str = "f32"  # the programs' dtype: its matmul rate becomes device.flops
+    # The runtime probe's join-agg graph, as JSON (see calibrate_probe): its time per kernel op
+    # becomes kernel_floor.  None: the floor is torch's dispatch of a 1-element add.
+    probe: str | None = field(default=None, repr=False)
 
     def resolved(self) -> Options:
         """Checked, with the thread count filled in; a bad option is an :class:`EdlError`."""
@@ -342,8 +350,7 @@ def measure_device(
 
     steps.now("kernel floor")
     step.barrier()
-    x = torch.ones(sizes.floor_elements, device=dev)
-    floor = _seconds_per_call(lambda: torch.add(x, x), sync, sizes)
+    floor = measure_floor(opts, sizes, dev, sync)
     steps.done()
 
     if dev.type == "cuda":
@@ -351,7 +358,22 @@ def measure_device(
         memory, kind = int(props.total_memory), str(props.name)
     else:
         memory, kind = 0, f"CPU ({opts.threads} thread{'s' if opts.threads != 1 else ''})"
-    return {"matmul": matmul, "copy": copy, "kernel_floor": floor, "memory": memory, "kind": kind}
+    return {"matmul": matmul, "copy": copy, **floor, "memory": memory, "kind": kind}
+
+
+def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None]) -> dict[str, Any]:
+    """The kernel floor on ``dev``: seconds per kernel op of the runtime probe (``opts.probe``,
+    see :mod:`~edatalog.backend.calibrate_probe`), or without one torch's dispatch of a 1-element
+    add, which is measured either way (``torch_dispatch``).  ``probe_kernels``: the kernel ops of
+    one run of the probe (0: no probe)."""
+    torch = _torch()
+    x = torch.ones(sizes.floor_elements, device=dev)
+    dispatch = _seconds_per_call(lambda: torch.add(x, x), sync, sizes)
+    if opts.probe is None:
+        return {"kernel_floor": dispatch, "torch_dispatch": dispatch, "probe_kernels": 0}
+    run, kernels = calibrate_probe.runner(opts.probe, dev)
+    per_run = _seconds_per_call(run, sync, sizes)
+    return {"kernel_floor": per_run / kernels, "torch_dispatch": dispatch, "probe_kernels": kernels}
 
 
 # -- links between ranks ----------------------------------------------------------------------------
@@ -600,6 +622,12 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     rank_flops = [program_rate(d) for d in devices]
     rank_bandwidth = [d["copy"][str(sizes.copy_bytes[0])] for d in devices]
     rank_floor = [d["kernel_floor"] for d in devices]
+    rank_dispatch = [d["torch_dispatch"] for d in devices]
+    kernels = devices[0]["probe_kernels"]
+    if kernels:
+        floor_how = calibrate_probe.describe(kernels)
+    else:
+        floor_how = "a 1-element add (torch's dispatch): no runtime probe was given"
     flops, bandwidth, floor = _sig(min(rank_flops)), _sig(min(rank_bandwidth)), _sig(max(rank_floor))
 
     matmul: dict[str, dict[str, Any]] = {}
@@ -630,10 +658,11 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         "threads": opts.threads,
         "dtype": opts.dtype,
         "quick": opts.quick,
+        "torch_dispatch": _sig(max(rank_dispatch)),  # a 1-element add: torch alone, no runtime
         "how": {  # where each number of the machine comes from
             "flops": f"{opts.dtype} matmul, the median over {len(keys)} shapes ([measured.matmul.{opts.dtype}])",
             "bandwidth": f"copy of {size(sizes.copy_bytes[0])}, bytes read + written",
-            "kernel_floor": "a 1-element add",
+            "kernel_floor": floor_how,
             "memory": memory_note,
         },
         "matmul": matmul,
@@ -642,6 +671,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             "flops": [_sig(v) for v in rank_flops],
             "bandwidth": [_sig(v) for v in rank_bandwidth],
             "kernel_floor": [_sig(v) for v in rank_floor],
+            "torch_dispatch": [_sig(v) for v in rank_dispatch],
         },
     }
 
@@ -742,7 +772,7 @@ _COMMENTS = {
     "measured.how": "where each number of the machine above comes from",
     "measured.matmul": "FLOP/s by shape: MxKxN is (M x K)(K x N), BxMxKxN a batch of B; the slowest rank's",
     "measured.copy": "B/s (bytes read + written) by bytes copied; the slowest rank's",
-    "measured.per_rank": "each rank's flops (FLOP/s), bandwidth (B/s) and kernel floor (s)",
+    "measured.per_rank": "each rank's flops (FLOP/s), bandwidth (B/s), kernel floor and torch dispatch (s)",
     "measured.p2p": "between ranks 0 and 1: latency (s), bandwidth of the largest message one way (B/s)",
     "measured.p2p.one_way": "s by message bytes: half a ping-pong's round trip",
     "measured.exchange": "every rank sends to the next and receives from the previous at once; B/s per direction",

@@ -6,6 +6,7 @@ never how fast this machine is: every timing here is at tiny sizes, on a machine
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -16,7 +17,9 @@ import pytest
 
 import edatalog
 from edatalog.backend import calibrate as cal
+from edatalog.backend import calibrate_probe
 from edatalog.cli import main
+from edatalog.cli.calibrate import probe_graph
 from edatalog.errors import EdlError
 from edatalog.solver.topology import from_dict
 
@@ -48,7 +51,8 @@ def _check_measured(measured: dict[str, Any], ranks: int) -> None:
         assert any(isinstance(v, float) for v in entry.values()) or "skipped" in entry
     assert sorted(measured["copy"]) == sorted(str(b) for b in cal.QUICK.copy_bytes)
     assert all(_finite_positive(v) for v in measured["copy"].values())
-    for key in ("flops", "bandwidth", "kernel_floor"):
+    assert _finite_positive(measured["torch_dispatch"])
+    for key in ("flops", "bandwidth", "kernel_floor", "torch_dispatch"):
         assert len(measured["per_rank"][key]) == ranks
         assert all(_finite_positive(v) for v in measured["per_rank"][key])
 
@@ -62,6 +66,9 @@ def test_quick_calibration_in_one_process(tmp_path: Path) -> None:
     # The device's flops are the median of f32's rates at the block shapes.
     rates = sorted(result.measured["matmul"]["f32"][k] for k in QUICK_KEYS)
     assert rates[0] <= result.topology.devices[0].flops <= rates[-1]
+    # No runtime probe given (the command line gives one): the floor is torch's dispatch, and says so.
+    assert result.topology.kernel_floor == result.measured["torch_dispatch"]
+    assert result.measured["how"]["kernel_floor"].startswith("a 1-element add")
 
     # Progress: steps counted up to their total, each named.
     assert seen and all(0 <= done <= total for done, total, _ in seen)
@@ -86,6 +93,8 @@ def _rank(flops: float, copy: float, floor: float, links: dict[str, Any]) -> dic
         "matmul": {"f32": matmul, "bf16": {"skipped": "slow"}, "f16": {"skipped": "slow"}, "f64": dict(matmul)},
         "copy": {str(b): copy for b in sizes.copy_bytes},
         "kernel_floor": floor,
+        "torch_dispatch": floor / 50,
+        "probe_kernels": calibrate_probe.RULES,
         "memory": 0,
         "kind": "CPU (1 thread)",
     }
@@ -113,19 +122,41 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     assert topo.intra.bandwidth == pytest.approx(sizes.exchange_bytes / (2 * exchange - latency), rel=1e-3)
     m = result.measured
     assert m["per_rank"]["flops"] == [2e10, 1e10]
+    assert m["torch_dispatch"] == pytest.approx(3e-6 / 50, rel=1e-3)  # the slowest rank's, as the floor
+    assert m["how"]["kernel_floor"] == calibrate_probe.describe(calibrate_probe.RULES)
     assert m["all_reduce"]["busbw"] == pytest.approx((1 << 16) / 1e-3 * 2 * 1 / 2, rel=1e-3)
     assert m["reduce_scatter"]["busbw"] == pytest.approx((1 << 16) / 5e-4 * 1 / 2, rel=1e-3)
     assert m["matmul"]["bf16"] == {"skipped": "slow"}
     assert from_dict(json.loads(json.dumps(result.to_dict()))) == topo
 
 
+def test_the_kernel_floor_is_a_rule_run_by_the_runtime() -> None:
+    """The floor is what a one-cell rule costs in edatalog's torch runtime (the probe the command
+    line compiles, run by the interpreter as a plan's programs are): on a CPU, many times torch's
+    dispatch of a 1-element add, which is measured beside it.  Without a probe, the floor is that add."""
+    import torch
+
+    opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graph()).resolved()
+    cpu = torch.device("cpu")
+    probed = cal.measure_floor(opts, cal.QUICK, cpu, lambda: None)
+    assert probed["probe_kernels"] == calibrate_probe.RULES
+    assert _finite_positive(probed["torch_dispatch"])
+    assert probed["kernel_floor"] > 2 * probed["torch_dispatch"]  # tens of µs against about one
+    plain = cal.measure_floor(dataclasses.replace(opts, probe=None), cal.QUICK, cpu, lambda: None)
+    assert plain["probe_kernels"] == 0 and plain["kernel_floor"] == plain["torch_dispatch"]
+
+
 @pytest.mark.distributed
 def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     seen: list[tuple[float, float, str]] = []
-    result = cal.calibrate(cal.Options(nproc=2, quick=True), progress=lambda *a: seen.append(a))
+    result = cal.calibrate(cal.Options(nproc=2, quick=True, probe=probe_graph()), progress=lambda *a: seen.append(a))
     topo = result.topology
     _check_machine(topo, 2)
     _check_measured(result.measured, 2)
+    # Each rank ran the runtime probe, at once: the floor is the slower rank's time per kernel op.
+    per_rank = result.measured["per_rank"]
+    assert topo.kernel_floor == max(per_rank["kernel_floor"])
+    assert all(f > d for f, d in zip(per_rank["kernel_floor"], per_rank["torch_dispatch"], strict=True))
     assert topo.devices[0].kind == "CPU (1 thread)"  # one thread per rank by default
     assert topo.intra.name == "gloo" and topo.intra.latency > 0
     m = result.measured
@@ -161,8 +192,13 @@ def test_cli_writes_a_machine_file(capsys: pytest.CaptureFixture[str], tmp_path:
     header = next(line for line in lines if line.startswith("measured"))
     assert header.split() == ["measured", "value", "note"]
     assert any(line.startswith("matmul f32 ") and "FLOP/s" in line for line in lines)
-    assert any(line.startswith("kernel floor") for line in lines)
+    floor_row = next(line for line in lines if line.startswith("kernel floor"))
+    assert "a one-cell rule run by edatalog's torch runtime -> kernel_floor" in floor_row
+    assert any(line.startswith("torch dispatch") for line in lines)
     assert str(topo) in lines
+    measured = tomllib.loads(path.read_text())["measured"]  # the command line probes the runtime
+    assert measured["how"]["kernel_floor"] == calibrate_probe.describe(calibrate_probe.RULES)
+    assert topo.kernel_floor > measured["torch_dispatch"]
     assert f"wrote {path}: use it with --topology {path}" in out
 
     code, out, err = _run(capsys, "--nproc", "1", "--threads", "1", "--quick", "--json")
