@@ -411,7 +411,10 @@ class AttentionKernel:
     def __init__(self, chain: Chain, fused: ir.Fused, sc: JoinAgg, o: JoinAgg, xp: ArrayOps, device: Any) -> None:
         torch = _torch()
         self.chain, self.fused, self.xp, self.device = chain, fused, xp, device
-        self.sc, self.o = prepare(sc), prepare(o)
+        # The blocks as the rules write them: evaluators re-index narrow bands (``prepare``), which
+        # would move the key index of ``o``'s reads; the chain's accesses are plain, so no index
+        # reaches outside its relation and nothing needs re-indexing here.
+        self.sc, self.o = sc, o
         head = [ax.parts[0].index for ax in self.sc.out_axes]
         self.s, self.t = str(head[-2]), str(head[-1])
         self.batch = [str(b) for b in head[:-2]]

@@ -84,8 +84,9 @@ class Program:
         for name in values:
             if name not in expected:
                 what = " and ".join(f"{k}s" for k in kinds)
+                kind = " or ".join(kinds)
                 raise EdlError(
-                    f"'{name}' is not an {' or '.join(kinds)} of {self.name}",
+                    f"'{name}' is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} of {self.name}",
                     help=did_you_mean(name, expected, what) or f"the program takes no such {what}",
                 )
         out: dict[str, Any] = {}
