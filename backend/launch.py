@@ -11,8 +11,12 @@ process and its siblings.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+import signal
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -22,6 +26,16 @@ from edatalog.errors import EdlError
 T = TypeVar("T")
 
 MONITOR_SECONDS = 0.1  # how often the launcher looks for a failed rank
+# How long the ranks may take to exit after SIGTERM when this process is told to stop (SIGTERM,
+# SIGINT), before the launcher kills them (torch's default is 30 s).  When a rank fails, torch
+# 2.13's agent ignores it and waits 30 s (LocalElasticAgent._stop_workers calls _shutdown()
+# with its default timeout): only a rank that SIGTERM cannot end, a stopped one, waits that long.
+SHUTDOWN_SECONDS = 3
+# How long a rank that lost its connection to another waits before it fails: the launcher, which
+# reports the first rank it sees fail, then sees the rank that died (the cause), not this one.
+LINGER_SECONDS = 3.0
+# What gloo says when the rank at the other end of a connection is gone.
+_LOST_PEER = re.compile(r"by peer|broken pipe|socket closed|connection closed", re.IGNORECASE)
 
 
 def in_spmd_job() -> bool:
@@ -36,6 +50,7 @@ def spawn(nproc: int, entry: Callable[..., T], args: Sequence[Any] = ()) -> dict
     be a module-level function (it is pickled into the new processes)."""
     if nproc < 1:
         raise EdlError(f"--nproc must be at least 1, not {nproc}")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -48,6 +63,7 @@ def spawn(nproc: int, entry: Callable[..., T], args: Sequence[Any] = ()) -> dict
         rdzv_endpoint="localhost:0",  # a free port
         max_restarts=0,  # a failed rank ends the job: its work cannot be redone alone
         monitor_interval=MONITOR_SECONDS,
+        shutdown_timeout=SHUTDOWN_SECONDS,
         start_method="spawn",
     )
     names = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing.spawn")
@@ -56,12 +72,32 @@ def spawn(nproc: int, entry: Callable[..., T], args: Sequence[Any] = ()) -> dict
     for log in quiet:
         log.setLevel(logging.CRITICAL)  # the failure is reported once, below, not as launcher logs
     try:
-        return dict(elastic_launch(config, entry)(*args))
+        rank = functools.update_wrapper(functools.partial(as_rank, entry), entry)  # the launcher logs its name
+        return dict(elastic_launch(config, rank)(*args))
     except ChildFailedError as exc:
         raise EdlError(_failure_text(exc, nproc), help=_failure_help(exc)) from None
+    except SignalException as exc:  # the launcher's handler: this process was told to stop
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise EdlError(
+            f"the job of {nproc} processes was stopped by {signal.Signals(exc.sigval).name}",
+            help="the signal came to this process, not from a rank; the ranks were stopped too",
+        ) from None
     finally:
         for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
+
+
+def as_rank(entry: Callable[..., T], *args: Any) -> T:
+    """``entry(*args)`` as one rank of a job: an error that says another rank is gone waits
+    :data:`LINGER_SECONDS` before it is raised, so that the launcher (this module's or torchrun's)
+    reports the rank that died and why, not each rank that lost it."""
+    try:
+        return entry(*args)
+    except RuntimeError as exc:
+        if _LOST_PEER.search(str(exc)):
+            time.sleep(LINGER_SECONDS)  # the launcher stops this rank meanwhile
+        raise
 
 
 def _failure_text(exc: Any, nproc: int) -> str:
@@ -70,9 +106,7 @@ def _failure_text(exc: Any, nproc: int) -> str:
     for rank in sorted(failures):
         f = failures[rank]
         why = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
-        # A raised exception comes as {"message": "ValueError: ...", "extraInfo": {traceback}}.
-        message = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
-        detail = _last_line(message)
+        detail = _last_line(_message(f))
         lines.append(f"rank {rank} failed ({why})" + (f": {detail}" if detail else ""))
     return f"the job of {nproc} processes stopped: " + "; ".join(lines)
 
@@ -81,7 +115,22 @@ def _failure_help(exc: Any) -> str:
     failures = dict(exc.failures)
     if any(f.exitcode < 0 for f in failures.values()):
         return "a rank was killed (out of memory, or by a signal); the other ranks were stopped"
+    if any(_TIMED_OUT.search(_message(f)) for f in failures.values()):
+        return (
+            "a rank waited longer than the group's timeout (EDL_DIST_TIMEOUT, in seconds) for another "
+            "rank that did not answer: it hung, or is far slower; the other ranks were stopped"
+        )
     return "the other ranks were stopped; run again with one process (--nproc 1) to see the error alone"
+
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _message(failure: Any) -> str:
+    """A failed rank's error: a raised exception comes as {"message": "ValueError: ...",
+    "extraInfo": {traceback}}."""
+    message = failure.message
+    return str(message.get("message", "")) if isinstance(message, dict) else str(message)
 
 
 def _last_line(message: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend.launch import in_spmd_job, spawn
+from edatalog.backend.launch import as_rank, in_spmd_job, spawn
 from edatalog.backend.torch_runtime import OpTime, Outputs
 from edatalog.errors import EdlError
 
@@ -61,7 +61,7 @@ def run(job: Job, nproc: int | None) -> Result:
         results = spawn(nproc, rank_main, (job,))
         return results[0]
     if in_spmd_job():
-        return rank_main(job)
+        return as_rank(rank_main, job)
     return _in_process(job)
 
 
@@ -121,6 +121,13 @@ def rank_main(job: Job) -> Result:
     prog, plan = _program_and_plan(job)
     if plan is None:
         raise EdlError("a torch.distributed job runs a plan, one device per rank", help="pass --plan plan.json")
+    n, world = plan.ir.n_devices, dist.get_world_size()
+    if n != world:  # else each rank would run every device's program by itself, and nothing would be split
+        raise EdlError(
+            f"the plan has {n} devices, but this job has {world} ranks",
+            help=f"start {n} ranks (edl run --nproc {n}, or torchrun --nproc-per-node {n}): "
+            "rank r runs device r's program",
+        )
     params, inputs = _split(prog, _values(job, prog))
     exe = prog.executable(plan, backend="torch", device=device)
     exe.load(params)
