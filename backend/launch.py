@@ -91,13 +91,28 @@ def spawn(nproc: int, entry: Callable[..., T], args: Sequence[Any] = ()) -> dict
 def as_rank(entry: Callable[..., T], *args: Any) -> T:
     """``entry(*args)`` as one rank of a job: an error that says another rank is gone waits
     :data:`LINGER_SECONDS` before it is raised, so that the launcher (this module's or torchrun's)
-    reports the rank that died and why, not each rank that lost it."""
+    reports the rank that died and why, not each rank that lost it.  After a return the rank
+    leaves the group (:func:`leave_group`)."""
     try:
-        return entry(*args)
+        result = entry(*args)
     except RuntimeError as exc:
         if _LOST_PEER.search(str(exc)):
             time.sleep(LINGER_SECONDS)  # the launcher stops this rank meanwhile
         raise
+    leave_group()
+    return result
+
+
+def leave_group() -> None:
+    """End this rank's part in the job's torch.distributed group, if it joined one: wait for the
+    other ranks, then destroy the group.  A process that exits with its gloo group alive can
+    abort in the group's destructor ("terminate called without an active exception"; seen under
+    load), which the launcher reports as a failed job although every rank finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _failure_text(exc: Any, nproc: int) -> str:
@@ -115,7 +130,7 @@ def _failure_help(exc: Any) -> str:
     failures = dict(exc.failures)
     if any(f.exitcode < 0 for f in failures.values()):
         return "a rank was killed (out of memory, or by a signal); the other ranks were stopped"
-    if any(_TIMED_OUT.search(_message(f)) for f in failures.values()):
+    if any(TIMED_OUT.search(_message(f)) for f in failures.values()):
         return (
             "a rank waited longer than the group's timeout (EDL_DIST_TIMEOUT, in seconds) for another "
             "rank that did not answer: it hung, or is far slower; the other ranks were stopped"
@@ -123,7 +138,7 @@ def _failure_help(exc: Any) -> str:
     return "the other ranks were stopped; run again with one process (--nproc 1) to see the error alone"
 
 
-_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)  # what torch.distributed says of a wait too long
 
 
 def _message(failure: Any) -> str:

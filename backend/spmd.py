@@ -10,6 +10,12 @@ device ``r``'s program; gloo on CPU, NCCL on CUDA; one node or many (``torchrun 
   of point-to-point ops (``batch_isend_irecv``) and waited for together.  Every receive follows
   its send in one global order (see :mod:`edatalog.backend.exchange`), so the batches cannot
   wait for each other forever.  Buffers that are not *full* send which cells exist with them.
+- **Collectives.** With ``collectives`` on, exchanges that are known collectives (all-reduce,
+  reduce-scatter, all-gather over a group of ranks) run as one torch.distributed collective
+  on a group of their own (:mod:`edatalog.backend.collectives`).  ``SpmdExecutable(...,
+  collectives=None)`` decides by ``EDL_COLLECTIVES=0/1`` when set, else on for NCCL and off for
+  gloo (on CPU, gloo's collectives measured no faster than the direct messages); True or False
+  decides alone.
 - **Outputs** end where the plan leaves them; a call brings each output whole to every rank
   (a broadcast from a rank holding each piece that not every rank holds), or returns this
   rank's pieces.
@@ -19,23 +25,26 @@ device ``r``'s program; gloo on CPU, NCCL on CUDA; one node or many (``torchrun 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from edatalog.backend.arrays import TorchOps, torch_module
+from edatalog.backend.collectives import TorchCollectives, use_collectives, wanted
 from edatalog.backend.exchange import Schedule
 from edatalog.backend.fusion import fuse_programs
 from edatalog.backend.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
+from edatalog.backend.launch import TIMED_OUT
 from edatalog.backend.torch_runtime import OpTime, Outputs, op_label, torch_devices
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
 from edatalog.ir.regions import Region
 
-TIMEOUT_SECONDS = float(os.environ.get("EDL_DIST_TIMEOUT", "60"))  # the longest any rank waits for another
+TIMEOUT_SECONDS = float(os.environ.get("EDL_DIST_TIMEOUT", "45"))  # the longest any rank waits for another
 
 
 def init_group(device: str | None = None) -> str:
@@ -64,7 +73,9 @@ def in_group_of(n: int) -> bool:
 class SpmdExecutable:
     """This rank's program of a plan, ready to run with the other ranks of the group."""
 
-    def __init__(self, graph: Graph, schedule: Schedule, device: str | None = None) -> None:
+    def __init__(
+        self, graph: Graph, schedule: Schedule, device: str | None = None, collectives: bool | None = None
+    ) -> None:
         torch = torch_module()
         self.dist = torch.distributed
         n = schedule.programs.n_devices
@@ -76,19 +87,26 @@ class SpmdExecutable:
             )
         self.rank, self.world = self.dist.get_rank(), n
         self.graph, self.schedule = graph, schedule
-        self.program = fuse_programs(schedule.programs, graph).devices[self.rank]
+        programs = fuse_programs(schedule.programs, graph)
+        self.outputs = schedule.outputs  # where each output ends: by buffer, as the programs run
+        self.collectives = wanted(collectives, str(self.dist.get_backend()))
+        if self.collectives:
+            rewritten = use_collectives(programs, graph)
+            programs, self.outputs = rewritten.programs, rewritten.outputs(schedule.outputs)
+        self.program = programs.devices[self.rank]
         default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"
         self.device = torch_devices(device or default, 1)[0]
         self.xp = TorchOps(self.device)
         self.kernels = Kernels(graph)
         self.blocks: dict[int, Any] = {}
-        made = [op for _, _, op in schedule.programs.ops() if isinstance(op, ir.DEFINES)]
+        made = [op for p in (schedule.programs, programs) for _, _, op in p.ops() if isinstance(op, ir.DEFINES)]
         self.full = {op.buf: op.full for op in made}
         self.buffer_dtype = {op.buf: op.dtype for op in made}
         self.last_times: list[OpTime] = []
         self._in_flight: list[Any] = []  # sends posted and not yet waited for
         self._kept: list[Any] = []  # what they send
         self._agree()
+        self.collective_ops = TorchCollectives(programs, self.rank, self.device, TIMEOUT_SECONDS)
 
     def _agree(self) -> None:
         """Every rank must hold the same program and plan."""
@@ -152,12 +170,22 @@ class SpmdExecutable:
                 k = j
                 continue
             began = time.perf_counter() - start
+            if isinstance(collective := ops[k], ir.Collective):
+                members = ", ".join(str(r) for r in collective.group if r != self.rank)
+                with self._waiting(f"the {collective.kind} of {collective.relation} with ranks {members}", None):
+                    self.collective_ops.run(dev, collective)
+                if record:
+                    label = f"{collective.kind} {collective.relation}"
+                    times.append((self.rank, label, began, time.perf_counter() - start))
+                k += 1
+                continue
             dev.execute(ops[k], NO_MESSAGES)
             if record and not isinstance(ops[k], ir.Free):
                 times.append((self.rank, op_label(ops[k]), began, time.perf_counter() - start))
             k += 1
-        for request in self._in_flight:
-            request.wait()
+        with self._waiting("its messages to be taken", None):
+            for request in self._in_flight:
+                request.wait()
         self._in_flight, self._kept = [], []
         self.last_times = times
         return self._outputs(dev, gather_outputs)
@@ -189,13 +217,30 @@ class SpmdExecutable:
         # flight, their tensors kept alive, until the call ends.
         for p2p, request in zip(posted, requests, strict=True):
             if p2p.op is dist.irecv:
-                request.wait()
+                with self._waiting(f"a message from rank {p2p.peer}", p2p.peer):
+                    request.wait()
             else:
                 self._in_flight.append(request)
         self._kept.extend(keep)
         for op, data, present in arriving:
             value = data.view(self.xp.dtype(op.dtype))
             dev.store[op.buf] = Buffer(op.region, value, None if present is None else present.bool())
+
+    @contextlib.contextmanager
+    def _waiting(self, what: str, peer: int | None) -> Iterator[None]:
+        """A wait that the group's timeout ends becomes an error naming what this rank waited
+        for (the launcher reports it); a lost connection stays torch's error (see
+        :func:`edatalog.backend.launch.as_rank`)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not TIMED_OUT.search(str(exc)):
+                raise
+            who = f"rank {peer}" if peer is not None else "another rank"
+            raise EdlError(
+                f"rank {self.rank} timed out after {TIMEOUT_SECONDS:g} s waiting for {what}",
+                help=f"{who} hung or is far slower; raise EDL_DIST_TIMEOUT (seconds) if it is only slow",
+            ) from None
 
     def _wire(self, piece: Buffer, full: bool) -> list[Any]:
         """The tensors a buffer travels as: its cells (half floats as 16-bit integers, which every
@@ -212,7 +257,7 @@ class SpmdExecutable:
         values: dict[str, Any] = {}
         present: dict[str, Any | None] = {}
         for name in self.graph.outputs:
-            entries = self.schedule.outputs[name]
+            entries = self.outputs[name]
             pieces: list[tuple[Region, Buffer]] = []
             for e in entries:
                 if not e.holders:

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--nproc", type=positive_int, metavar="N", help="torch: start N processes, rank r running the plan's device r"
     )
+    r.add_argument(
+        "--collectives",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch --nproc: run exchanges that are all-reduces, reduce-scatters or all-gathers as one "
+        "torch.distributed collective (auto: on NCCL, off on gloo; sets EDL_COLLECTIVES)",
+    )
     r.add_argument("--repeat", type=positive_int, default=1, metavar="K", help="torch: time K calls (the median)")
     r.add_argument("--warmup", type=int, default=1, metavar="W", help="torch: untimed calls first (default 1)")
     r.add_argument(

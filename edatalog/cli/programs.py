@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from edatalog.backend import ops, sim
+from edatalog.backend.collectives import ENV as COLLECTIVES_ENV
 from edatalog.backend.launch import in_spmd_job
 from edatalog.cli import torch_run
 from edatalog.cli.common import (
@@ -57,9 +58,19 @@ Inputs come from --inputs (a .npz or .safetensors file whose names match the pro
 and params) and/or --random SEED (random values for everything --inputs does not give: inputs
 ~ N(0,1), matrix params ~ N(0, 1/fan_in), vector params ~ 1 + N(0, 0.1²)).
 
+With --backend torch the program runs for real: on one device without --plan; with --plan, the
+plan's devices as logical devices of this process (--device cuda:0,cuda:1 or cpu), or one process
+per device with --nproc N (gloo on CPU, NCCL on CUDA; or start it with torchrun yourself).  Each
+call is timed (--repeat K, the median) and printed beside the plan's predicted time; --trace
+writes the measured ops as Chrome trace JSON (open in ui.perfetto.dev).  A rank that fails stops
+the job; a rank that hangs does so after EDL_DIST_TIMEOUT seconds (default 45).
+
 examples:
   edl run programs/llama_block.edl --dim S=64 --dim D=256 --dim H=4 --dim KVH=2 --dim F=512 --random 0
   edl run programs/mlp.edl --inputs weights.safetensors -o out.npz
+  edl plan programs/mlp.edl -t cpux2 -o plan.json
+  edl run programs/mlp.edl --plan plan.json --backend torch --nproc 2 --random 0 --repeat 10
+  torchrun --nproc-per-node 2 -m edatalog.cli run programs/mlp.edl --plan plan.json --backend torch --random 0
 """
 
 
@@ -179,6 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.plan and backend == "reference":
         raise EdlError("the reference backend evaluates whole tensors", help="run a plan with --backend sim")
     torch_only = [f for f, v in (("--device", args.device), ("--nproc", args.nproc)) if v is not None]
+    torch_only += ["--collectives"] if args.collectives != "auto" else []
     if backend != "torch" and (torch_only or args.repeat != 1):
         flags = ", ".join(torch_only + (["--repeat"] if args.repeat != 1 else []))
         raise EdlError(f"{flags} go with --backend torch", help="add --backend torch")
@@ -260,6 +272,8 @@ def _run_torch(args: argparse.Namespace) -> int:
         max(0, args.warmup),
         args.trace is not None,
     )
+    if args.collectives != "auto":  # read by each rank's runtime; new ranks inherit it
+        os.environ[COLLECTIVES_ENV] = "1" if args.collectives == "on" else "0"
     prog = compile_args(args)  # errors in the program are reported here, once, not by every rank
     plan = load_plan(args.plan, prog) if args.plan else None
     if args.nproc is not None and plan is not None and args.nproc != plan.ir.n_devices:

@@ -15,6 +15,9 @@ buffers defined earlier on its own device (and not freed); data crosses devices 
 - :class:`Combine`: partials of one region folded with the relation's aggregation;
 - :class:`Fused`: kernels of one device run as one (a runtime's optimization; see
   :mod:`edatalog.backend.fusion`);
+- :class:`Collective`: one member's part in an all-reduce, reduce-scatter or all-gather over a
+  group of devices, which the members meet at (a runtime's rewrite of sends, receives and
+  combines; see :mod:`edatalog.backend.collectives`);
 - :class:`Free`: a buffer no later op reads; what makes memory peaks real.
 
 A buffer is *full* when every cell of its region is known, when the programs are made, to
@@ -24,7 +27,8 @@ leave partly empty is not full, and its mask travels with it.
 Programs know nothing of time: what ops cost (FLOPs, bytes) is kept beside them, in
 :class:`OpCost` tables that the timeline reads.  ``verify()`` checks that every read is defined
 earlier on its device and covered by its buffer, that sends and receives pair up with equal
-regions and types, and that no device can wait forever.
+regions and types, that the members of every collective agree on it and meet at their
+collectives of one group in one order, and that no device can wait forever.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 
 from edatalog.ir import dtypes, intervals, serialize
 from edatalog.ir.graph import VerifyError
@@ -150,6 +155,52 @@ class Fused:
         return " + ".join(k.node if isinstance(k, Kernel) else f"combine {k.relation}" for k in self.body)
 
 
+class CollectiveKind(StrEnum):
+    ALL_REDUCE = "all_reduce"  # every member holds a partial of ``whole``, and ends with it combined
+    REDUCE_SCATTER = "reduce_scatter"  # ... and ends with its own piece of it combined
+    ALL_GATHER = "all_gather"  # every member holds its piece of ``whole``, and ends with all of it
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One member's part in a collective over the devices ``group``: every member has one, with
+    the same ``tag``, and they meet there (none goes on before every member has come).
+
+    ``source`` is the local buffer it reads: a partial covering ``whole`` (all-reduce,
+    reduce-scatter; folded with the aggregation ``reduce``), or this member's piece (all-gather).
+    ``pieces`` are the members' pieces of ``whole``, in ``group`` order: disjoint, they fill it
+    (none for an all-reduce).  The buffer made holds ``region``: ``whole``, or for a
+    reduce-scatter this member's piece.  Buffers of collectives are full: presence masks travel
+    by point-to-point messages only."""
+
+    buf: int
+    kind: CollectiveKind
+    group: tuple[int, ...]  # ascending
+    tag: int  # the same on every member, unique among the collectives of the programs
+    relation: str
+    whole: Region
+    pieces: tuple[Region, ...]
+    source: int
+    reduce: str | None  # "sum", "prod", "max" or "min"; None for an all-gather
+    region: Region
+    dtype: str
+    full: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CollectiveKind(self.kind))  # from JSON: the kind's name
+
+    def part(self, device: int) -> Region:
+        """What ``device`` (a member) reads of its source: ``whole``, or its piece (all-gather)."""
+        if self.kind is CollectiveKind.ALL_GATHER:
+            return self.pieces[self.group.index(device)]
+        return self.whole
+
+    def __str__(self) -> str:
+        group = ",".join(str(d) for d in self.group)
+        what = self.kind.value if self.reduce is None else f"{self.kind.value} {self.reduce}"
+        return f"%{self.buf} = {what} {self.relation}{self.region} (%{self.source}) group {{{group}}} #{self.tag}"
+
+
 @dataclass(frozen=True)
 class Free:
     buf: int
@@ -158,8 +209,8 @@ class Free:
         return f"free %{self.buf}"
 
 
-Op = Load | Kernel | Send | Recv | Combine | Fused | Free
-DEFINES = (Load, Kernel, Recv, Combine, Fused)  # the ops that make a buffer
+Op = Load | Kernel | Send | Recv | Combine | Fused | Collective | Free
+DEFINES = (Load, Kernel, Recv, Combine, Fused, Collective)  # the ops that make a buffer
 
 
 def reads(op: Op) -> tuple[int, ...]:
@@ -171,6 +222,8 @@ def reads(op: Op) -> tuple[int, ...]:
         return tuple(dict.fromkeys(b for k in op.body for b in reads(k) if b not in inside))
     if isinstance(op, Combine):
         return op.sources
+    if isinstance(op, Collective):
+        return (op.source,)
     if isinstance(op, Send | Free):
         return (op.buf,)
     return ()
@@ -229,6 +282,8 @@ class Programs:
         full_of: dict[int, bool] = {}
         sends: dict[int, tuple[int, int, Region, str, bool]] = {}  # tag -> src, dst, region, dtype, full
         recvs: dict[int, tuple[int, int, Region, str, bool]] = {}
+        meetings: dict[int, list[tuple[int, Collective]]] = {}  # tag -> (device, its op)
+        in_group: dict[tuple[tuple[int, ...], int], list[int]] = {}  # (group, member) -> its tags in order
         for p in self.devices:
             _check(0 <= p.device < self.n_devices, f"program of unknown device {p.device}")
             live: set[int] = set()
@@ -262,6 +317,13 @@ class Programs:
                 elif isinstance(op, Combine):
                     for b in op.sources:
                         _check(defined[b][2].contains(op.region), f"{where}: %{b} does not cover {op.region}")
+                elif isinstance(op, Collective):
+                    _check_collective(op, p.device, defined[op.source], full_of[op.source], where)
+                    _check(op.group[-1] < self.n_devices, f"{where}: a group of unknown devices")
+                    members = meetings.setdefault(op.tag, [])
+                    _check(all(d != p.device for d, _ in members), f"{where}: collective #{op.tag} twice")
+                    members.append((p.device, op))
+                    in_group.setdefault((op.group, p.device), []).append(op.tag)
                 if isinstance(op, Recv):
                     _check(op.tag not in recvs, f"{where}: tag #{op.tag} received twice")
                     recvs[op.tag] = (op.peer, p.device, op.region, op.dtype, op.full)
@@ -292,6 +354,18 @@ class Programs:
             _check(s[2] == r[2], f"#{tag}: sent {s[2]} but received {r[2]}")
             _check(s[3] == r[3], f"#{tag}: sent {s[3]} but received {r[3]}")
             _check(s[4] == r[4], f"#{tag}: sent a buffer with full={s[4]}, received one with full={r[4]}")
+        for tag, members in meetings.items():
+            d0, first = members[0]
+            devices = sorted(d for d, _ in members)
+            _check(devices == list(first.group), f"collective #{tag} is on devices {devices}, not {list(first.group)}")
+            for d, op in members[1:]:
+                _check(_agreed(op) == _agreed(first), f"collective #{tag}: device {d} disagrees with device {d0}")
+        for group in {op.group for members in meetings.values() for _, op in members}:
+            orders = {d: in_group.get((group, d), []) for d in group}
+            _check(
+                all(tags == orders[group[0]] for tags in orders.values()),
+                f"the collectives of group {list(group)} come in different orders: {orders}",
+            )
         for out in self.outputs:
             _check(out.buf in defined, f"output piece of {out.relation} in unknown %{out.buf}")
             dev, rel, region, _ = defined[out.buf]
@@ -328,10 +402,11 @@ class Programs:
 
 def run_order(progs: Programs) -> list[tuple[int, int]]:
     """(device, position) of every op in an order a runtime could run them: each device in
-    program order, a receive after its send.  Shorter than the op count when the programs would
-    wait for each other forever."""
+    program order, a receive after its send, a collective once every member of its group has
+    come to it.  Shorter than the op count when the programs would wait for each other forever."""
     position = dict.fromkeys(range(progs.n_devices), 0)
     sent: set[int] = set()
+    arrived: dict[int, set[int]] = {}  # collective tag -> the members that have come to it
     order: list[tuple[int, int]] = []
     progress = True
     while progress:
@@ -342,6 +417,11 @@ def run_order(progs: Programs) -> list[tuple[int, int]]:
                 op = p.ops[k]
                 if isinstance(op, Recv) and op.tag not in sent:
                     break
+                if isinstance(op, Collective):
+                    here = arrived.setdefault(op.tag, set())
+                    here.add(p.device)
+                    if not here.issuperset(op.group):
+                        break
                 if isinstance(op, Send):
                     sent.add(op.tag)
                 order.append((p.device, k))
@@ -358,6 +438,40 @@ class OpCost:
 
     flops: int
     nbytes: int
+
+
+REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective folds with
+
+
+def _check_collective(
+    op: Collective, device: int, source: tuple[int, str, Region, str], source_full: bool, where: str
+) -> None:
+    """One member's collective, on its own: its group, its pieces, its source and its result."""
+    _check(len(op.group) >= 2 and list(op.group) == sorted(set(op.group)), f"{where}: bad group {list(op.group)}")
+    _check(device in op.group, f"{where}: device {device} is not in the group")
+    _, relation, region, dtype = source
+    _check(relation == op.relation and dtype == op.dtype, f"{where}: %{op.source} is {relation} in {dtype}")
+    _check(region.contains(op.part(device)), f"{where}: %{op.source} does not cover {op.part(device)}")
+    _check(op.full and source_full, f"{where}: a collective of cells that may be absent")
+    gather = op.kind is CollectiveKind.ALL_GATHER
+    _check((op.reduce is None) == gather and op.reduce in (None, *REDUCTIONS), f"{where}: reduces with {op.reduce}")
+    if op.kind is CollectiveKind.ALL_REDUCE:
+        _check(not op.pieces, f"{where}: an all-reduce has no pieces")
+    else:
+        _check(len(op.pieces) == len(op.group), f"{where}: {len(op.pieces)} pieces for {len(op.group)} members")
+        _check(all(op.whole.contains(r) for r in op.pieces), f"{where}: a piece outside {op.whole}")
+        _check(
+            sum(r.size for r in op.pieces) == op.whole.size
+            and all(a.intersect(b).empty for k, a in enumerate(op.pieces) for b in op.pieces[k + 1 :]),
+            f"{where}: the pieces do not tile {op.whole}",
+        )
+    mine = op.pieces[op.group.index(device)] if op.kind is CollectiveKind.REDUCE_SCATTER else op.whole
+    _check(op.region == mine, f"{where}: makes {op.region}, not {mine}")
+
+
+def _agreed(op: Collective) -> tuple[object, ...]:
+    """What every member of a collective must agree on."""
+    return (op.kind, op.group, op.relation, op.whole, op.pieces, op.reduce, op.dtype, op.full)
 
 
 def region_bytes(region: Region, dtype: str) -> int:
@@ -378,6 +492,7 @@ PROGRAM_CLASSES: tuple[type, ...] = (
     Send,
     Recv,
     Combine,
+    Collective,
     Free,
     DeviceProgram,
     OutputPiece,
