@@ -373,6 +373,7 @@ def test_edl_run_starts_the_ranks_itself(tmp_path: Path) -> None:
     out, trace = tmp_path / "out.npz", tmp_path / "trace.json"
     cmd = [*EDL, "run", str(LLAMA), *_small("gqa"), "--plan", str(plan_file), "--backend", "torch"]
     cmd += ["--nproc", "2", "--repeat", "3", "--random", "0", "--json", "-o", str(out), "--trace", str(trace)]
+    cmd += ["--collectives", "on"]  # gloo's default is off
     done = _run(cmd, 120, _env())
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
@@ -385,6 +386,8 @@ def test_edl_run_starts_the_ranks_itself(tmp_path: Path) -> None:
     assert report["outputs"]["y"]["absent"] == 0
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}, "a measured lane for each rank"
+    reduced = {e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("all_reduce")}
+    assert reduced == {"all_reduce attn", "all_reduce down"}, reduced  # Megatron's two, as collectives
 
 
 def test_torchrun_runs_the_cli_as_one_rank(tmp_path: Path) -> None:
