@@ -7,7 +7,7 @@ turns the numbers into a :class:`~edatalog.solver.topology.Topology` for the cos
 (``solver/costmodel.py``)::
 
     kernel   = max(kernel_floor, flops / (efficiency * device.flops), bytes / (efficiency * device.bandwidth))
-    transfer = link.latency + bytes / link.bandwidth
+    transfer = link.latency + bytes / link.bandwidth   (each end's compute loses interference * transfer)
 
 What goes where:
 
@@ -27,6 +27,9 @@ What goes where:
   receives from the previous one at once (a ring exchange of a large message), which is how
   exchanges run in a plan (both directions of a reduce-scatter or an all-gather at once); the
   link model gives every device its own egress and ingress port, so this is the port's rate.
+- ``links.intra.interference``: matmuls about as long as that exchange, timed alone and while
+  it runs (:func:`interference_of`): near 1 where the cores that compute also move the bytes
+  (gloo between CPU processes), lower where a DMA engine or NIC moves them.
 - ``device.memory``: the machine's available memory divided among the ranks (CPU), or the GPU's.
 
 Device numbers are the slowest rank's (a step waits for its slowest rank).  Every raw number (all
@@ -245,7 +248,7 @@ def _device_steps(sizes: Sizes) -> int:
 
 
 def _link_steps(sizes: Sizes) -> int:
-    return len(sizes.p2p_bytes) + 3
+    return len(sizes.p2p_bytes) + 4
 
 
 # -- one rank's device ----------------------------------------------------------------------------
@@ -431,6 +434,32 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     exchange_s = statistics.median(timed(exchange, sizes.link_reps))
     steps.done()
 
+    # Interference: matmuls about as long as the exchange, alone and while it runs.
+    steps.now("matmuls beside an exchange")
+    m, k, n = sizes.matmuls[0][-3:]
+    a, b = torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)
+    c = torch.empty(m, n, device=dev)
+    t0 = time.perf_counter()
+    torch.mm(a, b, out=c)
+    sync()
+    one = max(time.perf_counter() - t0, 1e-9)
+    count = max(1, round(exchange_s / one))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, b, out=c)
+
+    def both() -> None:
+        reqs = [dist.isend(send, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)]
+        compute()
+        for req in reqs:
+            if req is not None:
+                req.wait()
+
+    compute_s = statistics.median(timed(compute, sizes.link_reps))
+    both_s = statistics.median(timed(both, sizes.link_reps))
+    steps.done()
+
     numel = max(world, sizes.collective_bytes // 4 // world * world)
     data = torch.ones(numel, device=dev)
     steps.now(f"all_reduce {size(numel * 4)}")
@@ -444,6 +473,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     return {
         "pingpong": pingpong,
         "exchange": exchange_s,
+        "overlap": {"compute": compute_s, "both": both_s},
         "collective_bytes": numel * 4,
         "all_reduce": all_reduce_s,
         "reduce_scatter": reduce_scatter_s,
@@ -604,6 +634,16 @@ def calibrate(options: Options | None = None, progress: ProgressFn | None = None
     return result
 
 
+def interference_of(compute: float, transfer: float, both: float) -> float:
+    """The share of a transfer's time that compute loses to it, from compute alone, the transfer
+    alone and both at once: 0 when both take as long as the longer alone (they overlap fully), 1
+    when they take as long as the two one after the other."""
+    shorter = min(compute, transfer)
+    if shorter <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (both - max(compute, transfer)) / shorter))
+
+
 def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     """The machine from every rank's numbers: device rates the slowest rank's, links rank 0's
     ping-pong and the slowest rank's exchange and collectives."""
@@ -688,7 +728,19 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         all_reduce_s = max(lk["all_reduce"] for lk in links)
         reduce_scatter_s = max(lk["reduce_scatter"] for lk in links)
         backend = "nccl" if opts.device == "cuda" else "gloo"
-        intra = Link(backend, link_bw, latency)
+        compute_s = max(lk["overlap"]["compute"] for lk in links)
+        both_s = max(lk["overlap"]["both"] for lk in links)
+        interference = _sig(interference_of(compute_s, exchange_s, both_s))
+        intra = Link(backend, link_bw, latency, interference)
+        measured["how"]["interference"] = (
+            "matmuls as long as the exchange, alone and while it runs: the share of the shorter that did not overlap"
+        )
+        measured["overlap"] = {
+            "compute_seconds": _sig(compute_s),
+            "exchange_seconds": _sig(exchange_s),
+            "both_seconds": _sig(both_s),
+            "interference": interference,
+        }
         measured["backend"] = backend
         measured["how"]["latency"] = f"half the round trip of {size(sizes.p2p_bytes[0])} between ranks 0 and 1"
         exchanged = size(sizes.exchange_bytes)
@@ -761,6 +813,8 @@ def _toml(cal: Calibration) -> str:
         (f"bandwidth = {_value(t.intra.bandwidth)}", f"B/s: {m['how']['link_bandwidth']}"),
         (f"latency = {_value(t.intra.latency)}", f"s: {m['how']['latency']}"),
     ]
+    if several:
+        body.append((f"interference = {_value(t.intra.interference)}", m["how"]["interference"]))
     width = max(len(code) for code, _ in body) + 2
     lines = head + [f"{code:<{width}}# {note}" if note else code for code, note in body]
     lines += ["", *_tables("measured", m, _COMMENTS)]
@@ -778,6 +832,7 @@ _COMMENTS = {
     "measured.exchange": "every rank sends to the next and receives from the previous at once; B/s per direction",
     "measured.all_reduce": "bus bandwidth: bytes / seconds * 2 (n - 1) / n; the slowest rank's seconds",
     "measured.reduce_scatter": "bus bandwidth: bytes / seconds * (n - 1) / n; the slowest rank's seconds",
+    "measured.overlap": "matmuls alone, the exchange alone, both at once (s; the slowest rank's)",
 }
 
 

@@ -10,12 +10,11 @@ device ``r``'s program; gloo on CPU, NCCL on CUDA; one node or many (``torchrun 
   of point-to-point ops (``batch_isend_irecv``) and waited for together.  Every receive follows
   its send in one global order (see :mod:`edatalog.backend.exchange`), so the batches cannot
   wait for each other forever.  Buffers that are not *full* send which cells exist with them.
-- **Collectives.** With ``collectives`` on, exchanges that are known collectives (all-reduce,
-  reduce-scatter, all-gather over a group of ranks) run as one torch.distributed collective
-  on a group of their own (:mod:`edatalog.backend.collectives`).  ``SpmdExecutable(...,
-  collectives=None)`` decides by ``EDL_COLLECTIVES=0/1`` when set, else on for NCCL and off for
-  gloo (on CPU, gloo's collectives measured no faster than the direct messages); True or False
-  decides alone.
+- **Collectives.** Exchanges that are known collectives (all-reduce, reduce-scatter, all-gather
+  over a group of ranks) can run as one torch.distributed collective on a group of their own
+  (:mod:`edatalog.backend.collectives`).  ``SpmdExecutable(..., collectives=None)`` decides by
+  ``EDL_COLLECTIVES=0/1`` when set, else every kind on NCCL and all-reduces only on gloo (where
+  the others measured slower than the direct messages); True or False decides alone.
 - **Outputs** end where the plan leaves them; a call brings each output whole to every rank
   (a broadcast from a rank holding each piece that not every rank holds), or returns this
   rank's pieces.
@@ -91,7 +90,7 @@ class SpmdExecutable:
         self.outputs = schedule.outputs  # where each output ends: by buffer, as the programs run
         self.collectives = wanted(collectives, str(self.dist.get_backend()))
         if self.collectives:
-            rewritten = use_collectives(programs, graph)
+            rewritten = use_collectives(programs, graph, self.collectives)
             programs, self.outputs = rewritten.programs, rewritten.outputs(schedule.outputs)
         self.program = programs.devices[self.rank]
         default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"

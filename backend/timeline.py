@@ -5,7 +5,10 @@ the resources they need (a kernel or a combine its device's engine; a transfer, 
 receive, the sender's egress and the receiver's ingress port) in the order their inputs become
 ready, synthesis order among equals, and start as soon as both inputs and resources are free:
 compute and communication overlap wherever dependencies allow, and no transfer waits behind one
-whose data comes later.  A send itself takes no time (it hands its data to the transfer).  What
+whose data comes later.  On a link whose transfers take the computing cores' time
+(``Link.interference``, e.g. gloo between CPU processes) a transfer also holds back each end's
+compute engine by that share of its time: the kernel running then ends that much later, or the
+next one starts that much later.  A send itself takes no time (it hands its data to the transfer).  What
 ops cost comes from the schedule's cost table, not from the ops.  Memory counts every buffer from
 the start of the op that makes it until the end of the last op that reads it before its
 ``Free``; buffers never freed (loaded inputs and params, outputs) stay.
@@ -68,6 +71,9 @@ def analyze(s: Schedule) -> Report:
         times[key] = Span(start, start + duration)
         for r in resources:
             free[r] = start + duration
+        if isinstance(op, ir.Recv) and (lost := _interference(s, op.peer, key[0]) * duration):
+            for engine in (("compute", op.peer), ("compute", key[0])):
+                free[engine] = max(free.get(engine, 0.0), start) + lost
         cost = s.costs[key]
         device = key[0]
         if isinstance(op, ir.Kernel | ir.Combine):
@@ -144,6 +150,10 @@ def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[Any, ...]
         link = topo.link(op.peer, device)
         return transfer_seconds(cost.nbytes, link), [("out", op.peer, link.name), ("in", device, link.name)]
     return 0.0, []  # loads and sends
+
+
+def _interference(s: Schedule, src: int, dst: int) -> float:
+    return s.topology.link(src, dst).interference
 
 
 def _peak_memory(s: Schedule, dag: _Dag, times: dict[Key, Span]) -> dict[int, int]:

@@ -14,8 +14,10 @@ run by each contender:
                      ColwiseParallel, o/down RowwiseParallel
   edatalog-megatron  edatalog's Megatron plan of programs/llama_block.edl, run by edatalog's torch
   edatalog-auto      runtime (edatalog.executable); the auto plan is solved on rank 0 and shared.
-                     Their "predicted ms" is the plan's own prediction on --topology.  Skipped,
-                     with a message, while edatalog.executable does not exist.
+                     Their "predicted ms" is the plan's own prediction on --topology (best
+                     from `edl calibrate --nproc 2 -o machine.toml` on this machine).  Exchanges
+                     run as the runtime's default on gloo: all-reduces as
+                     all_reduce, the rest as point-to-point messages.
 
 Every contender runs the same weights (made once from --seed, broadcast from rank 0) on the same
 input, and must first reproduce the single-process transformers LlamaDecoderLayer (eager
@@ -361,20 +363,16 @@ def build_dtensor(ctx: Context) -> Contender:
 
 
 def build_edatalog(ctx: Context, strategy: str) -> Contender:
-    """edatalog's plan of ``programs/llama_block.edl``, run by edatalog's torch runtime.
+    """edatalog's plan of ``programs/llama_block.edl``, run by edatalog's torch runtime as a user
+    would: ``edatalog.executable(prog, plan, backend="torch")`` inside the benchmark's process
+    group (so SPMD: this rank runs its device's program), ``exe.load(weights)``, then each call
+    ``exe({"x": x})``, which returns the whole ``y`` on every rank, as the hand-written contenders do."""
+    import torch
 
-    STUB, until the runtime lands: written against the API announced for it
-    (``edatalog.executable(prog, plan, backend="torch")``, ``exe.load(params)``, ``exe(inputs)``,
-    SPMD inside the initialized process group, every rank returning the whole ``y``), never run.
-    Until ``edatalog.executable`` exists it raises :class:`Skip`; nothing is timed or faked.
-    """
     import edatalog
 
     name = f"edatalog-{strategy}"
-    executable = getattr(edatalog, "executable", None)
-    if executable is None:
-        raise Skip(f"{name}: skipped: edatalog.executable does not exist yet (edatalog's torch runtime)")
-    import torch
+    executable = edatalog.executable
 
     prog = edatalog.compile(PROGRAM, dims=ctx.dims.edl_dims())
     plan = shared_plan(ctx, prog, strategy)

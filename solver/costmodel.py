@@ -4,7 +4,8 @@ the cost they are then measured with.
 
 - A kernel takes max(flops / (efficiency * peak), bytes / (efficiency * HBM bandwidth)), and at
   least the topology's kernel floor.
-- A transfer takes latency + bytes / link bandwidth.
+- A transfer takes latency + bytes / link bandwidth; on a link with ``interference`` f, each
+  end's compute engine loses f times that (applied by the timeline).
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 Devices sit in nodes.  Devices of one node talk over the node's links (NVLink/NVSwitch, PCIe);
 devices of different nodes over the inter-node links (InfiniBand).  Every link class is modelled
 per device port: a transfer from ``a`` to ``b`` uses ``a``'s egress and ``b``'s ingress port of
-that class, at the class's bandwidth, after its latency.
+that class, at the class's bandwidth, after its latency.  A link class also says how much of a
+transfer's time the devices at its ends lose from computing (``interference``): none where a DMA
+engine or a NIC moves the bytes, all of it where the cores that compute copy them too (gloo
+between CPU processes, as ``edl calibrate`` measures).
 
 Presets carry the device count in their name (``a100x8``, ``h200x4``, ``cpux2``, ``2x4``); custom
 machines are small TOML or JSON files (see ``docs/plans.md``).
@@ -42,6 +45,12 @@ class Link:
     name: str  # "nvlink", "pcie", "ib", ...
     bandwidth: float  # bytes/s per direction per device
     latency: float  # seconds
+    # The fraction of a transfer's time each end's compute engine loses to it, in [0, 1].
+    interference: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        extra = {"interference": self.interference} if self.interference else {}
+        return {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency, **extra}
 
 
 @dataclass(frozen=True)
@@ -98,18 +107,8 @@ class Topology:
             "nodes": [len(g) for g in self.nodes],
             "device": {"kind": d0.kind, "memory": d0.memory, "flops": d0.flops, "bandwidth": d0.bandwidth},
             "links": {
-                "intra": {"name": self.intra.name, "bandwidth": self.intra.bandwidth, "latency": self.intra.latency},
-                **(
-                    {
-                        "inter": {
-                            "name": self.inter.name,
-                            "bandwidth": self.inter.bandwidth,
-                            "latency": self.inter.latency,
-                        }
-                    }
-                    if self.inter is not None
-                    else {}
-                ),
+                "intra": self.intra.to_dict(),
+                **({"inter": self.inter.to_dict()} if self.inter is not None else {}),
             },
             "efficiency": self.efficiency,
             "kernel_floor": self.kernel_floor,
@@ -215,6 +214,7 @@ def load(path: str) -> Topology:
     name = "nvlink"
     bandwidth = "300GB/s"
     latency = "3us"
+    interference = 0.0                # optional: the share of a transfer's time its ends cannot compute
     [links.inter]                     # needed when there are several nodes
     bandwidth = "25GB/s"
     latency = "10us"
@@ -238,7 +238,7 @@ _KEYS = {
     "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "measured"},
     "device": {"kind", "memory", "flops", "bandwidth"},
     "links": {"intra", "inter"},
-    "link": {"name", "bandwidth", "latency"},
+    "link": {"name", "bandwidth", "latency", "interference"},
 }
 
 
@@ -280,10 +280,18 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
         spec = _table(links[key], f"links.{key}", _KEYS["link"])
         bandwidth = quantity(spec.get("bandwidth", "25GB/s"), "B/s", f"links.{key}.bandwidth")
         latency = quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency")
+        interference = quantity(spec.get("interference", 0.0), "", f"links.{key}.interference")
+        if not 0 <= interference <= 1:
+            raise EdlError(
+                f"topology: links.{key}.interference is the fraction of a transfer's time its ends lose from "
+                f"computing, in [0, 1], not {interference:g}",
+                help="0: transfers run beside the kernels (GPUs); 1: the computing cores copy the bytes (gloo on CPU)",
+            )
         return Link(
             str(spec.get("name", key)),
             _positive(bandwidth, f"links.{key}.bandwidth"),
             _positive(latency, f"links.{key}.latency", allow_zero=True),
+            interference,
         )
 
     intra = link("intra", Link("nvlink", 300e9, NVLINK_LATENCY))

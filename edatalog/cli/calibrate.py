@@ -25,7 +25,9 @@ It starts --nproc ranks as the runtime runs them (one process each, gloo on CPU,
                 rules run by its interpreter, timed per kernel op (torch's own dispatch of a
                 1-element add, far less, is recorded as torch_dispatch)
   links         latency (half a 4-byte ping-pong) and bandwidth (every rank sending and
-                receiving at once) between ranks; all_reduce and reduce_scatter bus bandwidth
+                receiving at once) between ranks; all_reduce and reduce_scatter bus bandwidth;
+                interference: matmuls timed alone and while that exchange runs, the share of
+                the transfer's time they lose (near 1 when the computing cores move the bytes)
 
 The file holds rates the ranks reached (the slowest rank's), not peaks, so its efficiency is
 1.0; memory is the machine's available memory divided among the ranks (on CUDA, the GPU's).
@@ -159,6 +161,12 @@ def _print(result: Any, output: str | None) -> None:
         rows.append([f"exchange {size(ex['bytes'])}", rate(ex["bandwidth"], "B/s"), note])
         for op in ("all_reduce", "reduce_scatter"):
             rows.append([f"{op} {size(m[op]['bytes'])}", rate(m[op]["busbw"], "B/s"), "bus bandwidth"])
+        ov = m["overlap"]
+        note = (
+            f"matmuls {seconds(ov['compute_seconds'])} alone, exchange {seconds(ov['exchange_seconds'])}, "
+            f"both {seconds(ov['both_seconds'])} {into}links.intra.interference"
+        )
+        rows.append(["interference", f"{ov['interference']:.2f}", note])
     print()
     print(table(["measured", "value", "note"], rows, right=(1,)))
     print()
@@ -169,6 +177,7 @@ def _print(result: Any, output: str | None) -> None:
     )
     if t.n > 1:
         link = f"{rate(t.intra.bandwidth, 'B/s')} per direction, {seconds(t.intra.latency)} latency"
+        link += f", interference {t.intra.interference:.2f}"
         print(f"  link {t.intra.name}: {link}")
     if output is not None:
         print(f"wrote {output}: use it with --topology {output}")

@@ -112,14 +112,18 @@ def test_the_machine_is_the_slowest_ranks() -> None:
         "collective_bytes": 1 << 16,
         "all_reduce": 1e-3,
         "reduce_scatter": 5e-4,
+        "overlap": {"compute": 3e-3, "both": 4e-3},
     }
-    slow = dict(links, exchange=2 * exchange)
+    slow = dict(links, exchange=2 * exchange, overlap={"compute": 3.5e-3, "both": 5e-3})
     opts = cal.Options(nproc=2, quick=True).resolved()
     result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links), 1: _rank(1e10, 2e10, 3e-6, slow)})
     topo = result.topology
     assert topo.devices[0].flops == 1e10 and topo.devices[0].bandwidth == 1e10 and topo.kernel_floor == 3e-6
     assert topo.intra.name == "gloo" and topo.intra.latency == latency
     assert topo.intra.bandwidth == pytest.approx(sizes.exchange_bytes / (2 * exchange - latency), rel=1e-3)
+    # Interference from the slowest rank's times: matmuls 3.5 ms alone, the exchange 4 ms alone,
+    # both 5 ms: (5 - max(3.5, 4)) / min(3.5, 4) of the shorter did not overlap.
+    assert topo.intra.interference == pytest.approx((5 - 4) / 3.5, rel=1e-3)
     m = result.measured
     assert m["per_rank"]["flops"] == [2e10, 1e10]
     assert m["torch_dispatch"] == pytest.approx(3e-6 / 50, rel=1e-3)  # the slowest rank's, as the floor
@@ -128,6 +132,17 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     assert m["reduce_scatter"]["busbw"] == pytest.approx((1 << 16) / 5e-4 * 1 / 2, rel=1e-3)
     assert m["matmul"]["bf16"] == {"skipped": "slow"}
     assert from_dict(json.loads(json.dumps(result.to_dict()))) == topo
+
+
+@pytest.mark.parametrize(
+    ("compute", "transfer", "both", "share"),
+    [(3.0, 2.0, 3.0, 0.0), (3.0, 2.0, 5.0, 1.0), (3.0, 2.0, 4.0, 0.5), (2.0, 3.0, 2.5, 0.0), (2.0, 2.0, 9.0, 1.0)],
+)
+def test_interference_is_the_share_of_the_shorter_that_did_not_overlap(
+    compute: float, transfer: float, both: float, share: float
+) -> None:
+    # (both - max(compute, transfer)) / min(compute, transfer), clipped to [0, 1].
+    assert cal.interference_of(compute, transfer, both) == pytest.approx(share)
 
 
 def test_the_kernel_floor_is_a_rule_run_by_the_runtime() -> None:
@@ -164,6 +179,7 @@ def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     assert sorted(m["p2p"]["one_way"], key=int) == [str(b) for b in cal.QUICK.p2p_bytes]
     assert m["p2p"]["latency"] == topo.intra.latency
     assert m["exchange"]["bandwidth"] == topo.intra.bandwidth
+    assert 0 <= topo.intra.interference <= 1 and m["overlap"]["interference"] == topo.intra.interference
     for op in ("all_reduce", "reduce_scatter"):
         assert _finite_positive(m[op]["seconds"]) and _finite_positive(m[op]["busbw"])
     assert seen and seen[-1][0] == seen[-1][1]  # rank 0's progress reached this process

@@ -372,15 +372,35 @@ def test_verify_rejects_a_collective_on_one_member_only() -> None:
 
 def test_whether_to_use_them(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
-    assert wanted(None, "nccl") and not wanted(None, "gloo")
-    assert wanted(True, "gloo") and not wanted(False, "nccl")
+    every, reduce_only = set(ir.CollectiveKind), {ir.CollectiveKind.ALL_REDUCE}
+    assert wanted(None, "nccl") == every and wanted(None, "gloo") == reduce_only
+    assert wanted(True, "gloo") == every and not wanted(False, "nccl")
     monkeypatch.setenv(ENV, "1")
-    assert wanted(None, "gloo") and not wanted(False, "gloo")
+    assert wanted(None, "gloo") == every and not wanted(False, "gloo")
     monkeypatch.setenv(ENV, "0")
-    assert not wanted(None, "nccl") and wanted(True, "nccl")
+    assert not wanted(None, "nccl") and wanted(True, "nccl") == every
     monkeypatch.setenv(ENV, "maybe")
     with pytest.raises(EdlError, match="neither 0 nor 1"):
         wanted(None, "gloo")
+
+
+def test_only_the_kinds_asked_for_are_rewritten() -> None:
+    """On gloo the runtime asks for all-reduces only: the rest stays point-to-point."""
+    prog = _llama()
+    plan = edatalog.plan(prog, topology="cpux2", strategy="megatron")
+    programs = fuse_programs(plan.schedule.programs, prog.graph)
+    kinds = {c[0][1].kind for c in collectives_of(use_collectives(programs, prog.graph).programs).values()}
+    assert kinds == {AR}
+    assert not collectives_of(use_collectives(programs, prog.graph, {ir.CollectiveKind.ALL_GATHER}).programs)
+    mixed = fuse_programs(
+        edatalog.plan(prog, topology="cpux2", strategy="random", seed=1).schedule.programs, prog.graph
+    )
+    every = use_collectives(mixed, prog.graph).programs
+    only = use_collectives(mixed, prog.graph, {AR}).programs
+    assert {c[0][1].kind for c in collectives_of(every).values()} == set(ir.CollectiveKind)
+    assert {c[0][1].kind for c in collectives_of(only).values()} == {AR}
+    only.verify()
+    _check_values(prog, only)
 
 
 # -- across processes ---------------------------------------------------------------------------------

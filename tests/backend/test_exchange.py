@@ -21,7 +21,7 @@ from edatalog.solver.costmodel import transfer_seconds
 from edatalog.solver.costs import Costs
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.strategies import build, place_by_consumers
-from edatalog.solver.topology import preset
+from edatalog.solver.topology import from_dict, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = (ROOT / "programs" / "llama_block.edl").read_text()
@@ -366,3 +366,31 @@ def test_the_solver_prices_the_halo_it_sends() -> None:
     held = tuple((block.devices[0], ((((0, 2),), ((0, 3),), (block.ranges[along],)),)) for block in x.blocks())
     halo_bytes = 2 * 3 * (width - 1) * 8
     assert costs.transfer("x", held, need) == pytest.approx(transfer_seconds(halo_bytes, topo.link(0, 1)))
+
+
+@pytest.mark.parametrize("interference", [0.0, 1.0])
+def test_a_transfer_on_an_interfering_link_holds_back_compute_at_both_ends(interference: float) -> None:
+    """Device 1 computes ``z`` from its own ``w`` (ready at once) and ``y`` from ``x``, which
+    device 0 holds: one transfer of tx = latency + bytes / bandwidth, and two kernels of the
+    floor k each (they are tiny).  Beside a link that does not interfere, the transfer runs
+    while ``z`` computes: seconds = max(tx, k) + k.  When the link takes the cores' time
+    (interference 1), device 1 loses tx of compute: seconds = tx + k + k."""
+    prog = edatalog.compile_string(
+        "dim N = 1024.\ninput x[N] : f32.\nparam w[N] : f32.\ny[i] = x[i] * 2.\nz[i] = w[i] * 3.\n"
+    )
+    g = prog.graph
+    link = {"bandwidth": "4GB/s", "latency": "2ms", "interference": interference}
+    topo = from_dict({"nodes": [2], "kernel_floor": "1ms", "links": {"intra": link}})
+
+    def on(device: int, name: str) -> Tile:
+        return Tile.whole(g.relation(name).box, (device,))
+
+    nodes = tuple(
+        NodePlan(n.name, Tile(tuple(Split.even(i.name, i.extent, 1) for i in n.indices), ((1,),))) for n in g.nodes
+    )
+    plan = Plan(g.fingerprint(), 2, "test", "test", nodes, (Placement("x", on(0, "x")), Placement("w", on(1, "w"))))
+    schedule = synthesize(g, plan, topo)
+    tx, k = transfer_seconds(1024 * 4, topo.intra), topo.kernel_floor
+    assert tx == pytest.approx(2e-3 + 4096 / 4e9)
+    want = tx + 2 * k if interference else max(tx, k) + k
+    assert analyze(schedule).seconds == pytest.approx(want)

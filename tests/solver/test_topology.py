@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from edatalog.errors import EdlError
 from edatalog.solver.costmodel import compute_seconds, transfer_seconds
-from edatalog.solver.topology import GIB, load, preset, quantity, resolve
+from edatalog.solver.topology import GIB, from_dict, load, preset, quantity, resolve
 
 
 @pytest.mark.parametrize("family", ["a100", "h100", "h200", "pcie4", "cpu"])
@@ -57,6 +58,17 @@ def test_custom_toml_machine(tmp_path: Path) -> None:
     assert topo.link(0, 1).bandwidth == 32e9 and topo.link(0, 1).latency == pytest.approx(4e-6)
     assert topo.link(1, 2).bandwidth == 12.5e9
     assert resolve(str(path)) == topo
+
+
+def test_a_link_says_how_much_compute_its_transfers_take(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.toml"
+    path.write_text('nodes = [2]\n[links.intra]\nname = "gloo"\nbandwidth = "2GB/s"\ninterference = 1.0\n')
+    topo = load(str(path))
+    assert topo.intra.interference == 1.0 and preset("a100x2").intra.interference == 0.0
+    assert from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
+    path.write_text("nodes = [2]\n[links.intra]\ninterference = 1.5\n")
+    with pytest.raises(EdlError, match=r"links.intra.interference .* in \[0, 1\], not 1.5"):
+        load(str(path))
 
 
 def test_custom_json_machine_and_mistakes(tmp_path: Path) -> None:
