@@ -11,11 +11,14 @@ process and its siblings.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import logging
 import os
 import re
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -92,15 +95,35 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
     """``entry(*args)`` as one rank of a job: an error that says another rank is gone waits
     :data:`LINGER_SECONDS` before it is raised, so that the launcher (this module's or torchrun's)
     reports the rank that died and why, not each rank that lost it.  After a return the rank
-    leaves the group (:func:`leave_group`)."""
+    leaves the group (:func:`leave_group`); after an error it exits without tearing the group
+    down (:func:`_exit_without_teardown`)."""
     try:
         result = entry(*args)
-    except RuntimeError as exc:
-        if _LOST_PEER.search(str(exc)):
+    except BaseException as exc:
+        if isinstance(exc, RuntimeError) and _LOST_PEER.search(str(exc)):
             time.sleep(LINGER_SECONDS)  # the launcher stops this rank meanwhile
+        _exit_without_teardown(130 if isinstance(exc, KeyboardInterrupt) else 1)
         raise
     leave_group()
     return result
+
+
+def _exit_without_teardown(code: int) -> None:
+    """Once this rank has failed, end its process as soon as Python has reported the error (the
+    launcher's error file, edl's message), skipping the C++ teardown of its torch.distributed
+    group: a gloo group whose peer hung or died can abort in its destructor ("terminate called
+    without an active exception"), and the launcher would then report a signal, not the error."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        atexit.register(_exit_now, code)  # runs first: handlers run last-registered first
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def leave_group() -> None:
