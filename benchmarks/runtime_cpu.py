@@ -14,6 +14,8 @@ run by each contender:
                      ColwiseParallel, o/down RowwiseParallel
   edatalog-megatron  edatalog's Megatron plan of programs/llama_block.edl, run by edatalog's torch
   edatalog-auto      runtime (edatalog.executable); the auto plan is solved on rank 0 and shared.
+  edatalog-replicate (the replicate plan computes everything on rank 0: far slower, and predicted
+                     so, it checks that the predictions order plans as the clock does.)
                      Their "predicted ms" is the plan's own prediction on --topology (best
                      from `edl calibrate --nproc 2 -o machine.toml` on this machine).  Exchanges
                      run as the runtime's default on gloo: all-reduces as
@@ -66,7 +68,7 @@ from llama_weights import PROGRAM, BlockDims  # noqa: E402
 
 ROOT = HERE.parent
 BASELINES = ("megatron", "dtensor")
-EDATALOG = ("edatalog-megatron", "edatalog-auto")
+EDATALOG = ("edatalog-megatron", "edatalog-auto", "edatalog-replicate")
 CONTENDERS = (*BASELINES, *EDATALOG)
 INIT_ENV = "EDL_RUNTIME_CPU_INIT"  # the launcher's rendezvous (a file:// URL) for its workers
 EXIT_CHECK_FAILED = 1
@@ -414,6 +416,7 @@ BUILDERS: dict[str, Callable[[Context], Contender]] = {
     "dtensor": build_dtensor,
     "edatalog-megatron": lambda ctx: build_edatalog(ctx, "megatron"),
     "edatalog-auto": lambda ctx: build_edatalog(ctx, "auto"),
+    "edatalog-replicate": lambda ctx: build_edatalog(ctx, "replicate"),
 }
 
 

@@ -1,8 +1,7 @@
 """``benchmarks/runtime_cpu.py``: its contenders reproduce transformers' LlamaDecoderLayer.
 
-The benchmark itself is run at tiny dims on 2 gloo ranks (one timed round): every contender it
-builds must pass its correctness check, and the edatalog rows are either skipped with their
-reason (while ``edatalog.executable`` does not exist) or checked like the others.  The weights
+The benchmark itself is run at tiny dims on 2 gloo ranks (one timed round): every contender,
+the edatalog plans run by edatalog's torch runtime included, must pass its correctness check.  The weights
 helper it shares with the edatalog rows is checked against the program directly: the HF layer
 holding ``make_weights`` computes what ``programs/llama_block.edl`` computes with them.
 """
@@ -79,14 +78,10 @@ def test_contenders_match_transformers() -> None:
     report = json.loads(done.stdout)
     assert report["ranks"] == 2 and report["threads"] == 1
     results = {r["contender"]: r for r in report["results"]}
-    skipped = {s["contender"]: s["reason"] for s in report["skipped"]}
-    assert {"megatron", "dtensor"} <= set(results)
-    assert set(results) | set(skipped) == {"megatron", "dtensor", "edatalog-megatron", "edatalog-auto"}
+    assert not report["skipped"], report["skipped"]
+    assert set(results) == {"megatron", "dtensor", "edatalog-megatron", "edatalog-auto", "edatalog-replicate"}
     for name, r in results.items():
         assert r["check"]["ok"] and r["check"]["max_err"] <= 1e-4, name
         assert len(r["call_ms"]) == 1 and len(r["rank_ms"]) == 2, name
         assert r["measured_ms"] > 0, name
         assert (r["predicted_ms"] is None) == (name in ("megatron", "dtensor")), name
-    has_runtime = hasattr(edatalog, "executable")
-    for name, reason in skipped.items():
-        assert not has_runtime and "edatalog.executable does not exist" in reason, name
