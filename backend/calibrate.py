@@ -732,15 +732,6 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         both_s = max(lk["overlap"]["both"] for lk in links)
         interference = _sig(interference_of(compute_s, exchange_s, both_s))
         intra = Link(backend, link_bw, latency, interference)
-        measured["how"]["interference"] = (
-            "matmuls as long as the exchange, alone and while it runs: the share of the shorter that did not overlap"
-        )
-        measured["overlap"] = {
-            "compute_seconds": _sig(compute_s),
-            "exchange_seconds": _sig(exchange_s),
-            "both_seconds": _sig(both_s),
-            "interference": interference,
-        }
         measured["backend"] = backend
         measured["how"]["latency"] = f"half the round trip of {size(sizes.p2p_bytes[0])} between ranks 0 and 1"
         exchanged = size(sizes.exchange_bytes)
@@ -760,6 +751,15 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             "bytes": cbytes,
             "seconds": _sig(reduce_scatter_s),
             "busbw": _sig(cbytes / reduce_scatter_s * (n - 1) / n),
+        }
+        measured["how"]["interference"] = (
+            "matmuls as long as the exchange, alone and while it runs: the share of the shorter that did not overlap"
+        )
+        measured["overlap"] = {
+            "compute_seconds": _sig(compute_s),
+            "exchange_seconds": _sig(exchange_s),
+            "both_seconds": _sig(both_s),
+            "interference": interference,
         }
     else:
         intra = Link("local", bandwidth, 0.0)  # one device: nothing is ever sent
