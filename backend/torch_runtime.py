@@ -8,6 +8,10 @@ inputs the same way, runs every device's program (:mod:`edatalog.backend.interpr
 message between devices is moved to the receiver's torch device), and returns the outputs as
 torch tensors.  Without a plan the whole program runs on one device, rule after rule, by the
 same evaluator.
+
+On CUDA, a message between two GPUs is copied on copy streams of its own (:class:`CopyStreams`),
+so that it overlaps the kernels both GPUs run meanwhile; logical devices on one GPU share its
+memory and pass their buffers as they are.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class TorchExecutable:
         self.loaded: dict[tuple[int, int], Any] = {}  # plan: (device, buffer) -> its block of a param
         self.param_names = {r.name for r in graph.relations if r.kind == "param"}
         self.last_times: list[OpTime] = []
+        self.copy_streams: dict[Any, Any] = {}  # GPU -> the stream copies to and from it run on
 
     def load(self, params: Mapping[str, Any]) -> None:
         """Keep each param (or, with a plan, each device's blocks of it, on that device)."""
@@ -141,12 +146,7 @@ class TorchExecutable:
                 Device(prog, self.graph, self.kernels, load, TorchOps(self.devices[d]), self.devices[d], on_op)
             )
 
-        def place(device: int, piece: Buffer) -> Buffer:
-            target = self.devices[device]
-            present = None if piece.present is None else piece.present.to(target)
-            return Buffer(piece.region, piece.data.to(target), present)
-
-        run_devices(devices, Mailbox(place))
+        run_devices(devices, CopyStreams(self.devices, self.copy_streams))
         self.last_times = times
         values, present = {}, {}
         for name in self.graph.outputs:
@@ -158,6 +158,69 @@ class TorchExecutable:
                     pieces.append((e.region, devices[d].get(buf)))
             values[name], present[name] = gather(self.graph, name, pieces, TorchOps(self.devices[0]), self.devices[0])
         return Outputs(values, present)
+
+
+class CopyStreams(Mailbox):
+    """Messages between logical devices of this process, moved to the receiver's torch device.
+
+    Between two GPUs the copy runs on a copy stream of each (it is queued on the source's and
+    the receiver's waits for it, as torch's copies between GPUs do with the current streams):
+    the send marks the sender's stream with an event where the data is ready, the receive queues
+    the copy after that mark, and the receiver's stream waits for the copy there.  Kernels queued
+    meanwhile on either GPU run beside the copy.  Each tensor is recorded on the streams that use
+    it, so the caching allocator never hands its memory out while a copy still reads or writes it.
+    Anything else (one GPU, CPU to GPU, CPU) moves with a plain ``.to``."""
+
+    def __init__(self, devices: Sequence[Any], streams: dict[Any, Any]) -> None:
+        super().__init__()
+        self.devices = list(devices)
+        self.torch = torch_module()
+        self.streams = streams  # GPU -> its copy stream, made on first use and kept by the caller
+        self.marks: dict[int, Any] = {}  # tag -> event on the sender's stream, at the send
+
+    def send(self, device: int, op: ir.Send, piece: Buffer) -> None:
+        super().send(device, op, piece)
+        source = piece.data.device
+        if source.type == "cuda":
+            mark = self.torch.cuda.Event()
+            mark.record(self.torch.cuda.current_stream(source))
+            self.marks[op.tag] = mark
+
+    def recv(self, device: int, op: ir.Recv) -> Buffer:
+        piece = self.messages.pop(op.tag)
+        mark = self.marks.pop(op.tag, None)
+        target = self.devices[device]
+        source = piece.data.device
+        if source.type == "cuda" and target.type == "cuda" and self._gpu(source) != self._gpu(target):
+            return self._between_gpus(piece, self._gpu(source), self._gpu(target), mark)
+        present = None if piece.present is None else piece.present.to(target)
+        return Buffer(piece.region, piece.data.to(target), present)
+
+    def _between_gpus(self, piece: Buffer, source: Any, target: Any, mark: Any) -> Buffer:
+        cuda = self.torch.cuda
+        out_of, into = self._stream(source), self._stream(target)
+        if mark is not None:
+            out_of.wait_event(mark)  # the data is made
+        tensors = [t for t in (piece.data, piece.present) if t is not None]
+        with cuda.stream(out_of), cuda.stream(into):  # the copy's memory comes from the receiver's copy stream
+            moved = [t.to(target, non_blocking=True) for t in tensors]
+        for t in tensors:
+            t.record_stream(out_of)
+        compute = cuda.current_stream(target)
+        compute.wait_stream(into)
+        for t in moved:
+            t.record_stream(compute)
+        return Buffer(piece.region, moved[0], moved[1] if len(moved) > 1 else None)
+
+    def _gpu(self, device: Any) -> Any:
+        """The GPU a torch device names (``cuda`` alone is the current one)."""
+        index = device.index if device.index is not None else self.torch.cuda.current_device()
+        return self.torch.device("cuda", index)
+
+    def _stream(self, gpu: Any) -> Any:
+        if gpu not in self.streams:
+            self.streams[gpu] = self.torch.cuda.Stream(device=gpu)
+        return self.streams[gpu]
 
 
 def _recorder(device: int, start: float, times: list[OpTime]) -> Callable[[int, ir.Op, str], None]:

@@ -317,3 +317,18 @@ def test_logical_devices_on_one_gpu(strategy: str) -> None:
     _assert_f32_close(out.cpu(), _reference("gqa")["y"], f"{strategy} on one GPU")
     exe = _executable(prog, plan, _values("gqa"), ["cuda:0", "cpu", "cuda:0", "cpu"])
     _assert_f32_close(exe(_split(prog, _values("gqa"))[1])["y"].cpu(), _reference("gqa")["y"], "cuda and cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["megatron", "random"])
+def test_logical_devices_on_two_gpus_copy_on_their_own_streams(strategy: str) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    prog = _llama("gqa")
+    plan = edatalog.plan(prog, topology="a100x2", strategy=strategy, seed=2)
+    exe = _executable(prog, plan, _values("gqa"), ["cuda:0", "cuda:1"])
+    for _ in range(3):  # again and again: copies of one call must not race the next call's kernels
+        _assert_f32_close(exe(_split(prog, _values("gqa"))[1])["y"].cpu(), _reference("gqa")["y"], strategy)
+    streams = exe._impl.copy_streams  # type: ignore[attr-defined]
+    assert {(gpu.type, gpu.index) for gpu in streams} == {("cuda", 0), ("cuda", 1)}
+    assert all(s != torch.cuda.current_stream(gpu) for gpu, s in streams.items())
