@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -403,6 +404,62 @@ def test_torchrun_runs_the_cli_as_one_rank(tmp_path: Path) -> None:
     assert report["nproc"] == 2 and {"measured_ms", "predicted_ms"} <= set(report)
     prog = _llama("mha")
     _assert_equal(np.load(out)["y"], prog.run(prog.random_inputs(0))["y"], False, "torchrun")
+
+
+TWO_NODES = """\
+name = "2x2"
+nodes = [2, 2]
+[device]
+kind = "CPU"
+memory = "4GiB"
+flops = "100GFLOPS"
+bandwidth = "20GB/s"
+[links.intra]
+bandwidth = "2GB/s"
+latency = "70us"
+[links.inter]
+bandwidth = "1GB/s"
+latency = "100us"
+"""
+
+
+def test_torchrun_runs_a_plan_for_two_nodes_on_two_agents(tmp_path: Path) -> None:
+    """``torchrun --nnodes 2``: two agents (one per node, here both on this machine) of two ranks
+    each run a plan for a machine of two nodes of two devices, unchanged; rank 0 reports."""
+    machine, plan_file = tmp_path / "2x2.toml", tmp_path / "plan.json"
+    machine.write_text(TWO_NODES)
+    prog = _llama("gqa")
+    edatalog.plan(prog, topology=str(machine), strategy="megatron").save(plan_file)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes"]
+    run = ["-m", "edatalog.cli", "run", str(LLAMA), *_small("gqa"), "--plan", str(plan_file), "--backend", "torch"]
+    cmd = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", *rdzv, *run, "--random", "0", "--json"]
+    agents = [
+        subprocess.Popen(
+            [*cmd, "-o", str(tmp_path / f"out{k}.npz")],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for k in range(2)
+    ]
+    try:
+        done = [a.communicate(timeout=120) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+    assert all(a.returncode == 0 for a in agents), [err[-3000:] for _, err in done]
+    reports = [json.loads(stdout) for stdout, _ in done if stdout.strip()]
+    assert len(reports) == 1 and reports[0]["nproc"] == 4  # the agent holding rank 0 reports
+    out = next(p for p in (tmp_path / "out0.npz", tmp_path / "out1.npz") if p.exists())
+    _assert_equal(np.load(out)["y"], prog.run(prog.random_inputs(0))["y"], False, "two nodes of two")
 
 
 # -- faults ------------------------------------------------------------------------------------------------
