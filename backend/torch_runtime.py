@@ -6,8 +6,8 @@ Weights are loaded once (:meth:`TorchExecutable.load`): each logical device keep
 blocks of each param its program loads, already on its torch device.  Each call then slices the
 inputs the same way, runs every device's program (:mod:`edatalog.backend.interpreter`; a
 message between devices is moved to the receiver's torch device), and returns the outputs as
-torch tensors.  Without a plan the whole program runs on one device, rule after rule, by the
-same evaluator.
+torch tensors.  Without a plan the program runs on one device as the one-device plan that
+computes each rule whole (:func:`one_device`), through the same interpreter, kernels and fusions.
 
 On CUDA, a message between two GPUs is copied on copy streams of its own (:class:`CopyStreams`),
 so that it overlaps the kernels both GPUs run meanwhile; logical devices on one GPU share its
@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from edatalog.backend.arrays import TorchOps, torch_module
-from edatalog.backend.exchange import Schedule
+from edatalog.backend.exchange import Schedule, synthesize
 from edatalog.backend.fusion import fuse_programs
 from edatalog.backend.interpreter import Buffer, Device, Kernels, Mailbox, gather, run_devices, slicer
-from edatalog.backend.reference import evaluate
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
 from edatalog.ir.regions import Region
+from edatalog.solver.strategies import build
+from edatalog.solver.topology import preset
 
 # One op of one device as measured: (device, what it was, start and end seconds from the call's start).
 OpTime = tuple[int, str, float, float]
@@ -84,54 +85,34 @@ class TorchExecutable:
     """A program (and maybe a plan) ready to run on torch devices in this process."""
 
     def __init__(self, graph: Graph, schedule: Schedule | None, device: str | Sequence[str] | None = None) -> None:
+        schedule = schedule if schedule is not None else one_device(graph)
         self.graph, self.schedule = graph, schedule
-        n = schedule.programs.n_devices if schedule is not None else 1
-        self.devices = torch_devices(device, n)
+        self.devices = torch_devices(device, schedule.programs.n_devices)
         # The programs as run: attention chains fused where their blocks line up on a device.
-        self.programs = fuse_programs(schedule.programs, graph) if schedule is not None else None
+        self.programs = fuse_programs(schedule.programs, graph)
         self.kernels = Kernels(graph)
-        self.params: dict[str, Any] = {}  # no plan: whole params on the device
-        self.loaded: dict[tuple[int, int], Any] = {}  # plan: (device, buffer) -> its block of a param
+        self.loaded: dict[tuple[int, int], Any] = {}  # (device, buffer) -> its block of a param
         self.param_names = {r.name for r in graph.relations if r.kind == "param"}
         self.last_times: list[OpTime] = []
         self.copy_streams: dict[Any, Any] = {}  # GPU -> the stream copies to and from it run on
 
     def load(self, params: Mapping[str, Any]) -> None:
-        """Keep each param (or, with a plan, each device's blocks of it, on that device)."""
-        torch = torch_module()
-        self.params = {}
+        """Keep each device's blocks of each param, on that device."""
         self.loaded = {}
         for name, value in params.items():
             if name not in self.param_names:
                 continue
-            if self.schedule is None:
-                self.params[name] = TorchOps(self.devices[0]).asarray(value, device=self.devices[0])
-                continue
             whole = TorchOps().asarray(value)
-            assert self.programs is not None
             for d, _, op in self.programs.ops():
                 if isinstance(op, ir.Load) and op.relation == name:
                     block = whole[op.region.at(Region.whole(tuple(whole.shape)))]
                     self.loaded[(d, op.buf)] = block.to(self.devices[d]).contiguous()
-        del torch
 
     def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
         """Run on ``inputs`` (the program's inputs, whole); with ``record``, the time of every
         op is kept in ``last_times``.  Outputs come whole on the first device (every logical
         device lives in this process: there is nothing else to gather to)."""
-        if self.schedule is None:
-            return self._whole(inputs)
-        return self._planned(inputs, record)
-
-    def _whole(self, inputs: Mapping[str, Any]) -> Outputs:
-        xp = TorchOps(self.devices[0])
-        values = {**{k: xp.asarray(v, device=self.devices[0]) for k, v in inputs.items()}, **self.params}
-        env = evaluate(self.graph, values, keep=self.graph.outputs, xp=xp)
-        return Outputs({k: env[k].data for k in self.graph.outputs}, {k: env[k].present for k in self.graph.outputs})
-
-    def _planned(self, inputs: Mapping[str, Any], record: bool) -> Outputs:
         schedule, programs = self.schedule, self.programs
-        assert schedule is not None and programs is not None
         whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
         start = time.perf_counter()
         times: list[OpTime] = []
@@ -221,6 +202,13 @@ class CopyStreams(Mailbox):
         if gpu not in self.streams:
             self.streams[gpu] = self.torch.cuda.Stream(device=gpu)
         return self.streams[gpu]
+
+
+def one_device(graph: Graph) -> Schedule:
+    """The program on one device, as a plan's device program (every rule one block, on device
+    0), so that it runs through the interpreter, kernels and fusions every plan runs through."""
+    machine = preset("cpux1")
+    return synthesize(graph, build(graph, machine, "replicate"), machine)
 
 
 def _recorder(device: int, start: float, times: list[OpTime]) -> Callable[[int, ir.Op, str], None]:
