@@ -477,10 +477,12 @@ def worker(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo", init_method=os.environ[INIT_ENV], rank=rank, world_size=world, timeout=timeout)
     else:  # torchrun
         dist.init_process_group("gloo", init_method="env://", timeout=timeout)
-    try:
-        return run_rank(args, dist.get_rank(), dist.get_world_size())
-    finally:
-        dist.destroy_process_group()
+    code = run_rank(args, dist.get_rank(), dist.get_world_size())
+    # Every rank done before any tears its group down: a gloo group whose peer has gone can
+    # abort in its destructor ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
 
 
 def run_rank(args: argparse.Namespace, rank: int, world: int) -> int:

@@ -6,6 +6,7 @@ besides the CLI that imports every stage.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 import zlib
@@ -298,7 +299,11 @@ def _convert(value: Any, rel: Relation, span: Span | None) -> np.ndarray:
     return arr
 
 
-def _finish(program: ast.Program, dims: Mapping[str, int] | None, consts: Mapping[str, float] | None) -> Program:
+def _finish(
+    program: ast.Program, dims: Mapping[str, int] | None, consts: Mapping[str, float] | None, dtype: str | None
+) -> Program:
+    if dtype is not None:
+        program = retyped(program, dtype)
     graph, diagnostics = compile_program(program, dims, consts)
     for d in diagnostics:
         warnings.warn(d.render(), EdlWarning, stacklevel=3)
@@ -310,10 +315,12 @@ def compile(  # noqa: A001 - the natural name; shadows the builtin only inside t
     *,
     dims: Mapping[str, int] | None = None,
     consts: Mapping[str, float] | None = None,
+    dtype: str | None = None,
 ) -> Program:
     """Compile the ``.edl`` file at ``path``.  ``dims`` and ``consts`` override declared values
-    (derived dims such as ``E = D / H`` follow)."""
-    return _finish(parse_file(os.fspath(path)), dims, consts)
+    (derived dims such as ``E = D / H`` follow); ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``,
+    ``"f64"``) re-types every float input and param, and so every float rule."""
+    return _finish(parse_file(os.fspath(path)), dims, consts, dtype)
 
 
 def compile_string(
@@ -322,9 +329,27 @@ def compile_string(
     name: str = "<string>",
     dims: Mapping[str, int] | None = None,
     consts: Mapping[str, float] | None = None,
+    dtype: str | None = None,
 ) -> Program:
-    """Compile program text; ``name`` is used in error locations."""
-    return _finish(parse(text, name), dims, consts)
+    """Compile program text; ``name`` is used in error locations; the rest as :func:`compile`."""
+    return _finish(parse(text, name), dims, consts, dtype)
+
+
+def retyped(program: ast.Program, dtype: str) -> ast.Program:
+    """``program`` with every float input and param declared ``dtype`` (a float type); int and
+    bool relations keep theirs.  Rules take their types from what they read, so every float
+    rule follows."""
+    if dtype not in dtypes.FLOATS:
+        raise EdlError(
+            f"dtype {dtype!r} is not a float type", help=f"use one of {', '.join(dtypes.FLOATS)} (re-types the floats)"
+        )
+    statements = tuple(
+        dataclasses.replace(s, dtype=dtype)
+        if isinstance(s, ast.RelationDecl) and dtypes.kind(s.dtype) == "float"
+        else s
+        for s in program.statements
+    )
+    return dataclasses.replace(program, statements=statements)
 
 
 def executable(

@@ -17,6 +17,7 @@ from edatalog.backend.runtime import RUNTIMES
 from edatalog.cli import calibrate, plans, programs, show
 from edatalog.cli.common import positive_int, seed
 from edatalog.errors import EdlError
+from edatalog.ir.dtypes import FLOATS
 
 _RAW = argparse.RawDescriptionHelpFormatter
 
@@ -31,6 +32,11 @@ def _program_args(sp: argparse.ArgumentParser, json_help: str) -> None:
         help="override a dim (repeatable); derived dims such as E = D / H follow",
     )
     sp.add_argument("--const", action="append", default=[], metavar="K=V", help="override a const (repeatable)")
+    sp.add_argument(
+        "--dtype",
+        choices=FLOATS,
+        help="re-type every float input and param (and so every float rule), e.g. bf16 for a program written in f32",
+    )
     sp.add_argument("--json", action="store_true", help=json_help)
 
 

@@ -57,7 +57,9 @@ def compile_args(args: argparse.Namespace) -> Any:
 
     with warnings.catch_warnings():  # the CLI prints warnings itself, as diagnostics
         warnings.simplefilter("ignore")
-        return compile_program(args.file, dims=overrides(args.dim, "dim"), consts=overrides(args.const, "const"))
+        return compile_program(
+            args.file, dims=overrides(args.dim, "dim"), consts=overrides(args.const, "const"), dtype=args.dtype
+        )
 
 
 def print_warnings(prog: Any) -> None:

@@ -264,6 +264,7 @@ def _run_torch(args: argparse.Namespace) -> int:
         args.file,
         overrides(args.dim, "dim"),
         overrides(args.const, "const"),
+        args.dtype,
         args.plan,
         args.inputs,
         args.random,

@@ -31,6 +31,7 @@ class Job:
     file: str
     dims: dict[str, int]
     consts: dict[str, float]
+    dtype: str | None
     plan: str | None
     inputs: str | None
     random: int | None
@@ -68,7 +69,7 @@ def run(job: Job, nproc: int | None) -> Result:
 def _program_and_plan(job: Job) -> tuple[Any, Any]:
     import edatalog
 
-    prog = edatalog.compile(job.file, dims=job.dims, consts=job.consts)
+    prog = edatalog.compile(job.file, dims=job.dims, consts=job.consts, dtype=job.dtype)
     plan = edatalog.load_plan(job.plan, prog) if job.plan is not None else None
     return prog, plan
 

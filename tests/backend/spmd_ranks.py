@@ -165,7 +165,7 @@ def _cli_refusal(case: Case) -> str:
     from edatalog.cli import torch_run
     from edatalog.errors import EdlError
 
-    job = torch_run.Job(case.source, case.dims, {}, case.plan, None, 0, "cpu", 1, 0, False)
+    job = torch_run.Job(case.source, case.dims, {}, None, case.plan, None, 0, "cpu", 1, 0, False)
     try:
         torch_run.rank_main(job)
     except EdlError as exc:

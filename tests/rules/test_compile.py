@@ -57,7 +57,7 @@ def test_gqa_heads_split_by_declared_products(tmp_path: Path) -> None:
     g = prog.graph
     assert g.relation("q").shape == (1, 5, 2, 3, 8)
     assert g.relation("q").symbols == ("B", "S", "KVH", "G", "E")
-    assert g.relation("ang").symbols == ("S", "E/2")
+    assert g.relation("rc").symbols == ("S", "E/2")
     assert g.relation("qr").symbols[-1] == "E"  # (0, i) and (1, i) with i:E/2 make an axis of E
 
 

@@ -1,0 +1,201 @@
+"""One LLaMA block on one CPU device: edatalog's torch backend against transformers' layer.
+
+In one process, with the same torch thread count for both (--threads, default torch's), each case
+times one LLaMA-shaped decoder block (default D=1024, H=16, F=2816, S=512, B=1) run by:
+
+  transformers  LlamaDecoderLayer (sdpa attention) in the case's dtype, under torch.no_grad()
+  edatalog      programs/llama_block.edl compiled with the case's dtype and run by
+                edatalog.executable(prog, backend="torch", device="cpu") (no plan: the one-device
+                program, through the interpreter, kernels and fusions every plan runs through)
+
+Cases: f32 with as many key/value heads as query heads (MHA), f32 with a quarter as many (GQA:
+KVH=4 of H=16), and bf16 MHA.  Both contenders take the same weights (made once from --seed) and
+must first reproduce the f32 single-process transformers layer with eager attention: the largest
+error relative to the
+largest |reference| at most 1e-4 in f32 and 3e-2 in bf16.  A contender that fails is not timed
+and the script exits 1.
+
+Timing: --warmup calls each, then --repeat rounds, each round calling both in turn (drift in the
+machine's load hits both alike); the table shows medians.  Then edatalog's share of the time by
+kernel class, from one recorded call: contractions (sums of products: matmuls), reductions,
+elementwise rules, fused attention (scaled_dot_product_attention), and the rest (loads, frees).
+Classes come from each rule's structure, never from its name.
+
+  .venv/bin/python benchmarks/kernels.py                          # every case
+  .venv/bin/python benchmarks/kernels.py --cases f32-mha --repeat 5
+  .venv/bin/python benchmarks/kernels.py --dims D=256,F=704,S=128 --json
+
+Times are measured on this machine: close everything else first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import llama_weights as lw  # noqa: E402
+
+CASES = {"f32-mha": ("f32", False), "f32-gqa": ("f32", True), "bf16-mha": ("bf16", False)}  # dtype, grouped
+TOLERANCE = {"f32": 1e-4, "bf16": 3e-2}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Time one LLaMA block on one CPU device: edatalog's torch backend against transformers.",
+        epilog="example: .venv/bin/python benchmarks/kernels.py --cases f32-mha,bf16-mha --repeat 10",
+    )
+    p.add_argument("--dims", default="", help=f"override dims, e.g. D=256,F=704,S=128 (default: {lw.BlockDims()})")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    p.add_argument("--repeat", type=int, default=15, help="timed rounds (default 15)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls of each first (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the input")
+    p.add_argument("--json", action="store_true", help="print every number as JSON instead of tables")
+    args = p.parse_args(argv)
+    unknown = [c for c in args.cases.split(",") if c and c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    return args
+
+
+@dataclass
+class Row:
+    case: str
+    contender: str
+    ms: float
+    error: float
+    ok: bool
+
+
+def kernel_class(node: Any) -> str:
+    """What kind of kernel a rule is, by its structure: a sum of products over aggregated
+    indices is a contraction; another aggregation a reduction; the rest elementwise."""
+    if node.agg_indices and node.aggop in ("+=",) and len(node.inputs) >= 2:
+        return "contraction"
+    if node.agg_indices:
+        return "reduction"
+    return "elementwise"
+
+
+def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) -> tuple[list[Row], dict[str, float]]:
+    import torch
+
+    import edatalog
+
+    dtype, grouped = CASES[name]
+    dims = lw.BlockDims().with_text(args.dims) if args.dims else lw.BlockDims()
+    dims = dims.with_text(f"KVH={max(1, dims.H // 4) if grouped else dims.H}")
+    consts = lw.program_consts(dims)
+    weights = lw.make_weights(dims, args.seed)
+    x = lw.make_input(dims, args.seed)
+    cos, sin = lw.rope(dims, consts)
+    want = lw.reference(lw.hf_layer(dims, consts, weights, attn_implementation="eager"), x, cos, sin)
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    layer = lw.hf_layer(dims, consts, weights, attn_implementation="sdpa").to(tdtype)
+    xd, cosd, sind = x.to(tdtype), cos.to(tdtype), sin.to(tdtype)
+
+    def hf() -> Any:
+        with torch.no_grad():
+            out = layer(xd, position_embeddings=(cosd, sind))
+        return out[0] if isinstance(out, tuple) else out
+
+    prog = edatalog.compile(lw.PROGRAM, dims=dims.edl_dims(), dtype=dtype)
+    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe.load(dict(weights))
+
+    def ed() -> Any:
+        return exe({"x": x})["y"]
+
+    contenders = {"transformers": hf, "edatalog": ed}
+    rows: dict[str, Row] = {}
+    for who, call in contenders.items():
+        got = call().float()
+        err = float((got - want).abs().max() / want.abs().max())
+        rows[who] = Row(name, who, float("nan"), err, err <= TOLERANCE[dtype])
+        log(f"{name} {who}: max error {err:.2e} of max |y|: {'ok' if rows[who].ok else 'FAILED'}")
+    ready = {who: call for who, call in contenders.items() if rows[who].ok}
+    for _ in range(args.warmup):
+        for call in ready.values():
+            call()
+    times: dict[str, list[float]] = {who: [] for who in ready}
+    for _ in range(args.repeat):
+        for who, call in ready.items():
+            start = time.perf_counter()
+            call()
+            times[who].append(time.perf_counter() - start)
+    for who, ts in times.items():
+        rows[who].ms = statistics.median(ts) * 1e3
+    exe.run({"x": x}, record=True)
+    shares: dict[str, float] = {}
+    for _, label, begin, end in exe.last_times:
+        rule = label.split("#")[0]
+        if label.startswith("attention"):
+            kind = "fused attention"
+        elif rule in {n.name for n in prog.graph.nodes}:
+            kind = kernel_class(prog.graph.node(rule))
+        else:
+            kind = "other"
+        shares[kind] = shares.get(kind, 0.0) + (end - begin) * 1e3
+    return list(rows.values()), shares
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    warnings.simplefilter("ignore")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    def log(text: str) -> None:
+        print(f"[kernels] {text}", file=sys.stderr, flush=True)
+
+    results: list[Row] = []
+    profiles: dict[str, dict[str, float]] = {}
+    for name in [c for c in args.cases.split(",") if c]:
+        rows, shares = run_case(name, args, log)
+        results += rows
+        profiles[name] = shares
+    machine = {
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if args.json:
+        print(json.dumps({"machine": machine, "results": [r.__dict__ for r in results], "profile": profiles}))
+    else:
+        print(f"kernels: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}")
+        dims = lw.BlockDims().with_text(args.dims) if args.dims else lw.BlockDims()
+        print(f"block: {dims}; {args.warmup} warm-up calls, {args.repeat} rounds\n")
+        print(f"{'case':<9}  {'contender':<12}  {'measured ms':>11}  {'/ transformers':>14}  {'max error':>9}")
+        print("-" * 64)
+        base = {r.case: r.ms for r in results if r.contender == "transformers"}
+        for r in results:
+            ratio = r.ms / base[r.case] if r.case in base and r.ok else float("nan")
+            print(f"{r.case:<9}  {r.contender:<12}  {r.ms:>11.1f}  {ratio:>14.2f}  {r.error:>9.1e}")
+        print("\nedatalog's time by kernel class (one recorded call, ms):")
+        for case, shares in profiles.items():
+            total = sum(shares.values())
+            parts = ", ".join(
+                f"{k} {v:.1f} ({v / total:.0%})" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
+            )
+            print(f"  {case}: {parts}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
