@@ -118,6 +118,8 @@ def _pair(a: Operand, b: Operand, keep: set[str], xp: ArrayOps) -> Operand:
     rhs = xp.transpose(y, [iy.index(v) for v in (*batch, *shared, *cols)]).reshape(nb, ns, nc)
     if nr == 1 and nc == 1:  # a dot product per batch: one matmul of 1-by-1 results per batch is slow
         result = ops.reduce("sum", lhs.reshape(nb, ns) * rhs.reshape(nb, ns), (1,), xp)
+    elif nb == 1:  # a plain GEMM: a batch of one goes another, slower way in some libraries (bf16: 2x)
+        result = xp.matmul(lhs.reshape(nr, ns), rhs.reshape(ns, nc))
     else:
         result = xp.matmul(lhs, rhs)
     return result.reshape([size[v] for v in (*batch, *rows, *cols)]), (*batch, *rows, *cols)

@@ -121,7 +121,8 @@ def evaluate_node(
     xp: ArrayOps = NUMPY,
     known: Known | None = None,
 ) -> tuple[Array, Array | None, list[str]]:
-    """The node's result over its output indices (in join order), in its compute dtype, its
+    """The node's result over its output indices (in join order), in its compute dtype (a
+    native half-precision GEMM's, see :func:`_native_gemm`, in the node's own dtype), its
     presence (None: every cell), and those indices.  ``data[k]``/``present[k]`` hold input
     ``k``'s relation laid out as the node's access reads it (0 where absent), as arrays of
     ``xp`` (numpy arrays are accepted by every namespace); results are ``xp``'s, on the inputs'
@@ -131,8 +132,9 @@ def evaluate_node(
         present = [None] * len(present)
     order = [i.name for i in node.indices]
     box = node.box
-    cdt = xp.dtype(dtypes.compute_dtype(node.dtype))
     device = xp.device_of(data)
+    native = _native_gemm(node, present, xp, device)
+    cdt = xp.dtype(node.dtype if native else dtypes.compute_dtype(node.dtype))
     views = [
         access_view(xp.asarray(d, cdt, device), acc, order, box, xp=xp)
         for d, acc in zip(data, node.inputs, strict=True)
@@ -144,8 +146,30 @@ def evaluate_node(
     space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None)
     out_vars = [v for v in order if v not in node.agg_indices]
     result = _contraction(space, out_vars) if node.agg == "sum" and node.agg_indices else None
+    if native:
+        assert result is not None  # _native_gemm saw a product of two loads, nothing absent
+        value, pres = result
+        return value, pres, out_vars  # already rounded to the node's dtype, once
     value, pres = result if result is not None else _broadcast_reduce(space, out_vars)
     return value, (pres if known is None else known.present), out_vars
+
+
+def _native_gemm(node: JoinAgg, present: Sequence[Array | None], xp: ArrayOps, device: Any) -> bool:
+    """Whether ``node`` is a half-precision sum of the product of two inputs, with no guard,
+    scale or absent cell, that ``xp`` multiplies natively (accumulating in f32, rounding once:
+    the semantics of a ``bf16`` rule): then it runs as one matmul on its half-precision inputs,
+    never widened to f32 first (which makes a CPU's bf16 GEMM several times slower)."""
+    if node.dtype not in ("bf16", "f16") or node.agg != "sum" or not node.agg_indices:
+        return False
+    if not node.guard.is_true or any(p is not None for p in present):
+        return False
+    if not xp.native_matmul(node.dtype, device):
+        return False
+    form = product_form(node)
+    if form is None or form.constants or form.negate or len(form.factors) != 2:
+        return False
+    loads = [n for k, power in form.factors if power == 1 and isinstance(n := node.expr.nodes[k], Load)]
+    return len(loads) == 2 and loads[0].input != loads[1].input
 
 
 def known_presence(node: JoinAgg, exact_inputs: bool, xp: ArrayOps = NUMPY, device: Any = None) -> Known | None:

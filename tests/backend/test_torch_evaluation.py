@@ -376,3 +376,37 @@ def test_cuda_tensors_stay_on_the_gpu() -> None:
     got = evaluate(prog.graph, on_gpu, xp=TORCH)
     assert all(v.data.is_cuda for v in got.values())
     _assert_same_relations(got, evaluate(prog.graph, inputs), RTOL, ATOL)
+
+
+def test_half_precision_gemms_run_natively_where_the_library_accumulates_in_f32() -> None:
+    """A bf16 sum of two inputs' product is one bf16 matmul on torch (accumulating in f32,
+    rounding once: what the rule means), not a matmul of inputs widened to f32; f16 only on a
+    GPU; a guard, a scale, a third factor or numpy keep the widened path."""
+    prog = _compile(
+        "dim N = 4, K = 8.\ninput x[N, K] : bf16.\nparam w[K, N] : bf16.\n"
+        "g[i, j] += x[i, k] * w[k, j].\n"
+        "h[i, j] += x[i, k] * w[k, j] where k <= i.\n"
+        "c[i, j] += x[i, k] * w[k, j] / 2.\n"
+        "t[i, j] += x[i, k] * w[k, j] * x[i, k].\n"
+    )
+    node = {n.name: n for n in prog.graph.nodes}
+    cpu = torch.device("cpu")
+    assert joinagg._native_gemm(node["g"], [None, None], TORCH, cpu)
+    assert not joinagg._native_gemm(node["g"], [None, None], NUMPY, None)
+    assert not joinagg._native_gemm(node["g"], [torch.ones(4, 8, dtype=torch.bool), None], TORCH, cpu)
+    for name in ("h", "c", "t"):
+        assert not joinagg._native_gemm(node[name], [None, None], TORCH, cpu), name
+    assert not TORCH.native_matmul("f16", cpu) and TORCH.native_matmul("f16", torch.device("cuda", 0))
+    inputs = prog.random_inputs(0)
+    got = evaluate_node(
+        node["g"],
+        [
+            torch.from_numpy(inputs["x"].astype(np.float32)).bfloat16(),
+            torch.from_numpy(inputs["w"].astype(np.float32)).bfloat16(),
+        ],
+        [None, None],
+        TORCH,
+    )[0]
+    want = inputs["x"].astype(np.float32) @ inputs["w"].astype(np.float32)
+    assert got.dtype == torch.bfloat16
+    np.testing.assert_allclose(got.float().numpy(), want, rtol=2.0**-8, atol=1e-6)
