@@ -580,11 +580,11 @@ class TorchCollectives:
                 data = data.clone(memory_format=torch_module().contiguous_format)
             work, back = self._reducible(data)
             self.dist.all_reduce(work, op=self.reduce_ops[str(op.reduce)], group=group)
-            dev.store[op.buf] = Buffer(op.whole, back(work), None)
+            dev.keep(op.buf, Buffer(op.whole, back(work), None))
         elif op.kind is Kind.REDUCE_SCATTER:
-            dev.store[op.buf] = self._reduce_scatter(dev, op, source, group)
+            dev.keep(op.buf, self._reduce_scatter(dev, op, source, group))
         else:
-            dev.store[op.buf] = self._all_gather(dev, op, source, group)
+            dev.keep(op.buf, self._all_gather(dev, op, source, group))
 
     def _reduce_scatter(self, dev: Device, op: ir.Collective, source: Buffer, group: Any) -> Buffer:
         torch = torch_module()

@@ -165,6 +165,8 @@ class Device:
         self.xp, self.device, self.on_op = xp, device, on_op
         self.store: dict[int, Buffer] = {}
         self.position = 0
+        self.live_bytes = 0  # of the buffers in the store (a buffer's cells, and its mask)
+        self.peak_bytes = 0  # the most ``live_bytes`` has been
 
     @property
     def index(self) -> int:
@@ -189,29 +191,35 @@ class Device:
             self.on_op(self.position, op, "end")
         self.position += 1
 
+    def keep(self, buf: int, piece: Buffer) -> None:
+        """Hold ``piece`` as buffer ``buf`` (counted in this device's live and peak bytes)."""
+        self.store[buf] = piece
+        self.live_bytes += _nbytes(piece)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
     def execute(self, op: ir.Op, transport: Transport) -> None:
         xp = self.xp
         if isinstance(op, ir.Load):
             data = xp.asarray(self.loader(op), xp.dtype(op.dtype), self.device)
-            self.store[op.buf] = Buffer(op.region, data, None)
+            self.keep(op.buf, Buffer(op.region, data, None))
         elif isinstance(op, ir.Kernel):
-            self.store[op.buf] = self.kernel(op)
+            self.keep(op.buf, self.kernel(op))
         elif isinstance(op, ir.Send):
             transport.send(self.index, op, self.cut(self.get(op.buf), op.region))
         elif isinstance(op, ir.Recv):
             piece = transport.recv(self.index, op)
             if piece.region != op.region:
                 raise ExecutionError(f"device {self.index} receives {piece.region} for #{op.tag}, not {op.region}")
-            self.store[op.buf] = piece
+            self.keep(op.buf, piece)
         elif isinstance(op, ir.Fused):
-            self.store[op.buf] = self.fused(op)
+            self.keep(op.buf, self.fused(op))
         elif isinstance(op, ir.Combine):
             parts = [self.cut(self.get(b), op.region) for b in op.sources]
             agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
-            self.store[op.buf] = self.fold(parts, agg, op.dtype, op.full)
+            self.keep(op.buf, self.fold(parts, agg, op.dtype, op.full))
         else:
             assert isinstance(op, ir.Free)
-            self.get(op.buf)
+            self.live_bytes -= _nbytes(self.get(op.buf))
             del self.store[op.buf]
 
     # -- buffers -------------------------------------------------------------------------------
@@ -311,8 +319,10 @@ class Device:
             for k in op.body:
                 self.execute(k, NO_MESSAGES)
             for b in op.internal:
-                del self.store[b]
-            return self.store.pop(op.buf)
+                self.live_bytes -= _nbytes(self.store.pop(b))
+            made = self.store.pop(op.buf)
+            self.live_bytes -= _nbytes(made)  # kept again as the fused op's buffer
+            return made
         sc, out = op.kernels[0], op.kernels[-1]
         chain = fast.chain
         operands = []
@@ -345,6 +355,10 @@ class Device:
         assert present is not None
         acc = xp.where(present, acc, xp.constant(0, cdt))
         return Buffer(parts[0].region, acc, None if xp.all(present) else present)
+
+
+def _nbytes(piece: Buffer) -> int:
+    return int(piece.data.nbytes) + (0 if piece.present is None else int(piece.present.nbytes))
 
 
 def run_devices(

@@ -102,6 +102,7 @@ class SpmdExecutable:
         self.full = {op.buf: op.full for op in made}
         self.buffer_dtype = {op.buf: op.dtype for op in made}
         self.last_times: list[OpTime] = []
+        self.last_peak: dict[int, int] = {}  # this rank's device -> the most bytes it held in the last call
         self._in_flight: list[Any] = []  # sends posted and not yet waited for
         self._kept: list[Any] = []  # what they send
         self._agree()
@@ -155,6 +156,9 @@ class SpmdExecutable:
         start = time.perf_counter()
         times: list[OpTime] = []
         dev = Device(self.program, self.graph, self.kernels, slicer(whole, self.blocks), self.xp, self.device)
+        torch = torch_module()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         ops = self.program.ops
         k = 0
         while k < len(ops):
@@ -187,6 +191,8 @@ class SpmdExecutable:
                 request.wait()
         self._in_flight, self._kept = [], []
         self.last_times = times
+        on_gpu = self.device.type == "cuda"
+        self.last_peak = {self.rank: int(torch.cuda.max_memory_allocated(self.device)) if on_gpu else dev.peak_bytes}
         return self._outputs(dev, gather_outputs)
 
     def _exchange(self, dev: Device, ops: Sequence[ir.Op]) -> None:
@@ -223,7 +229,7 @@ class SpmdExecutable:
         self._kept.extend(keep)
         for op, data, present in arriving:
             value = data.view(self.xp.dtype(op.dtype))
-            dev.store[op.buf] = Buffer(op.region, value, None if present is None else present.bool())
+            dev.keep(op.buf, Buffer(op.region, value, None if present is None else present.bool()))
 
     @contextlib.contextmanager
     def _waiting(self, what: str, peer: int | None) -> Iterator[None]:

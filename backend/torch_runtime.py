@@ -94,6 +94,7 @@ class TorchExecutable:
         self.loaded: dict[tuple[int, int], Any] = {}  # (device, buffer) -> its block of a param
         self.param_names = {r.name for r in graph.relations if r.kind == "param"}
         self.last_times: list[OpTime] = []
+        self.last_peak: dict[int, int] = {}  # device -> the most bytes it held in the last call
         self.copy_streams: dict[Any, Any] = {}  # GPU -> the stream copies to and from it run on
 
     def load(self, params: Mapping[str, Any]) -> None:
@@ -127,8 +128,17 @@ class TorchExecutable:
                 Device(prog, self.graph, self.kernels, load, TorchOps(self.devices[d]), self.devices[d], on_op)
             )
 
+        gpus = {dev for dev in self.devices if dev.type == "cuda"}
+        for gpu in gpus:
+            torch_module().cuda.reset_peak_memory_stats(gpu)
         run_devices(devices, CopyStreams(self.devices, self.copy_streams))
         self.last_times = times
+        self.last_peak = {
+            d.index: int(torch_module().cuda.max_memory_allocated(self.devices[d.index]))
+            if self.devices[d.index] in gpus
+            else d.peak_bytes
+            for d in devices
+        }
         values, present = {}, {}
         for name in self.graph.outputs:
             entries = schedule.outputs[name]

@@ -59,6 +59,18 @@ class Executable:
         """Each op's (device, position, start, end) seconds in the last call made with ``record``."""
         return self._impl.last_times
 
+    def peak_memory(self) -> dict[int, int]:
+        """The most bytes each device held during the last call, by device (under SPMD, this
+        rank's): on a GPU what torch's allocator had out (``torch.cuda.max_memory_allocated``),
+        elsewhere the buffers of the device's program (every cell and presence mask it held),
+        loaded weights included."""
+        peak = getattr(self._impl, "last_peak", None)
+        if peak is None:
+            raise EdlError(f"the {self.runtime.name} runtime does not track memory", help="use backend='torch'")
+        if not peak:
+            raise EdlError("nothing has run yet", help="call the executable first, then ask for its peak memory")
+        return dict(peak)
+
     def load(self, params: Mapping[str, Any] | str | os.PathLike[str]) -> None:
         """Load every param: whole arrays or torch tensors by name, or a safetensors file whose
         tensors are named like the params."""

@@ -428,3 +428,22 @@ def test_a_block_cut_off_its_query_without_keys_is_fused(sdpa: Spy) -> None:
     assert first.kernels[0].range_map["s"] == (1, 4)
     # Queries 1..3 over keys 0..2 are a lower triangle again; queries 4..7 over keys 0..6 are not.
     assert sorted(sdpa.masks()) == ["causal", "explicit"]
+
+
+def test_fused_attention_never_holds_the_scores_and_peak_memory_says_so() -> None:
+    """At S=2048 with 2 heads the scores are 2·2048·2048 f32 cells (32 MiB); fused, the
+    program's buffers peak far below that (inputs, weights, q, k, v and the output: about
+    1 MiB), and ``exe.peak_memory()`` reports it."""
+    prog = edatalog.compile(PROGRAMS / "attention.edl", dims={"B": 1, "S": 2048, "D": 32, "H": 2})
+    values = prog.random_inputs(0)
+    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    with pytest.raises(edatalog.EdlError, match="nothing has run yet"):
+        exe.peak_memory()
+    exe.load({k: v for k, v in values.items() if k != "x"})
+    out = exe({"x": values["x"]})["y"]
+    np.testing.assert_allclose(out.numpy(), prog.run(values)["y"], rtol=1e-4, atol=1e-5)
+    peak = exe.peak_memory()
+    scores = 2 * 2048 * 2048 * 4
+    everything_else = sum(r.nbytes for r in prog.graph.relations if r.name not in ("sc", "m", "p", "l"))
+    assert set(peak) == {0} and 0 < peak[0] <= everything_else < scores // 8, (peak, everything_else)
+    assert exe.peak_memory() is not exe.peak_memory()  # a copy: the caller may keep it
