@@ -301,6 +301,7 @@ def _run_torch(args: argparse.Namespace) -> int:
             "measured_ms": measured,
             "calls_ms": result.calls_ms,
             "per_rank_ms": result.per_rank_ms,
+            "peak_memory": {str(d): b for d, b in sorted(result.peak_bytes.items())},
             "predicted_ms": predicted,
             "outputs": summary,
         }
@@ -317,6 +318,9 @@ def _run_torch(args: argparse.Namespace) -> int:
     )
     if len(result.per_rank_ms) > 1:
         print("per rank: " + ", ".join(f"{r}: {t:.3f} ms" for r, t in enumerate(result.per_rank_ms)))
+    if result.peak_bytes:
+        peaks = ", ".join(f"{d}: {human(b)}B" for d, b in sorted(result.peak_bytes.items()))
+        print(f"peak memory per device (measured): {peaks}")
     for path, what in ((args.output, "outputs"), (args.trace, "measured trace")):
         if path:
             print(f"wrote {what} {path}")

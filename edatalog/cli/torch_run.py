@@ -44,13 +44,15 @@ class Job:
 @dataclass
 class Result:
     """What rank 0 reports: the outputs (whole, numpy), each call's time (slowest rank), each
-    rank's own median, and the measured op times of the last call (with ``record``)."""
+    rank's own median, the measured op times of the last call (with ``record``), and the most
+    bytes each device held in a timed call."""
 
     outputs: dict[str, np.ndarray]
     absent: dict[str, int]
     calls_ms: list[float]
     per_rank_ms: list[float]
     op_times: list[OpTime] = field(default_factory=list)
+    peak_bytes: dict[int, int] = field(default_factory=dict)
 
 
 def run(job: Job, nproc: int | None) -> Result:
@@ -107,7 +109,7 @@ def _in_process(job: Job) -> Result:
         calls.append((time.perf_counter() - start) * 1e3)
     assert out is not None
     outputs, absent = _numpy_outputs(out)
-    return Result(outputs, absent, calls, [statistics.median(calls)], list(exe.last_times))
+    return Result(outputs, absent, calls, [statistics.median(calls)], list(exe.last_times), exe.peak_memory())
 
 
 def rank_main(job: Job) -> Result:
@@ -144,13 +146,19 @@ def rank_main(job: Job) -> Result:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         calls.append(float(elapsed) * 1e3)
     times = list(exe.last_times)
+    peak = exe.peak_memory()  # of a timed call: the gathered one below holds every output whole
     out = exe.run(inputs)  # once more, gathered: every rank gets the outputs whole
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, statistics.median(mine))
     all_times: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(all_times, times)
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
     outputs, absent = _numpy_outputs(out)
-    return Result(outputs, absent, calls, [float(t) for t in per_rank], [t for ts in all_times for t in ts])
+    flat = [t for ts in all_times for t in ts]
+    return Result(
+        outputs, absent, calls, [float(t) for t in per_rank], flat, {d: b for p in peaks for d, b in p.items()}
+    )
 
 
 def _synchronize(out: dict[str, Any]) -> None:

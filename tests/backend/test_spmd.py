@@ -381,6 +381,7 @@ def test_edl_run_starts_the_ranks_itself(tmp_path: Path) -> None:
     assert report["nproc"] == 2 and report["backend"] == "torch"
     assert report["measured_ms"] > 0 and report["predicted_ms"] > 0
     assert len(report["calls_ms"]) == 3 and len(report["per_rank_ms"]) == 2
+    assert set(report["peak_memory"]) == {"0", "1"} and all(b > 0 for b in report["peak_memory"].values())
     want = prog.run(prog.random_inputs(0))["y"]
     got = np.load(out)["y"]
     _assert_equal(got, want, False, "edl run --nproc 2")

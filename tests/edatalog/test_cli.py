@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import edatalog
 from edatalog.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,3 +234,30 @@ def test_run_refuses_a_program_too_big_before_drawing_inputs(
     assert "ln_linear.edl:2:7: error: not enough memory: input 'x' needs a [1, 1000000000, 256] f32 buffer" in err
     assert "954 GiB" in err
     assert "Traceback" not in err
+
+
+def test_run_with_torch_measures_time_and_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``edl run --backend torch`` (here without a plan: one device) reports what it measured:
+    each call's time, and the device's peak memory, which holds at least the weights."""
+    code, out, err = _run(capsys, "run", str(ROOT / "programs" / "mlp.edl"), "--backend", "torch", "--random", "0")
+    assert code == 0, err
+    assert "ran the program on one device with torch in this process" in out
+    assert "peak memory per device (measured): 0: " in out
+    code, out, err = _run(
+        capsys,
+        "run",
+        str(ROOT / "programs" / "mlp.edl"),
+        "--backend",
+        "torch",
+        "--random",
+        "0",
+        "--repeat",
+        "2",
+        "--json",
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert len(report["calls_ms"]) == 2 and report["measured_ms"] > 0 and report["predicted_ms"] is None
+    prog = edatalog.compile(ROOT / "programs" / "mlp.edl")
+    weights = sum(r.nbytes for r in prog.arguments if r.kind == "param")
+    assert set(report["peak_memory"]) == {"0"} and report["peak_memory"]["0"] >= weights
