@@ -8,10 +8,10 @@ compute and communication overlap wherever dependencies allow, and no transfer w
 whose data comes later.  On a link whose transfers take the computing cores' time
 (``Link.interference``, e.g. gloo between CPU processes) a transfer also holds back each end's
 compute engine by that share of its time: the kernel running then ends that much later, or the
-next one starts that much later.  A send itself takes no time (it hands its data to the transfer).  What
-ops cost comes from the schedule's cost table, not from the ops.  Memory counts every buffer from
-the start of the op that makes it until the end of the last op that reads it before its
-``Free``; buffers never freed (loaded inputs and params, outputs) stay.
+next one starts that much later.  A send itself takes no time (it hands its data to the
+transfer).  What ops cost comes from the schedule's cost table, not from the ops.  Memory
+counts every buffer from the start of the op that makes it until the end of the last op that
+reads it before its ``Free``; buffers never freed (loaded inputs and params, outputs) stay.
 """
 
 from __future__ import annotations
