@@ -51,10 +51,13 @@ def op_label(op: ir.Op) -> str:
 
 def torch_devices(device: str | Sequence[str] | None, n: int) -> list[Any]:
     """The torch device of each of ``n`` logical devices: one name for all of them, or one per
-    logical device; None: the first GPU when there is one, else the CPU."""
+    logical device (a sequence, or names separated by commas); None: the first GPU when there
+    is one, else the CPU."""
     torch = torch_module()
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str) and "," in device:
+        device = [name.strip() for name in device.split(",")]
     names = [device] * n if isinstance(device, str) else list(device)
     if len(names) != n:
         raise EdlError(f"the plan has {n} devices, but {len(names)} torch devices were given: {names}")

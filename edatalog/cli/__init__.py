@@ -84,7 +84,11 @@ def _parser() -> argparse.ArgumentParser:
         help="reference: whole tensors on numpy (default without --plan); sim: the plan's devices simulated "
         "(default with --plan); torch: for real, on --device, one process or --nproc",
     )
-    r.add_argument("--device", metavar="DEV", help="torch: cpu, cuda or cuda:N (default: cuda if there is one)")
+    r.add_argument(
+        "--device",
+        metavar="DEV",
+        help="torch: cpu, cuda or cuda:N, or one per plan device, comma-separated (default: cuda if there is one)",
+    )
     r.add_argument(
         "--nproc", type=positive_int, metavar="N", help="torch: start N processes, rank r running the plan's device r"
     )
@@ -93,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("auto", "on", "off"),
         default="auto",
         help="torch --nproc: run exchanges that are all-reduces, reduce-scatters or all-gathers as one "
-        "torch.distributed collective (auto: on NCCL, off on gloo; sets EDL_COLLECTIVES)",
+        "torch.distributed collective (auto: every kind on NCCL, all-reduces only on gloo; sets EDL_COLLECTIVES)",
     )
     r.add_argument("--repeat", type=positive_int, default=1, metavar="K", help="torch: time K calls (the median)")
     r.add_argument("--warmup", type=int, default=1, metavar="W", help="torch: untimed calls first (default 1)")

@@ -332,3 +332,15 @@ def test_logical_devices_on_two_gpus_copy_on_their_own_streams(strategy: str) ->
     streams = exe._impl.copy_streams  # type: ignore[attr-defined]
     assert {(gpu.type, gpu.index) for gpu in streams} == {("cuda", 0), ("cuda", 1)}
     assert all(s != torch.cuda.current_stream(gpu) for gpu, s in streams.items())
+
+
+def test_devices_by_name_one_for_all_or_one_each() -> None:
+    from edatalog.backend.torch_runtime import torch_devices
+
+    cpu = torch.device("cpu")
+    assert torch_devices("cpu", 3) == [cpu] * 3
+    assert torch_devices("cpu, cpu", 2) == torch_devices(["cpu", "cpu"], 2) == [cpu, cpu]  # as --device takes them
+    with pytest.raises(edatalog.EdlError, match="the plan has 2 devices, but 3 torch devices were given"):
+        torch_devices("cpu,cpu,cpu", 2)
+    with pytest.raises(edatalog.EdlError, match="'gpu' is not a torch device"):
+        torch_devices("gpu", 1)
