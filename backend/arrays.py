@@ -42,6 +42,18 @@ def torch_module() -> Any:
     return torch
 
 
+def wire_dtype(dtype: Any) -> Any:
+    """The torch dtype a tensor of ``dtype`` travels as between ranks: half floats as 16-bit
+    integers and bools as bytes, which every torch.distributed backend carries (moved
+    bitwise, never reduced); anything else as itself."""
+    torch = torch_module()
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.int16
+    if dtype == torch.bool:
+        return torch.uint8
+    return dtype
+
+
 class ArrayOps:
     """The operations of one array library, as the evaluator uses them.  ``device`` arguments are
     where new arrays go (None: the library's default); numpy ignores them."""

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from edatalog.backend.arrays import torch_module
+from edatalog.backend.arrays import torch_module, wire_dtype
 from edatalog.backend.exchange import Entry
 from edatalog.backend.interpreter import Buffer, Device, Kernels
 from edatalog.errors import EdlError
@@ -483,7 +483,7 @@ def _rewrite(index: _Index, chosen: Sequence[_Candidate]) -> Rewritten:
                 body.append(placed[(p.device, k)])
             elif (p.device, k) not in removed and not isinstance(op, ir.Free):
                 body.append(_renamed(op, moved))
-        devices.append(ir.DeviceProgram(p.device, tuple(_with_frees(body, freed - keep))))
+        devices.append(ir.DeviceProgram(p.device, tuple(ir.with_frees(body, freed - keep))))
     outputs = tuple(ir.OutputPiece(o.relation, o.region, o.device, moved.get(o.buf, o.buf)) for o in programs.outputs)
     return Rewritten(ir.Programs(programs.graph, programs.relations, tuple(devices), outputs), moved)
 
@@ -515,26 +515,6 @@ def _renamed_kernel(op: ir.Kernel, moved: Mapping[int, int]) -> ir.Kernel:
         joined = _union([r for _, r in renamed]) if len(bufs) == 1 and len(renamed) > 1 else None
         reads.append(((renamed[0][0], joined),) if joined is not None else renamed)
     return ir.Kernel(op.buf, op.node, op.ranges, tuple(reads), op.relation, op.region, op.dtype, op.full)
-
-
-def _with_frees(body: list[ir.Op], freed: set[int]) -> list[ir.Op]:
-    """``body`` with a Free after the last reader of each buffer in ``freed`` that it makes (as
-    :func:`edatalog.backend.fusion._with_frees` places them)."""
-    last: dict[int, int] = {}
-    for k, op in enumerate(body):
-        for b in ir.reads(op):
-            last[b] = k
-        if isinstance(op, ir.DEFINES):
-            last.setdefault(op.buf, k)
-    ends: dict[int, list[int]] = {}
-    for b, k in last.items():
-        if b in freed:
-            ends.setdefault(k, []).append(b)
-    out: list[ir.Op] = []
-    for k, op in enumerate(body):
-        out.append(op)
-        out.extend(ir.Free(b) for b in sorted(ends.get(k, ())))
-    return out
 
 
 # -- running them with torch.distributed -----------------------------------------------------------
@@ -607,7 +587,7 @@ class TorchCollectives:
         me = op.group.index(self.rank)
         mine = dev.cut(source, op.pieces[me]).data.reshape(-1)
         dtype = mine.dtype
-        wire = _wire_dtype(dtype)
+        wire = wire_dtype(dtype)
         chunk = max(p.size for p in op.pieces)
         send = torch.zeros(chunk, dtype=dtype, device=self.device)
         send[: mine.numel()] = mine
@@ -667,14 +647,3 @@ def _chunks(whole: Region, pieces: Sequence[Region]) -> bool:
         if runs[axis] != ((k * step, (k + 1) * step),):
             return False
     return True
-
-
-def _wire_dtype(dtype: Any) -> Any:
-    """What gathered cells travel as: half floats as 16-bit integers, bools as bytes (moved, not
-    reduced: every backend carries those)."""
-    torch = torch_module()
-    if dtype in (torch.bfloat16, torch.float16):
-        return torch.int16
-    if dtype == torch.bool:
-        return torch.uint8
-    return dtype

@@ -286,27 +286,7 @@ def _fuse_device(program: ir.DeviceProgram, graph: Graph, chains: list[Chain]) -
         return program
     freed = {op.buf for op in ops if isinstance(op, ir.Free)}
     body = [replace.get(k, op) for k, op in enumerate(ops) if k not in drop and not isinstance(op, ir.Free)]
-    return ir.DeviceProgram(program.device, tuple(_with_frees(body, freed)))
-
-
-def _with_frees(body: list[ir.Op], freed: set[int]) -> list[ir.Op]:
-    """``body`` with a Free after the last reader of each buffer in ``freed`` that it still
-    makes (the fused ops' inner buffers are gone; their inputs now end at the fused op)."""
-    last: dict[int, int] = {}
-    for k, op in enumerate(body):
-        for b in ir.reads(op):
-            last[b] = k
-        if isinstance(op, ir.DEFINES):
-            last.setdefault(op.buf, k)
-    ends: dict[int, list[int]] = {}
-    for b, k in last.items():
-        if b in freed:
-            ends.setdefault(k, []).append(b)
-    out: list[ir.Op] = []
-    for k, op in enumerate(body):
-        out.append(op)
-        out.extend(ir.Free(b) for b in sorted(ends.get(k, ())))
-    return out
+    return ir.DeviceProgram(program.device, tuple(ir.with_frees(body, freed)))
 
 
 def _group(

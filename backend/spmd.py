@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from edatalog.backend.arrays import TorchOps, torch_module
+from edatalog.backend.arrays import TorchOps, torch_module, wire_dtype
 from edatalog.backend.collectives import TorchCollectives, use_collectives, wanted
 from edatalog.backend.exchange import Schedule
 from edatalog.backend.fusion import fuse_programs
@@ -209,7 +209,7 @@ class SpmdExecutable:
                     posted.append(dist.P2POp(dist.isend, tensor, op.peer, tag=2 * op.tag + slot))
             else:
                 assert isinstance(op, ir.Recv)
-                data = self.xp.empty(op.region.shape, _wire_dtype(self.xp.dtype(op.dtype)), self.device)
+                data = self.xp.empty(op.region.shape, wire_dtype(self.xp.dtype(op.dtype)), self.device)
                 posted.append(dist.P2POp(dist.irecv, data, op.peer, tag=2 * op.tag))
                 present = None
                 if not op.full:
@@ -252,7 +252,7 @@ class SpmdExecutable:
         backend carries), and unless it is full, which cells exist."""
         torch = torch_module()
         data = piece.data.contiguous()
-        tensors = [data.view(_wire_dtype(data.dtype))]
+        tensors = [data.view(wire_dtype(data.dtype))]
         if not full:
             present = piece.present if piece.present is not None else torch.ones(data.shape, dtype=torch.bool)
             tensors.append(present.to(device=data.device, dtype=torch.uint8).contiguous())
@@ -283,18 +283,9 @@ class SpmdExecutable:
         if self.rank == holder:
             wire = self._wire(dev.cut(dev.get(buf), region), full)
         else:
-            wire = [self.xp.empty(region.shape, _wire_dtype(dtype), self.device)]
+            wire = [self.xp.empty(region.shape, wire_dtype(dtype), self.device)]
             if not full:
                 wire.append(self.xp.empty(region.shape, torch.uint8, self.device))
         for tensor in wire:
             self.dist.broadcast(tensor, src=holder)
         return Buffer(region, wire[0].view(dtype), None if full else wire[1].bool())
-
-
-def _wire_dtype(dtype: Any) -> Any:
-    torch = torch_module()
-    if dtype in (torch.bfloat16, torch.float16):
-        return torch.int16
-    if dtype == torch.bool:
-        return torch.uint8
-    return dtype

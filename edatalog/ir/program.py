@@ -400,6 +400,27 @@ class Programs:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def with_frees(body: list[Op], freed: set[int]) -> list[Op]:
+    """``body`` (ops of one device, without Frees) with a Free after the last reader of each
+    buffer in ``freed`` that it still makes or reads: what a pass that moves, merges or drops
+    ops uses to place the frees again."""
+    last: dict[int, int] = {}
+    for k, op in enumerate(body):
+        for b in reads(op):
+            last[b] = k
+        if isinstance(op, DEFINES):
+            last.setdefault(op.buf, k)
+    ends: dict[int, list[int]] = {}
+    for b, k in last.items():
+        if b in freed:
+            ends.setdefault(k, []).append(b)
+    out: list[Op] = []
+    for k, op in enumerate(body):
+        out.append(op)
+        out.extend(Free(b) for b in sorted(ends.get(k, ())))
+    return out
+
+
 def run_order(progs: Programs) -> list[tuple[int, int]]:
     """(device, position) of every op in an order a runtime could run them: each device in
     program order, a receive after its send, a collective once every member of its group has
