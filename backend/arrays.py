@@ -99,6 +99,18 @@ class ArrayOps:
         when given; no copy when it already is one."""
         raise NotImplementedError
 
+    def is_copy(self, made: Array, source: Any) -> bool:
+        """Whether ``made`` (``asarray(source, ...)``) is a new array that nothing else holds, so
+        an evaluator may overwrite it.  The reference (numpy) never overwrites: False."""
+        return False
+
+    def broadcast_shape(self, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        return tuple(np.broadcast_shapes(*(tuple(s) for s in shapes)))
+
+    def is_dense(self, a: Array) -> bool:
+        """Whether ``a`` is contiguous: every cell its own memory, so it can take results."""
+        raise NotImplementedError
+
     def to_numpy(self, a: Array) -> np.ndarray:
         """A copy on the host, for results handed to users and tests (never in evaluation)."""
         raise NotImplementedError
@@ -192,6 +204,9 @@ class NumpyOps(ArrayOps):
     """numpy: the reference.  bf16 arrays use ``ml_dtypes.bfloat16``."""
 
     name = "numpy"
+
+    def is_dense(self, a: Array) -> bool:
+        return bool(a.flags.c_contiguous)
 
     def dtype(self, name: str) -> np.dtype:
         return dtypes.to_numpy(name)
@@ -352,6 +367,13 @@ class TorchOps(ArrayOps):
         if here and (dtype is None or x.dtype == dtype):
             return x  # already there: the common case on every call of a runtime
         return x.to(device=device if device is not None else x.device, dtype=dtype if dtype is not None else x.dtype)
+
+    def is_copy(self, made: Array, source: Any) -> bool:
+        t = torch_module()
+        return isinstance(source, t.Tensor) and made is not source and made.data_ptr() != source.data_ptr()
+
+    def is_dense(self, a: Array) -> bool:
+        return bool(a.is_contiguous())
 
     def to_numpy(self, a: Array) -> np.ndarray:
         t = torch_module()

@@ -426,6 +426,17 @@ def _cell_groups(regions: list[Region]) -> list[tuple[Region, list[int]]]:
 # -- lowering to device programs -------------------------------------------------------------------
 
 
+def _partials(tasks: list[Task]) -> set[int]:
+    """The buffers that are partial results: combined on their device, or sent to be."""
+    partial: set[int] = set()
+    for t in reversed(tasks):
+        if isinstance(t, Combine):
+            partial.update(t.sources)
+        elif isinstance(t, Send) and t.id in partial:
+            partial.add(t.source)
+    return partial
+
+
 def _lower(
     graph: Graph, tasks: list[Task], outputs: dict[str, list[Entry]], n: int
 ) -> tuple[ProgramsIR, dict[tuple[int, int], OpCost]]:
@@ -434,6 +445,7 @@ def _lower(
     (loaded inputs and params, and output pieces, stay), and every op's cost."""
     dtype: dict[int, str] = {}
     full: dict[int, bool] = {}  # every cell of the buffer's region is known to exist
+    partial = _partials(tasks)
     ops: list[list[tuple[ir.Op, OpCost]]] = [[] for _ in range(n)]
     for t in tasks:
         if isinstance(t, Load):
@@ -441,7 +453,9 @@ def _lower(
             ops[t.device].append((ir.Load(t.id, t.relation, t.region, dtype[t.id], True), OpCost(0, t.nbytes)))
         elif isinstance(t, Compute):
             node = graph.node(t.node)
-            dtype[t.id] = dtypes.compute_dtype(node.dtype)
+            # A partial sum is kept in the compute dtype until it is combined; a finished block
+            # is rounded to the relation's dtype once, as it is made, and stored so.
+            dtype[t.id] = dtypes.compute_dtype(node.dtype) if t.id in partial else node.dtype
             writes_all = _head_is_onto(node) and t.every_point
             full[t.id] = writes_all and all(_covers(parts, full, need) for parts, need in _needs(node, t))
             ranges = tuple((i.name, *t.ranges[i.name]) for i in node.indices)

@@ -404,7 +404,9 @@ class AttentionKernel:
         self.o_head = [str(ax.parts[0].index) for ax in self.o.out_axes]
         self.f = next(v for v in self.o_head if v != self.o_s and v not in self.o_batch)
         self.mask = _mask(self.sc, self.s, self.t, torch, device)
-        self.cdt = xp.dtype(fused.kernels[0].dtype)
+        # The attention's dtype is its result's: a bf16 block runs torch's bf16 kernel (which
+        # accumulates in f32), a partial one (split keys, combined later) the f32 kernel.
+        self.cdt = xp.dtype(fused.dtype)
 
     def __call__(self, q: Array, k: Array, v: Array) -> Array:
         torch, xp = _torch(), self.xp
@@ -441,9 +443,12 @@ def _torch() -> Any:
 
 def _arrange(view: Array, order: Sequence[str], want: Sequence[str], shape: Sequence[int]) -> Array:
     """A join-space view (size 1 along indices it lacks) with axes ``want``, broadcast to
-    ``shape``, and contiguous."""
+    ``shape``: a strided view where no index is broadcast (torch's attention kernels take
+    strides, and a copy costs more than it saves), else a contiguous copy."""
     picked = view.permute([list(order).index(v) for v in want] + [k for k, v in enumerate(order) if v not in want])
     picked = picked.reshape(list(picked.shape[: len(want)]))
+    if list(picked.shape) == list(shape):
+        return picked
     return picked.expand(*shape).contiguous()
 
 

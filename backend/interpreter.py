@@ -23,6 +23,7 @@ from edatalog.backend import ops
 from edatalog.backend.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.fusion import KIND, AttentionKernel, Chain, attention_chains
 from edatalog.backend.joinagg import Known, evaluate_node, known_presence
+from edatalog.backend.prepared import Prepared, layout_of, prepare_block
 from edatalog.backend.reference import write_cells
 from edatalog.ir import program as ir
 from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
@@ -88,6 +89,21 @@ class Kernels:
         self.attention: dict[tuple[object, ...], AttentionKernel] = {}
         self.tiling: dict[tuple[Region, tuple[Region, ...]], bool] = {}
         self._chains: list[Chain] | None = None
+        self.prepared: dict[tuple[object, ...], Prepared | None] = {}
+        self.indexes: dict[tuple[object, ...], tuple[Any, ...]] = {}
+        self.shapes: dict[tuple[str, ir.Ranges], list[int]] = {}
+        self.static = static_nodes(graph)
+        self.constants: dict[tuple[int, int], Buffer] = {}  # (device, buffer) -> a static block
+
+    def constant(self, device: int, op: ir.Kernel, make: Callable[[], Buffer]) -> Buffer:
+        """The block ``op`` makes: computed by ``make``, and for a rule that reads no input or
+        param (a rotary table, a mask), computed on the first call only and kept."""
+        if op.node not in self.static:
+            return make()
+        key = (device, op.buf)
+        if key not in self.constants:
+            self.constants[key] = make()
+        return self.constants[key]
 
     def block(self, op: ir.Kernel) -> tuple[JoinAgg, JoinAgg, tuple[Region, ...]]:
         """The rule, its block as a join-agg, and what the block reads of each input."""
@@ -130,6 +146,35 @@ class Kernels:
             disjoint = all(a.intersect(b).empty for k, a in enumerate(regions) for b in regions[k + 1 :])
             self.tiling[key] = disjoint and sum(r.size for r in regions) == need.size
         return self.tiling[key]
+
+    def prepared_for(
+        self,
+        key: tuple[str, ir.Ranges],
+        block: JoinAgg,
+        data: Sequence[Array],
+        xp: ArrayOps,
+        device: Any,
+        known: Known | None,
+    ) -> Prepared | None:
+        """The block's evaluation prepared for these inputs' layouts (see ``prepare_block``),
+        made once per layout and device; None where the general evaluation runs."""
+        if xp.name != "torch" or known is None:
+            return None
+        where = (key, str(device), layout_of(data))
+        if where not in self.prepared:
+            self.prepared[where] = prepare_block(block, list(where[2]), xp, device, known)
+        return self.prepared[where]
+
+    def index_of(self, region: Region, outer: Region, xp: ArrayOps, device: Any) -> tuple[Any, ...]:
+        """An index selecting ``region``'s cells in data laid out as ``outer``, worked out once
+        per pair of regions (and device)."""
+        key = (region, outer, xp.name, str(device))
+        if key not in self.indexes:
+            at = region.at(outer)
+            if xp is not NUMPY and not all(isinstance(a, slice) for a in at):
+                at = tuple(a if isinstance(a, slice) else xp.asarray(a, device=device) for a in at)
+            self.indexes[key] = at
+        return self.indexes[key]
 
     def chains(self) -> list[Chain]:
         if self._chains is None:
@@ -203,7 +248,7 @@ class Device:
             data = xp.asarray(self.loader(op), xp.dtype(op.dtype), self.device)
             self.keep(op.buf, Buffer(op.region, data, None))
         elif isinstance(op, ir.Kernel):
-            self.keep(op.buf, self.kernel(op))
+            self.keep(op.buf, self.kernels.constant(self.index, op, lambda: self.kernel(op)))
         elif isinstance(op, ir.Send):
             transport.send(self.index, op, self.cut(self.get(op.buf), op.region))
         elif isinstance(op, ir.Recv):
@@ -242,10 +287,7 @@ class Device:
 
     def index_of(self, region: Region, outer: Region) -> tuple[Any, ...]:
         """An index selecting ``region``'s cells in data laid out as ``outer``."""
-        at = region.at(outer)
-        if self.xp is NUMPY or all(isinstance(a, slice) for a in at):
-            return at
-        return tuple(a if isinstance(a, slice) else self.xp.asarray(a, device=self.device) for a in at)
+        return self.kernels.index_of(region, outer, self.xp, self.device)
 
     def assemble(self, need: Region, parts: Sequence[tuple[int, Region]], dtype: str) -> tuple[Array, Array | None]:
         """A block's view of one input, its need, from the local buffers that cover it, in the
@@ -290,10 +332,14 @@ class Device:
             present.append(p)
         xp = self.xp
         known = self.kernels.known_on(key, xp, self.device)
-        value, pres, out_vars = evaluate_node(block, data, present, xp, known)
+        fast = self.kernels.prepared_for(key, block, data, xp, self.device, known)
+        value, pres, out_vars = fast(data) if fast is not None else evaluate_node(block, data, present, xp, known)
         dtype = xp.dtype(op.dtype)
         if self.kernels.direct[key]:  # the result is laid out as the head: keep it
-            shape = [block.box[v] for v in out_vars]  # composite heads: the same cells, row-major
+            shape = self.kernels.shapes.get(key)
+            if shape is None:  # composite heads: the same cells, row-major
+                box = block.box
+                shape = self.kernels.shapes[key] = [box[v] for v in out_vars]
             value = xp.broadcast_to(value, shape)
             if pres is not None:  # absent cells hold 0
                 value = xp.where(pres, value, xp.constant(0, value.dtype))
@@ -355,6 +401,19 @@ class Device:
         assert present is not None
         acc = xp.where(present, acc, xp.constant(0, cdt))
         return Buffer(parts[0].region, acc, None if xp.all(present) else present)
+
+
+def static_nodes(graph: Graph) -> frozenset[str]:
+    """The rules whose results depend on no input or param: those reading only relations that
+    such rules alone write (a rule reading nothing is one)."""
+    static: set[str] = set()
+    while True:
+        fixed = {r.name for r in graph.relations if r.kind == "derived"}
+        fixed = {r for r in fixed if all(p.name in static for p in graph.producers(r))}
+        grown = {n.name for n in graph.nodes if all(acc.relation in fixed for acc in n.inputs)}
+        if grown == static:
+            return frozenset(static)
+        static = grown
 
 
 def _nbytes(piece: Buffer) -> int:

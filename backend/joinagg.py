@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,7 +40,7 @@ from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.rewrite import reindex_bands
-from edatalog.ir.scalar import Const, IndexValue, Load, Op
+from edatalog.ir.scalar import Const, IndexValue, Load, Op, ScalarExpr
 
 CHUNK_POINTS = 1 << 22  # points of the join space the broadcast path evaluates at once
 
@@ -70,6 +71,7 @@ class _Space:
     present: list[Array | None]
     offsets: dict[str, int]  # where the chunk starts, per index (missing: 0)
     track_presence: bool = True  # False: the result's presence is known beforehand (``Known``)
+    owned: frozenset[int] = frozenset()  # inputs whose ``data`` no one else holds (a converted copy)
 
     def index_array(self, name: str) -> Array:
         lo = self.offsets.get(name, 0)
@@ -91,6 +93,9 @@ class _Space:
         def cut(a: Array) -> Array:
             return a[(slice(None),) * k + (slice(lo, hi),)] if a.shape[k] != 1 else a
 
+        # An input not cut (size 1 along ``var``) is shared by every chunk: no longer writable.
+        owned = frozenset(j for j in self.owned if self.data[j].shape[k] != 1)
+
         return _Space(
             self.node,
             self.order,
@@ -102,6 +107,7 @@ class _Space:
             [None if p is None else cut(p) for p in self.present],
             {**self.offsets, var: self.offsets.get(var, 0) + lo},
             self.track_presence,
+            owned,
         )
 
 
@@ -122,7 +128,7 @@ def evaluate_node(
     known: Known | None = None,
 ) -> tuple[Array, Array | None, list[str]]:
     """The node's result over its output indices (in join order), in its compute dtype (a
-    native half-precision GEMM's, see :func:`_native_gemm`, in the node's own dtype), its
+    native half-precision GEMM's, see :func:`native_gemm`, in the node's own dtype), its
     presence (None: every cell), and those indices.  ``data[k]``/``present[k]`` hold input
     ``k``'s relation laid out as the node's access reads it (0 where absent), as arrays of
     ``xp`` (numpy arrays are accepted by every namespace); results are ``xp``'s, on the inputs'
@@ -133,28 +139,26 @@ def evaluate_node(
     order = [i.name for i in node.indices]
     box = node.box
     device = xp.device_of(data)
-    native = _native_gemm(node, present, xp, device)
+    native = native_gemm(node, present, xp, device) or native_arithmetic(node, [_dtype(d) for d in data], present, xp)
     cdt = xp.dtype(node.dtype if native else dtypes.compute_dtype(node.dtype))
-    views = [
-        access_view(xp.asarray(d, cdt, device), acc, order, box, xp=xp)
-        for d, acc in zip(data, node.inputs, strict=True)
-    ]
+    converted = [xp.asarray(d, cdt, device) for d in data]
+    views = [access_view(c, acc, order, box, xp=xp) for c, acc in zip(converted, node.inputs, strict=True)]
+    owned = frozenset(k for k, (d, c) in enumerate(zip(data, converted, strict=True)) if xp.is_copy(c, d))
     masks = [
         None if p is None else access_view(xp.asarray(p, xp.bool_, device), acc, order, box, fill=False, xp=xp)
         for p, acc in zip(present, node.inputs, strict=True)
     ]
-    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None)
+    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None, owned)
     out_vars = [v for v in order if v not in node.agg_indices]
     result = _contraction(space, out_vars) if node.agg == "sum" and node.agg_indices else None
-    if native:
-        assert result is not None  # _native_gemm saw a product of two loads, nothing absent
+    if native and result is not None:  # a GEMM: native_gemm saw a product of two loads, nothing absent
         value, pres = result
         return value, pres, out_vars  # already rounded to the node's dtype, once
     value, pres = result if result is not None else _broadcast_reduce(space, out_vars)
     return value, (pres if known is None else known.present), out_vars
 
 
-def _native_gemm(node: JoinAgg, present: Sequence[Array | None], xp: ArrayOps, device: Any) -> bool:
+def native_gemm(node: JoinAgg, present: Sequence[Array | None], xp: ArrayOps, device: Any) -> bool:
     """Whether ``node`` is a half-precision sum of the product of two inputs, with no guard,
     scale or absent cell, that ``xp`` multiplies natively (accumulating in f32, rounding once:
     the semantics of a ``bf16`` rule): then it runs as one matmul on its half-precision inputs,
@@ -170,6 +174,31 @@ def _native_gemm(node: JoinAgg, present: Sequence[Array | None], xp: ArrayOps, d
         return False
     loads = [n for k, power in form.factors if power == 1 and isinstance(n := node.expr.nodes[k], Load)]
     return len(loads) == 2 and loads[0].input != loads[1].input
+
+
+_EXACT_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "neg"})
+
+
+def _dtype(a: Any) -> Any:
+    return getattr(a, "dtype", None)
+
+
+def native_arithmetic(node: JoinAgg, data_dtypes: Sequence[Any], present: Sequence[Array | None], xp: ArrayOps) -> bool:
+    """Whether ``node`` is a half-precision rule with no aggregation, guard or absent cell whose
+    body is one IEEE operation (``+ - * /``, ``max``, ``min``, negation) of inputs of its own
+    dtype: torch then computes it on the half-precision inputs directly (each kernel widens to
+    f32 in registers, computes and rounds once), which is exactly the rule's semantics, without
+    a widened copy of each input."""
+    if node.dtype not in ("bf16", "f16") or node.agg_indices or xp.name != "torch":
+        return False
+    if not node.guard.is_true or any(p is not None for p in present):
+        return False
+    live = [node.expr.nodes[k] for k in node.expr.live()]
+    ops_ = [n for n in live if isinstance(n, Op)]
+    if len(ops_) != 1 or ops_[0].op not in _EXACT_OPS or not all(isinstance(n, Op | Load) for n in live):
+        return False
+    want = xp.dtype(node.dtype)
+    return all(d == want for d in data_dtypes)
 
 
 def known_presence(node: JoinAgg, exact_inputs: bool, xp: ArrayOps = NUMPY, device: Any = None) -> Known | None:
@@ -195,10 +224,15 @@ def known_presence(node: JoinAgg, exact_inputs: bool, xp: ArrayOps = NUMPY, devi
 # -- the scalar DAG ----------------------------------------------------------------------------
 
 
-def _eval_dag(space: _Space, root: int, memo: dict[int, Array]) -> Array:
-    """The sub-DAG under ``root``, broadcast over the join indices it depends on."""
+def _eval_dag(space: _Space, root: int, memo: dict[int, Array], in_place: bool = False) -> Array:
+    """The sub-DAG under ``root``, broadcast over the join indices it depends on.  With
+    ``in_place``, an op whose argument is an array only it reads (an earlier op's result, or an
+    input's converted copy) of the result's shape writes its result there: a chain of
+    elementwise ops then makes one array, not one per op (on a CPU, fresh arrays of megabytes
+    cost page faults that rival the arithmetic)."""
     nodes = space.node.expr.nodes
     xp = space.xp
+    single = read_once(space.node.expr) if in_place else frozenset()
     stack = [root]
     while stack:
         k = stack[-1]
@@ -211,7 +245,9 @@ def _eval_dag(space: _Space, root: int, memo: dict[int, Array]) -> Array:
             if missing:
                 stack.extend(missing)
                 continue
-            memo[k] = ops.apply_op(n.op, [memo[a] for a in n.args], space.cdt, xp)
+            args = [memo[a] for a in n.args]
+            out = _reusable(space, n, args, single) if single and ops.writes_into(n.op, xp) else None
+            memo[k] = ops.apply_op(n.op, args, space.cdt, xp, out=out)
         elif isinstance(n, Load):
             memo[k] = space.data[n.input]
         elif isinstance(n, IndexValue):
@@ -222,6 +258,29 @@ def _eval_dag(space: _Space, root: int, memo: dict[int, Array]) -> Array:
             memo[k] = xp.scalar(n.value, dtype, space.device)
         stack.pop()
     return memo[root]
+
+
+@functools.lru_cache(maxsize=4096)
+def read_once(expr: ScalarExpr) -> frozenset[int]:
+    """The nodes of ``expr`` that one op reads, once (a load also only if no other node loads its
+    input): the arrays an evaluator may overwrite with that op's result."""
+    live = expr.live()
+    reads = Counter(a for k in live if isinstance(n := expr.nodes[k], Op) for a in n.args)
+    loads = Counter(n.input for k in live if isinstance(n := expr.nodes[k], Load))
+    once = {k for k, count in reads.items() if count == 1}
+    return frozenset(k for k in once if not isinstance(n := expr.nodes[k], Load) or loads[n.input] == 1)
+
+
+def _reusable(space: _Space, op: Op, args: list[Array], single: frozenset[int]) -> Array | None:
+    """An argument of ``op`` that its result may overwrite (see :func:`_eval_dag`), or None."""
+    nodes, xp = space.node.expr.nodes, space.xp
+    shape = xp.broadcast_shape([a.shape for a in args])
+    for a, arr in zip(op.args, args, strict=True):
+        n = nodes[a]
+        mine = isinstance(n, Op) or (isinstance(n, Load) and n.input in space.owned)
+        if a in single and mine and arr.dtype == space.cdt and tuple(arr.shape) == shape and xp.is_dense(arr):
+            return arr
+    return None
 
 
 def _loads_under(space: _Space, root: int) -> set[int]:
@@ -305,6 +364,7 @@ class Product:
     negate: bool
 
 
+@functools.lru_cache(maxsize=4096)
 def product_form(node: JoinAgg) -> Product | None:
     """The body as a :class:`Product`, or None when it is not one (or has no varying factor)."""
     nodes = node.expr.nodes
@@ -409,7 +469,7 @@ def _broadcast_reduce(space: _Space, out_vars: list[str]) -> tuple[Array, Array 
 def _reduce_block(space: _Space) -> tuple[Array, Array | None]:
     node, xp = space.node, space.xp
     full = tuple(space.box[v] for v in space.order)
-    value = xp.asarray(_eval_dag(space, node.expr.root, {}))
+    value = xp.asarray(_eval_dag(space, node.expr.root, {}, in_place=True))
     mask = _and(xp, [space.guard_mask(), *space.present])
     axes = tuple(space.order.index(v) for v in node.agg_indices)
     track = space.track_presence and mask is not None

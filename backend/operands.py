@@ -38,7 +38,7 @@ def access_view(
     """``data`` (laid out as the relation ``acc`` reads) at every point of the join space
     ``order`` x ``box``; places outside the relation read ``fill``.  Read-only."""
     order = tuple(order)
-    extents, pads, shape, strides, offset = _view_spec(acc, order, tuple(box[v] for v in order))
+    extents, pads, shape, strides, offset = view_spec(acc, order, tuple(box[v] for v in order))
     arr = xp.contiguous(data).reshape(extents)
     if any(a or b for a, b in pads):
         arr = xp.pad(arr, pads, fill)
@@ -46,7 +46,7 @@ def access_view(
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _view_spec(
+def view_spec(
     acc: Access, order: tuple[str, ...], sizes: tuple[int, ...]
 ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...], tuple[int, ...], int]:
     """How :func:`access_view` lays an access over a join space, worked out once per access and

@@ -41,8 +41,8 @@ class _T:
     def fn(self) -> Fn:
         return functools.reduce(getattr, self.path.split("."), torch_module())
 
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args, **self.kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **self.kwargs, **kwargs)
 
     def __repr__(self) -> str:
         return f"torch.{self.path}"
@@ -50,10 +50,13 @@ class _T:
 
 @dataclass(frozen=True)
 class Impl:
-    """One operation in each library: ``numpy`` on numpy arrays, ``torch`` on tensors."""
+    """One operation in each library: ``numpy`` on numpy arrays, ``torch`` on tensors.  ``out``:
+    the torch function takes ``out=`` (an array of the result's shape and dtype, possibly one
+    of its arguments), so that an evaluator can compute a chain of ops in place."""
 
     numpy: Fn
     torch: Fn
+    out: bool = False
 
     def on(self, xp: ArrayOps) -> Fn:
         return self.numpy if xp.name == "numpy" else self.torch
@@ -83,16 +86,24 @@ def _np_gelu(a: np.ndarray) -> np.ndarray:
     return t(0.5) * a * (t(1) + _np_erf(a / t(math.sqrt(2.0))))
 
 
+def _torch_silu(a: Any, out: Any = None) -> Any:
+    """torch's silu, with ``out=`` (which its functional form lacks) done in place."""
+    silu = torch_module().nn.functional.silu
+    if out is None:
+        return silu(a)
+    return silu(out if out is a else out.copy_(a), inplace=True)
+
+
 SCALAR_OPS: dict[str, Impl] = {
-    "neg": Impl(np.negative, _T("neg")),
+    "neg": Impl(np.negative, _T("neg"), out=True),
     "not": Impl(np.logical_not, _T("logical_not")),
-    "add": Impl(np.add, _T("add")),
-    "sub": Impl(np.subtract, _T("sub")),
-    "mul": Impl(np.multiply, _T("mul")),
-    "div": Impl(np.true_divide, _T("true_divide")),
-    "pow": Impl(np.power, _T("pow")),
-    "max": Impl(np.maximum, _T("maximum")),
-    "min": Impl(np.minimum, _T("minimum")),
+    "add": Impl(np.add, _T("add"), out=True),
+    "sub": Impl(np.subtract, _T("sub"), out=True),
+    "mul": Impl(np.multiply, _T("mul"), out=True),
+    "div": Impl(np.true_divide, _T("true_divide"), out=True),
+    "pow": Impl(np.power, _T("pow"), out=True),
+    "max": Impl(np.maximum, _T("maximum"), out=True),
+    "min": Impl(np.minimum, _T("minimum"), out=True),
     "and": Impl(np.logical_and, _T("logical_and")),
     "or": Impl(np.logical_or, _T("logical_or")),
     "lt": Impl(np.less, _T("lt")),
@@ -102,30 +113,40 @@ SCALAR_OPS: dict[str, Impl] = {
     "eq": Impl(np.equal, _T("eq")),
     "ne": Impl(np.not_equal, _T("ne")),
     "where": Impl(np.where, _T("where")),
-    "exp": Impl(np.exp, _T("exp")),
-    "log": Impl(np.log, _T("log")),
-    "sqrt": Impl(np.sqrt, _T("sqrt")),
-    "rsqrt": Impl(lambda a: a.dtype.type(1) / np.sqrt(a), _T("rsqrt")),
-    "abs": Impl(np.abs, _T("abs")),
-    "sin": Impl(np.sin, _T("sin")),
-    "cos": Impl(np.cos, _T("cos")),
-    "tanh": Impl(np.tanh, _T("tanh")),
-    "sigmoid": Impl(_np_sigmoid, _T("sigmoid")),
-    "silu": Impl(lambda a: a * _np_sigmoid(a), _T("nn.functional.silu")),
+    "exp": Impl(np.exp, _T("exp"), out=True),
+    "log": Impl(np.log, _T("log"), out=True),
+    "sqrt": Impl(np.sqrt, _T("sqrt"), out=True),
+    "rsqrt": Impl(lambda a: a.dtype.type(1) / np.sqrt(a), _T("rsqrt"), out=True),
+    "abs": Impl(np.abs, _T("abs"), out=True),
+    "sin": Impl(np.sin, _T("sin"), out=True),
+    "cos": Impl(np.cos, _T("cos"), out=True),
+    "tanh": Impl(np.tanh, _T("tanh"), out=True),
+    "sigmoid": Impl(_np_sigmoid, _T("sigmoid"), out=True),
+    "silu": Impl(lambda a: a * _np_sigmoid(a), _torch_silu, out=True),
     "gelu": Impl(_np_gelu, _T("nn.functional.gelu")),
     "gelu_tanh": Impl(_np_gelu_tanh, _T("nn.functional.gelu", approximate="tanh")),
     "relu": Impl(lambda a: np.maximum(a, a.dtype.type(0)), _T("relu")),
-    "erf": Impl(_np_erf, _T("special.erf")),
+    "erf": Impl(_np_erf, _T("special.erf"), out=True),
 }
 assert SCALAR_OPS.keys() == OPS.keys(), "every op of the language needs an implementation"
 
 _LOGICAL = ("not", "and", "or")
 
 
-def apply_op(op: str, args: Sequence[Array], cdt: Any, xp: ArrayOps = NUMPY) -> Array:
+def writes_into(op: str, xp: ArrayOps) -> bool:
+    """Whether :func:`apply_op` can write ``op``'s result into a given array with ``xp``."""
+    return xp.name == "torch" and SCALAR_OPS[op].out and OPS[op].result != "bool"
+
+
+def apply_op(op: str, args: Sequence[Array], cdt: Any, xp: ArrayOps = NUMPY, out: Array | None = None) -> Array:
     """Apply a scalar op; numeric results stay in ``cdt`` (the rule's compute dtype, as ``xp``
-    names it).  Logical ops work on truth values, comparisons on their operands as they are."""
+    names it).  Logical ops work on truth values, comparisons on their operands as they are.
+    ``out`` (only where :func:`writes_into` says so): an array of the result's shape, in
+    ``cdt``, that receives the result (it may be one of ``args``)."""
     fn = SCALAR_OPS[op].on(xp)
+    if out is not None:
+        assert writes_into(op, xp), f"{op} cannot write into an array with {xp.name}"
+        return fn(*(xp.cast(a, cdt) for a in args), out=out)
     if op == "where":
         cond, a, b = args
         return xp.cast(fn(xp.cast(cond, xp.bool_), a, b), cdt)

@@ -117,7 +117,7 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
     exe.load(dict(weights))
 
     def ed() -> Any:
-        return exe({"x": x})["y"]
+        return exe({"x": xd})["y"]  # the input in the case's dtype, as transformers gets it
 
     contenders = {"transformers": hf, "edatalog": ed}
     rows: dict[str, Row] = {}
@@ -138,7 +138,7 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
             times[who].append(time.perf_counter() - start)
     for who, ts in times.items():
         rows[who].ms = statistics.median(ts) * 1e3
-    exe.run({"x": x}, record=True)
+    exe.run({"x": xd}, record=True)
     shares: dict[str, float] = {}
     for _, label, begin, end in exe.last_times:
         rule = label.split("#")[0]

@@ -11,6 +11,7 @@ The data of a region is always laid out in ascending coordinate order per axis.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -64,11 +65,11 @@ class Region:
         """The coordinates an access reaches when its indices run over ``ranges`` (:func:`through`)."""
         return Region(through(axes, ranges))
 
-    @property
-    def shape(self) -> tuple[int, ...]:
+    @functools.cached_property
+    def shape(self) -> tuple[int, ...]:  # cached: runtimes ask on every op
         return tuple(iv.size(a) for a in self.axes)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return iv.box_size(self.axes)
 

@@ -391,11 +391,11 @@ def test_half_precision_gemms_run_natively_where_the_library_accumulates_in_f32(
     )
     node = {n.name: n for n in prog.graph.nodes}
     cpu = torch.device("cpu")
-    assert joinagg._native_gemm(node["g"], [None, None], TORCH, cpu)
-    assert not joinagg._native_gemm(node["g"], [None, None], NUMPY, None)
-    assert not joinagg._native_gemm(node["g"], [torch.ones(4, 8, dtype=torch.bool), None], TORCH, cpu)
+    assert joinagg.native_gemm(node["g"], [None, None], TORCH, cpu)
+    assert not joinagg.native_gemm(node["g"], [None, None], NUMPY, None)
+    assert not joinagg.native_gemm(node["g"], [torch.ones(4, 8, dtype=torch.bool), None], TORCH, cpu)
     for name in ("h", "c", "t"):
-        assert not joinagg._native_gemm(node[name], [None, None], TORCH, cpu), name
+        assert not joinagg.native_gemm(node[name], [None, None], TORCH, cpu), name
     assert not TORCH.native_matmul("f16", cpu) and TORCH.native_matmul("f16", torch.device("cuda", 0))
     inputs = prog.random_inputs(0)
     got = evaluate_node(
