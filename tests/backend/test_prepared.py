@@ -1,0 +1,267 @@
+"""Blocks prepared once per layout (backend/prepared.py) compute what the general evaluation does.
+
+The property test cuts every rule of a random program into a random block, reads its inputs from
+the reference's values (sometimes through non-contiguous layouts), and, wherever
+:func:`prepare_block` takes the block, compares its result with :func:`evaluate_node`'s on the
+cells that exist, and checks that no input was written.  The unit tests pin which paths the
+LLaMA block takes, that in-place chains keep the language's rounding (``f16``/``bf16`` rules round
+once), and that rules reading no input run once per executable.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import edatalog
+from edatalog.backend import interpreter
+from edatalog.backend.arrays import TORCH
+from edatalog.backend.joinagg import evaluate_node, known_presence
+from edatalog.backend.prepared import _Contraction, _Elementwise, layout_of, prepare_block
+from edatalog.backend.reference import evaluate
+from edatalog.errors import EdlWarning
+from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.ir.regions import Region
+from edatalog.ir.rewrite import restrict
+from tests.strategies import GeneratedProgram, example_settings, programs
+
+CPU = torch.device("cpu")
+_SETTINGS = example_settings("EDL_PROPERTY_EXAMPLES", 100)
+DIMS = {"B": 1, "S": 8, "D": 32, "H": 4, "KVH": 4, "F": 48}
+
+
+def _scrambled(t: torch.Tensor, rnd: random.Random) -> torch.Tensor:
+    """``t``'s values, laid out contiguous or, half the time, with its axes stored in reverse."""
+    if t.ndim < 2 or rnd.random() < 0.5:
+        return t.clone()
+    flipped = torch.empty(tuple(reversed(t.shape)), dtype=t.dtype)
+    return flipped.permute(*reversed(range(t.ndim))).copy_(t)
+
+
+def _block_inputs(
+    graph: Graph, node: JoinAgg, ranges: dict[str, tuple[int, int]], env: dict[str, Any], rnd: random.Random
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    data, present = [], []
+    for acc in node.inputs:
+        value = env[acc.relation]
+        need = Region.through(acc.axes, ranges)
+        at = need.at(Region.whole(tuple(np.shape(value.data))))
+        data.append(_scrambled(torch.from_numpy(np.ascontiguousarray(np.asarray(value.data)[at])), rnd))
+        present.append(None if value.present is None else torch.from_numpy(np.ascontiguousarray(value.present[at])))
+    return data, present
+
+
+def _axes(access_or_node: Any) -> tuple[Any, ...]:
+    return access_or_node.out_axes if isinstance(access_or_node, JoinAgg) else access_or_node.axes
+
+
+@_SETTINGS
+@given(programs(), st.randoms(use_true_random=False))
+def test_prepared_blocks_equal_the_general_evaluation(gen: GeneratedProgram, rnd: random.Random) -> None:
+    graph = gen.compile().graph
+    env = evaluate(graph, gen.inputs)
+    for node in graph.nodes:
+        ranges = {}
+        for i in node.indices:
+            lo = rnd.randrange(i.extent)
+            ranges[i.name] = (lo, rnd.randrange(lo + 1, i.extent + 1))
+        places = [p.places(ranges) for acc in (*node.inputs, node) for ax in _axes(acc) for p in ax.parts]
+        if any(hi <= lo for lo, hi in places):
+            continue  # the block reaches no cell of some relation: plans never make it
+        block = restrict(node, ranges)
+        data, present = _block_inputs(graph, node, ranges, env, rnd)
+        exact = all(graph.relation(acc.relation).support_exact for acc in node.inputs)
+        known = known_presence(block, exact, TORCH, CPU)
+        fast = prepare_block(block, layout_of(data), TORCH, CPU, known)
+        if fast is None:
+            continue
+        before = [d.clone() for d in data]
+        with np.errstate(all="ignore"):
+            want, _, want_vars = evaluate_node(block, data, present, TORCH, known)
+        got, got_present, got_vars = fast(data)
+        for d, b in zip(data, before, strict=True):
+            assert torch.equal(d, b), f"{node.name}: a prepared block wrote into its input"
+        assert got_vars == want_vars, node.name
+        assert known is not None and got_present is known.present
+        shape = torch.broadcast_shapes(got.shape, want.shape)
+        mask = torch.ones(shape, dtype=torch.bool) if known.present is None else known.present.broadcast_to(shape)
+        assert got.dtype == want.dtype, node.name
+        torch.testing.assert_close(
+            got.broadcast_to(shape)[mask], want.broadcast_to(shape)[mask], rtol=1e-9, atol=1e-12, msg=node.name
+        )
+
+
+def _llama(dtype: str = "f32") -> edatalog.Program:
+    return edatalog.compile("programs/llama_block.edl", dims=DIMS, dtype=dtype)
+
+
+def _ran_once(prog: edatalog.Program) -> Any:
+    """A one-device torch executable of the LLaMA block, called once."""
+    values = prog.random_inputs(seed=0)
+    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe.load({k: v for k, v in values.items() if k != "x"})
+    exe({"x": values["x"]})
+    return exe
+
+
+def _prepared_kinds(prog: edatalog.Program) -> dict[str, str]:
+    exe = _ran_once(prog)
+    kinds = {}
+    for (key, _, _), fast in exe._impl.kernels.prepared.items():
+        kinds[key[0]] = "general" if fast is None else type(fast).__name__.lstrip("_").lower()
+    return kinds
+
+
+def test_the_llama_block_runs_prepared_except_its_attention() -> None:
+    kinds = _prepared_kinds(_llama("bf16"))
+    for name in ("q", "k", "v", "attn", "gate", "up", "down", "ss", "ss2"):
+        assert kinds[name] == "contraction", name
+    for name in ("xn", "hn", "act", "h", "y", "qr#1", "qr#2", "kr#1", "kr#2", "rc", "rs"):
+        assert kinds[name] == "elementwise", name
+    assert "sc" not in kinds and "o" not in kinds  # fused: torch's attention
+
+
+def test_gemms_over_row_major_relations_take_strided_views() -> None:
+    exe = _ran_once(_llama())
+    gemms = [f for (k, _, _), f in exe._impl.kernels.prepared.items() if k[0] in ("q", "gate", "down")]
+    assert gemms and all(isinstance(f, _Contraction) and f.strided for f in gemms)
+
+
+def test_guarded_sums_and_padded_reads_take_the_general_path() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EdlWarning)
+        prog = edatalog.compile_string(
+            """
+            dim N = 6.
+            input a[N, N] : f32.
+            input x[N] : f32.
+            output s, d.
+            s[i] += a[i, j] * a[j, i] where j <= i.
+            d[i] = x[i] - x[i - 1] where i >= 1.
+            """
+        )
+    graph = prog.graph
+    values = {"a": torch.ones(6, 6), "x": torch.arange(6.0)}
+    for node in graph.nodes:
+        full = {i.name: (0, i.extent) for i in node.indices}
+        block = restrict(node, full)
+        data = [values[acc.relation] for acc in node.inputs]
+        known = known_presence(block, True, TORCH, CPU)
+        assert prepare_block(block, layout_of(data), TORCH, CPU, known) is None, node.name
+
+
+def test_in_place_chains_round_half_precision_once() -> None:
+    """``h * 10 / 10`` on f16 60000: computed in f32 and rounded once it gives 60000; rounding
+    the product first would give inf (docs/language.md 10.2).  The prepared chain writes its
+    ops into one f32 array, and must keep that."""
+    prog = edatalog.compile_string(
+        """
+        dim N = 4.
+        input h[N] : f16.
+        output y.
+        y[i] = h[i] * 10 / 10.
+        """
+    )
+    h = np.array([60000, 1, -60000, 0.5], dtype=np.float16)
+    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    for _ in range(2):  # the first call prepares the block, the second runs it prepared
+        got = exe({"h": torch.from_numpy(h)})["y"]
+    assert isinstance(next(iter(exe._impl.kernels.prepared.values())), _Elementwise)
+    np.testing.assert_array_equal(got.numpy(), prog.run({"h": h})["y"])
+    assert got.dtype == torch.float16 and float(got[0]) == 60000.0
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_prepared_llama_block_equals_the_reference(dtype: str) -> None:
+    prog = _llama(dtype)
+    values = prog.random_inputs(seed=1)
+    want = edatalog.compile("programs/llama_block.edl", dims=DIMS).run(values)
+    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe.load({k: v for k, v in values.items() if k != "x"})
+    for _ in range(3):
+        got = exe({"x": values["x"]})["y"].float().numpy()
+    scale = np.abs(want["y"]).max()
+    assert np.abs(got - want["y"]).max() / scale < (1e-5 if dtype == "f32" else 3e-2)
+
+
+def test_rules_reading_no_input_run_once_per_executable(monkeypatch: pytest.MonkeyPatch) -> None:
+    prog = _llama()
+    assert interpreter.static_nodes(prog.graph) == {"rc", "rs"}
+    exe = _ran_once(prog)
+    made: list[str] = []
+    kernel = interpreter.Device.kernel
+
+    def counting(self: interpreter.Device, op: Any) -> Any:
+        made.append(op.node)
+        return kernel(self, op)
+
+    monkeypatch.setattr(interpreter.Device, "kernel", counting)
+    x = prog.random_inputs(seed=0)["x"]
+    fresh = edatalog.executable(prog, backend="torch", device="cpu")
+    fresh.load({k: v for k, v in prog.random_inputs(seed=0).items() if k != "x"})
+    want = fresh({"x": x})["y"].clone()
+    assert made.count("rc") == 1 and made.count("rs") == 1  # the fresh executable's first call
+    made.clear()
+    for _ in range(2):
+        torch.testing.assert_close(exe({"x": x})["y"], want, rtol=0, atol=0)
+    assert "rc" not in made and "rs" not in made and made.count("q") == 2
+
+
+Product = tuple[str, dict[str, np.ndarray], bool]
+
+
+@st.composite
+def _products(draw: st.DrawFn) -> Product:
+    """A sum of a product of two inputs over random indices, its inputs, and whether the two
+    factors are one relation (``x * x``)."""
+    extents = {v: draw(st.integers(1, 4)) for v in "ijklm"}
+    names = list(extents)
+    ia = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True))
+    ib = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True))
+    both = sorted(set(ia) | set(ib))
+    out = draw(st.lists(st.sampled_from(both), max_size=3, unique=True))
+    square = draw(st.booleans())
+    if square:
+        ib = ia
+    scale = draw(st.sampled_from(["", " * 0.5", " / 3", " * -2"]))
+    dims = ", ".join(f"{v.upper()} = {n}" for v, n in extents.items())
+    text = (
+        f"dim {dims}.\n"
+        f"input a[{', '.join(v.upper() for v in ia)}] : f64.\n"
+        + ("" if square else f"input b[{', '.join(v.upper() for v in ib)}] : f64.\n")
+        + "output c.\n"
+        + f"c[{', '.join(f'{v}:{v.upper()}' for v in out)}] += a[{', '.join(ia)}]"
+        + f" * {'a' if square else 'b'}[{', '.join(ib)}]{scale}.\n"
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    values = {"a": rng.standard_normal([extents[v] for v in ia])}
+    if not square:
+        values["b"] = rng.standard_normal([extents[v] for v in ib])
+    return text, values, square
+
+
+@_SETTINGS
+@given(_products(), st.randoms(use_true_random=False))
+def test_prepared_products_equal_the_reference(case: Product, rnd: random.Random) -> None:
+    """Sums of products (GEMMs, batched GEMMs, dot products, sums of squares, private indices,
+    constant factors) over inputs in scrambled layouts, run twice by the torch runtime (the
+    second call runs the prepared block), equal the numpy reference."""
+    text, values, _ = case
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EdlWarning)
+        prog = edatalog.compile_string(text)
+    want = prog.run(values)["c"]
+    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    inputs = {k: _scrambled(torch.from_numpy(v), rnd) for k, v in values.items()}
+    for _ in range(2):
+        got = exe(inputs)["c"]
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-9, atol=1e-12)
+    for name, v in values.items():
+        np.testing.assert_array_equal(inputs[name].numpy(), v)  # the inputs are left as they were
