@@ -26,6 +26,7 @@ from edatalog.backend.arrays import TORCH
 from edatalog.backend.joinagg import evaluate_node, known_presence
 from edatalog.backend.prepared import _Contraction, _Elementwise, layout_of, prepare_block
 from edatalog.backend.reference import evaluate
+from edatalog.backend.torch_runtime import TorchExecutable
 from edatalog.errors import EdlWarning
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.regions import Region
@@ -90,7 +91,7 @@ def test_prepared_blocks_equal_the_general_evaluation(gen: GeneratedProgram, rnd
             assert torch.equal(d, b), f"{node.name}: a prepared block wrote into its input"
         assert got_vars == want_vars, node.name
         assert known is not None and got_present is known.present
-        shape = torch.broadcast_shapes(got.shape, want.shape)
+        shape = np.broadcast_shapes(tuple(got.shape), tuple(want.shape))
         mask = torch.ones(shape, dtype=torch.bool) if known.present is None else known.present.broadcast_to(shape)
         assert got.dtype == want.dtype, node.name
         torch.testing.assert_close(
@@ -111,10 +112,16 @@ def _ran_once(prog: edatalog.Program) -> Any:
     return exe
 
 
+def _kernels(exe: Any) -> interpreter.Kernels:
+    """The torch runtime's per-executable kernel state."""
+    assert isinstance(exe._impl, TorchExecutable)
+    return exe._impl.kernels
+
+
 def _prepared_kinds(prog: edatalog.Program) -> dict[str, str]:
     exe = _ran_once(prog)
     kinds = {}
-    for (key, _, _), fast in exe._impl.kernels.prepared.items():
+    for (key, _, _), fast in _kernels(exe).prepared.items():
         kinds[key[0]] = "general" if fast is None else type(fast).__name__.lstrip("_").lower()
     return kinds
 
@@ -130,7 +137,7 @@ def test_the_llama_block_runs_prepared_except_its_attention() -> None:
 
 def test_gemms_over_row_major_relations_take_strided_views() -> None:
     exe = _ran_once(_llama())
-    gemms = [f for (k, _, _), f in exe._impl.kernels.prepared.items() if k[0] in ("q", "gate", "down")]
+    gemms = [f for (k, _, _), f in _kernels(exe).prepared.items() if k[0] in ("q", "gate", "down")]
     assert gemms and all(isinstance(f, _Contraction) and f.strided for f in gemms)
 
 
@@ -173,7 +180,7 @@ def test_in_place_chains_round_half_precision_once() -> None:
     exe = edatalog.executable(prog, backend="torch", device="cpu")
     for _ in range(2):  # the first call prepares the block, the second runs it prepared
         got = exe({"h": torch.from_numpy(h)})["y"]
-    assert isinstance(next(iter(exe._impl.kernels.prepared.values())), _Elementwise)
+    assert isinstance(next(iter(_kernels(exe).prepared.values())), _Elementwise)
     np.testing.assert_array_equal(got.numpy(), prog.run({"h": h})["y"])
     assert got.dtype == torch.float16 and float(got[0]) == 60000.0
 
