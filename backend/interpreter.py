@@ -23,7 +23,7 @@ from edatalog.backend import ops
 from edatalog.backend.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.fusion import KIND, AttentionKernel, Chain, attention_chains
 from edatalog.backend.joinagg import Known, evaluate_node, known_presence
-from edatalog.backend.prepared import Prepared, layout_of, prepare_block
+from edatalog.backend.prepared import Layout, Prepared, layout_of, prepare_block
 from edatalog.backend.reference import write_cells
 from edatalog.ir import program as ir
 from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
@@ -89,7 +89,7 @@ class Kernels:
         self.attention: dict[tuple[object, ...], AttentionKernel] = {}
         self.tiling: dict[tuple[Region, tuple[Region, ...]], bool] = {}
         self._chains: list[Chain] | None = None
-        self.prepared: dict[tuple[object, ...], Prepared | None] = {}
+        self.prepared: dict[tuple[tuple[str, ir.Ranges], str, tuple[Layout, ...]], Prepared | None] = {}
         self.indexes: dict[tuple[object, ...], tuple[Any, ...]] = {}
         self.shapes: dict[tuple[str, ir.Ranges], list[int]] = {}
         self.static = static_nodes(graph)
