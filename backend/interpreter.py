@@ -404,15 +404,16 @@ class Device:
 
 
 def static_nodes(graph: Graph) -> frozenset[str]:
-    """The rules whose results depend on no input or param: those reading only relations that
-    such rules alone write (a rule reading nothing is one)."""
+    """The rules whose results depend on no input or param (those reading only relations that
+    such rules alone write; a rule reading nothing is one), and that write no output: a caller
+    may change the outputs it is given, and these blocks are kept from call to call."""
     static: set[str] = set()
     while True:
         fixed = {r.name for r in graph.relations if r.kind == "derived"}
         fixed = {r for r in fixed if all(p.name in static for p in graph.producers(r))}
         grown = {n.name for n in graph.nodes if all(acc.relation in fixed for acc in n.inputs)}
         if grown == static:
-            return frozenset(static)
+            return frozenset(n for n in static if graph.node(n).out not in graph.outputs)
         static = grown
 
 
@@ -464,9 +465,13 @@ def gather(
     """A whole relation from the pieces of it that some device holds: its cells (0 where absent)
     in the relation's dtype, and which exist (None: all)."""
     rel = graph.relation(name)
+    whole = Region.whole(rel.shape)
+    if len(pieces) == 1 and pieces[0][0] == whole == pieces[0][1].region and pieces[0][1].present is None:
+        # One device made all of it (every one-device program): its buffer, as it is.  (Blocks
+        # kept from call to call are never outputs: see ``static_nodes``.)
+        return xp.cast(xp.asarray(pieces[0][1].data, device=device), xp.dtype(rel.dtype)), None
     data = xp.full(rel.shape, 0, xp.dtype(rel.dtype), device)
     present = xp.full(rel.shape, False, xp.bool_, device)
-    whole = Region.whole(rel.shape)
     for region, buf in pieces:
         piece = buf if buf.region == region else _cut_any(buf, region, xp, device)
         at = region.at(whole)
@@ -494,8 +499,9 @@ def _cut_any(buf: Buffer, region: Region, xp: ArrayOps, device: Any) -> Buffer:
 
 def _head_is_result_layout(block: JoinAgg) -> bool:
     """Whether the evaluator's result (over the output indices, in join order) already is the
-    head's layout: plain indices in that order, no fixed places."""
-    parts = [p for ax in block.out_axes for p in ax.parts]
+    head's layout: plain indices in that order, no fixed places but ones of a single place (the
+    block of ``qr[s, (0, i)]`` holds only the cells of place 0: an axis of size 1 to its layout)."""
+    parts = [p for ax in block.out_axes for p in ax.parts if not (p.index is None and p.extent == 1)]
     out_vars = [i.name for i in block.indices if i.name not in block.agg_indices]
     return all(p.index is not None for p in parts) and [p.index for p in parts] == out_vars
 

@@ -272,3 +272,24 @@ def test_prepared_products_equal_the_reference(case: Product, rnd: random.Random
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-9, atol=1e-12)
     for name, v in values.items():
         np.testing.assert_array_equal(inputs[name].numpy(), v)  # the inputs are left as they were
+
+
+def test_an_output_that_reads_no_input_is_made_on_every_call() -> None:
+    """A caller may write into the outputs it gets: an output is never a block kept between
+    calls, even one that depends on nothing."""
+    prog = edatalog.compile_string(
+        """
+        dim N = 4.
+        input x[N] : f32.
+        output t, y.
+        t[i:N] = i * 2.0.
+        y[i] = x[i] + t[i].
+        """
+    )
+    assert interpreter.static_nodes(prog.graph) == set()
+    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    first = exe({"x": torch.zeros(4)})
+    first["t"].fill_(-1)
+    again = exe({"x": torch.zeros(4)})
+    torch.testing.assert_close(again["t"], torch.tensor([0.0, 2.0, 4.0, 6.0]))
+    torch.testing.assert_close(again["y"], torch.tensor([0.0, 2.0, 4.0, 6.0]))
