@@ -229,8 +229,9 @@ class _Contraction(Prepared):
         dy = dx if j == i else _converted(torch, data[j], self.cdt)  # x * x: one conversion
         lhs = torch.as_strided(dx, sx, tx, dx.storage_offset() + self.views[i].offset)
         rhs = torch.as_strided(dy, sy, ty, dy.storage_offset() + self.views[j].offset)
-        if self.nr == 1 and self.nc == 1:  # a dot product per batch
-            return self._finish((lhs * rhs).sum(dim=1))
+        if self.nr == 1 and self.nc == 1:  # a dot product per batch (a sum of squares: x * x)
+            mine = self.views[i].copies and lhs.is_contiguous()  # a converted copy: multiply in place
+            return self._finish((lhs.mul_(rhs) if mine else lhs * rhs).sum(dim=1))
         return self._finish(xp.matmul(lhs, rhs))
 
     def _finish(self, result: Array) -> tuple[Array, Array | None, list[str]]:
