@@ -461,7 +461,7 @@ def _lower(
             ranges = tuple((i.name, *t.ranges[i.name]) for i in node.indices)
             reads = tuple(tuple((b, r) for b, r in parts) for parts in t.reads)
             kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id], full[t.id])
-            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes)))
+            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype)))
         elif isinstance(t, Send):
             dtype[t.id], full[t.id] = dtype[t.source], full[t.source]
             cost = OpCost(0, t.nbytes)
@@ -473,7 +473,7 @@ def _lower(
             dtype[t.id] = dtypes.compute_dtype(graph.relation(t.relation).dtype)
             full[t.id] = any(full[b] for b in t.sources)  # a cell exists where some partial has it
             combine = ir.Combine(t.id, t.relation, t.region, tuple(t.sources), dtype[t.id], full[t.id])
-            ops[t.device].append((combine, OpCost(t.flops, t.nbytes)))
+            ops[t.device].append((combine, OpCost(t.flops, t.nbytes, graph.relation(t.relation).dtype)))
     kept = {b for entries in outputs.values() for e in entries for b in e.holders.values()}
     kept |= {t.id for t in tasks if isinstance(t, Load)}
     devices, costs = [], {}

@@ -145,7 +145,7 @@ def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[Any, ...]
     device = key[0]
     cost = s.costs[key]
     if isinstance(op, ir.Kernel | ir.Combine):
-        return compute_seconds(cost.flops, cost.nbytes, topo.devices[device], topo), [("compute", device)]
+        return compute_seconds(cost.flops, cost.nbytes, topo.devices[device], topo, cost.dtype), [("compute", device)]
     if isinstance(op, ir.Recv):
         link = topo.link(op.peer, device)
         return transfer_seconds(cost.nbytes, link), [("out", op.peer, link.name), ("in", device, link.name)]

@@ -10,6 +10,8 @@ block four ways and prints what edatalog's cost model predicts for each:
 
 Every device gets the block's share of an 80 GB GPU: 80 GB x 0.9 / layers.  The solver must fit
 in it; baselines are built on the same machine and marked "over memory" where they do not fit.
+The block runs in --dtype (default bf16, as these models are served and trained): its bytes and
+its kernels' peak FLOP/s are that dtype's.
 
 Times are *predicted* by the simulator's timeline under the machine's cost model, not measured.
 
@@ -280,6 +282,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--cases", default="", help="comma-separated substrings; run the cases whose name contains any of them"
     )
+    p.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=("bf16", "f16", "f32"),
+        help="the block's float dtype: its bytes and its kernels' peak (default bf16; an A100 runs f32 at 1/16)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
 
@@ -294,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     results: dict[str, dict[str, Result]] = {}
     for i, case in enumerate(cases, 1):
-        prog = edatalog.compile(str(PROGRAM), dims=case.dims)
+        prog = edatalog.compile(str(PROGRAM), dims=case.dims, dtype=args.dtype)
         results[case.name] = {s: run_strategy(prog, case, s, args.time_limit) for s in STRATEGIES}
         parts = [
             f"{s} "
@@ -308,10 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.monotonic() - start
     if args.json:
         data = to_json(cases, results, summary)
-        print(json.dumps({"time_limit": args.time_limit, "wall_seconds": wall, **data}, indent=1))
+        print(json.dumps({"time_limit": args.time_limit, "dtype": args.dtype, "wall_seconds": wall, **data}, indent=1))
     else:
         print(render(cases, results, summary))
-        print(f"benchmark wall time: {wall:.0f}s (time limit {args.time_limit:g}s per solve)")
+        print(f"benchmark wall time: {wall:.0f}s (time limit {args.time_limit:g}s per solve, {args.dtype})")
     return 0
 
 

@@ -102,7 +102,7 @@ class Costs:
                 needs[k][b.device] = need if have is None else box_hull(have, need)
             dev = self.topo.devices[b.device]
             per_device[b.device] = per_device.get(b.device, 0.0) + compute_seconds(
-                b.points * fpp, nbytes, dev, self.topo
+                b.points * fpp, nbytes, dev, self.topo, node.dtype
             )
         for k, acc in enumerate(accesses):
             size = max((box_size(n) for n in needs[k].values()), default=0) * items[k]
@@ -159,7 +159,7 @@ class Costs:
                 nbytes = box_size(box) * item
                 for d in owners:
                     busy[d] = busy.get(d, 0.0) + compute_seconds(
-                        box_size(box), 3 * nbytes, self.topo.devices[d], self.topo
+                        box_size(box), 3 * nbytes, self.topo.devices[d], self.topo, node.dtype
                     )
             if len(owners) == 1:
                 held.setdefault(owners[0], []).append(box)
@@ -169,7 +169,7 @@ class Costs:
                 nbytes = box_size(piece) * item
                 recv = sum(transfer_seconds(nbytes, self.topo.link(src, owner)) for src in owners if src != owner)
                 combine = compute_seconds(
-                    box_size(piece), nbytes * (len(owners) + 1), self.topo.devices[owner], self.topo
+                    box_size(piece), nbytes * (len(owners) + 1), self.topo.devices[owner], self.topo, node.dtype
                 )
                 busy[owner] = busy.get(owner, 0.0) + recv + combine
         return tuple((d, tuple(bs)) for d, bs in sorted(held.items())), max(busy.values(), default=0.0)

@@ -33,8 +33,21 @@ class Device:
     node: int
     kind: str  # "A100-80GB", "H100", "CPU", ...
     memory: int  # bytes
-    flops: float  # peak FLOP/s
+    flops: float  # peak FLOP/s of a kernel in a dtype ``peaks`` does not name
     bandwidth: float  # memory bandwidth, bytes/s
+    # Peak FLOP/s per dtype where it differs (an A100: bf16 312 TF, but f32 19.5 TF), sorted.
+    peaks: tuple[tuple[str, float], ...] = ()
+
+    def peak(self, dtype: str) -> float:
+        """The peak FLOP/s of kernels computing in ``dtype``."""
+        for name, rate in self.peaks:
+            if name == dtype:
+                return rate
+        return self.flops
+
+    def flops_spec(self) -> float | dict[str, float]:
+        """``flops`` as a machine file writes it: one number, or a rate per dtype."""
+        return {"default": self.flops, **dict(self.peaks)} if self.peaks else self.flops
 
     def __str__(self) -> str:
         return f"{self.index}"
@@ -105,7 +118,7 @@ class Topology:
         return {
             "name": self.name,
             "nodes": [len(g) for g in self.nodes],
-            "device": {"kind": d0.kind, "memory": d0.memory, "flops": d0.flops, "bandwidth": d0.bandwidth},
+            "device": {"kind": d0.kind, "memory": d0.memory, "flops": d0.flops_spec(), "bandwidth": d0.bandwidth},
             "links": {
                 "intra": self.intra.to_dict(),
                 **({"inter": self.inter.to_dict()} if self.inter is not None else {}),
@@ -122,39 +135,56 @@ def _rate(bps: float) -> str:
 # -- presets ------------------------------------------------------------------------------------
 
 _GPUS = {
-    # kind: (memory, bf16 dense FLOP/s, HBM bytes/s, NVLink bytes/s per direction per GPU)
+    # kind: (memory, bf16/f16 dense FLOP/s, HBM bytes/s, NVLink bytes/s per direction per GPU)
     "a100": ("A100-80GB", 80 * GIB, 312e12, 2.0e12, 300e9),
     "h100": ("H100", 80 * GIB, 989e12, 3.35e12, 450e9),
     "h200": ("H200", 141 * 10**9, 989e12, 4.8e12, 450e9),
 }
+# Dense peaks of the dtypes whose kernels do not run at the bf16/f16 tensor-core rate (NVIDIA's
+# data sheets, SXM parts): f32 without TF32 (PyTorch's default for f32 matmuls), and f64 on the
+# FP64 tensor cores.  Integer and bool rules are elementwise, bound by bandwidth.
+_SLOW_PEAKS = {
+    "a100": (("f32", 19.5e12), ("f64", 19.5e12)),
+    "h100": (("f32", 67e12), ("f64", 67e12)),
+    "h200": (("f32", 67e12), ("f64", 67e12)),
+}
 NVLINK_LATENCY = 3e-6
-PCIE4 = Link("pcie4", 25e9, 5e-6)
-INFINIBAND = Link("ib", 25e9, 10e-6)
+# The share of a GPU transfer's time that the GPUs at its ends lose from computing: NCCL moves
+# bytes with kernels on the SMs and through the same HBM, and GEMMs overlapped with it are
+# typically 10-30% slower; the presets take the middle, an assumption, not a measurement (a
+# machine file sets its own, and `edl calibrate` measures it).
+GPU_INTERFERENCE = 0.2
+PCIE4 = Link("pcie4", 25e9, 5e-6, GPU_INTERFERENCE)
+INFINIBAND = Link("ib", 25e9, 10e-6, GPU_INTERFERENCE)
 PRESETS_HELP = "a100xN, h100xN, h200xN, pcie4xN, cpuxN (N = 1..8), or 2x4"
 
 
-def _uniform(name: str, n: int, kind: str, memory: int, flops: float, bw: float, intra: Link) -> Topology:
-    return Topology(name, tuple(Device(i, 0, kind, memory, flops, bw) for i in range(n)), intra)
+Peaks = tuple[tuple[str, float], ...]
+
+
+def _uniform(name: str, n: int, kind: str, memory: int, flops: float, bw: float, intra: Link, peaks: Peaks) -> Topology:
+    return Topology(name, tuple(Device(i, 0, kind, memory, flops, bw, peaks) for i in range(n)), intra)
 
 
 def preset(name: str) -> Topology:
     """A named machine: ``a100x8``, ``h200x4``, ``pcie4x2``, ``cpux4``, ``2x4``."""
     if name == "2x4":
         kind, mem, flops, bw, nvlink = _GPUS["a100"]
-        devices = tuple(Device(i, i // 4, kind, mem, flops, bw) for i in range(8))
-        return Topology(name, devices, Link("nvlink", nvlink, NVLINK_LATENCY), INFINIBAND)
+        devices = tuple(Device(i, i // 4, kind, mem, flops, bw, _SLOW_PEAKS["a100"]) for i in range(8))
+        return Topology(name, devices, Link("nvlink", nvlink, NVLINK_LATENCY, GPU_INTERFERENCE), INFINIBAND)
     m = re.fullmatch(r"(a100|h100|h200|pcie4|cpu)x(\d+)", name)
     if m is None or not 1 <= int(m.group(2)) <= 8:
         raise EdlError(f"unknown topology '{name}'", help=f"presets: {PRESETS_HELP}; or a .toml/.json file")
     family, n = m.group(1), int(m.group(2))
     if family in _GPUS:
         kind, mem, flops, bw, nvlink = _GPUS[family]
-        return _uniform(name, n, kind, mem, flops, bw, Link("nvlink", nvlink, NVLINK_LATENCY))
+        nvl = Link("nvlink", nvlink, NVLINK_LATENCY, GPU_INTERFERENCE)
+        return _uniform(name, n, kind, mem, flops, bw, nvl, _SLOW_PEAKS[family])
     if family == "pcie4":
         kind, mem, flops, bw, _ = _GPUS["a100"]
-        return _uniform(name, n, kind, mem, flops, bw, PCIE4)
+        return _uniform(name, n, kind, mem, flops, bw, PCIE4, _SLOW_PEAKS["a100"])
     # CPU "devices": cores of one host sharing memory; copies run at memcpy speed.
-    return _uniform(name, n, "CPU", 16 * GIB, 1e11, 20e9, Link("shm", 10e9, 1e-6))
+    return _uniform(name, n, "CPU", 16 * GIB, 1e11, 20e9, Link("shm", 10e9, 1e-6), ())
 
 
 # -- custom machines ----------------------------------------------------------------------------
@@ -208,7 +238,7 @@ def load(path: str) -> Topology:
     [device]
     kind = "A100-80GB"
     memory = "80GiB"
-    flops = "312TFLOPS"
+    flops = "312TFLOPS"               # or per dtype: { default = "312TFLOPS", f32 = "19.5TFLOPS" }
     bandwidth = "2TB/s"
     [links.intra]
     name = "nvlink"
@@ -260,6 +290,26 @@ def _positive(value: float, what: str, allow_zero: bool = False) -> float:
     return value
 
 
+_DTYPES = ("f64", "f32", "f16", "bf16")
+
+
+def _peaks(spec: object) -> tuple[float, Peaks]:
+    """``[device] flops``: one rate for every dtype, or a table of rates per dtype with a
+    ``default`` for the dtypes it does not name (``flops = { default = "312TFLOPS", f32 =
+    "19.5TFLOPS" }``)."""
+    if not isinstance(spec, dict):
+        return _positive(quantity(spec, "FLOPS", "device flops"), "device flops"), ()
+    table = _table(spec, "device.flops", {"default", *_DTYPES})
+    if "default" not in table:
+        raise EdlError(
+            "topology: [device] flops per dtype needs a 'default' rate, for the dtypes it does not name",
+            help='e.g. flops = { default = "312TFLOPS", f32 = "19.5TFLOPS" }',
+        )
+    rates = {k: _positive(quantity(v, "FLOPS", f"flops of {k}"), f"device flops of {k}") for k, v in table.items()}
+    default = rates.pop("default")
+    return default, tuple(sorted(rates.items()))
+
+
 def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     data = _table(data, "", _KEYS[""])
     if not isinstance(data.get("measured", {}), dict):  # informational (edl calibrate's raw numbers): ignored
@@ -270,7 +320,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     dev = _table(data.get("device", {}), "device", _KEYS["device"])
     kind = str(dev.get("kind", "GPU"))
     memory = int(_positive(quantity(dev.get("memory", "80GiB"), "B", "device memory"), "device memory"))
-    flops = _positive(quantity(dev.get("flops", "312TFLOPS"), "FLOPS", "device flops"), "device flops")
+    flops, peaks = _peaks(dev.get("flops", "312TFLOPS"))
     bw = _positive(quantity(dev.get("bandwidth", "2TB/s"), "B/s", "device bandwidth"), "device bandwidth")
     links = _table(data.get("links", {}), "links", _KEYS["links"])
 
@@ -307,7 +357,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     floor = _positive(quantity(data.get("kernel_floor", "5us"), "s", "kernel_floor"), "kernel_floor", allow_zero=True)
     devices: list[Device] = []
     for node, count in enumerate(nodes):
-        devices.extend(Device(len(devices), node, kind, memory, flops, bw) for _ in range(count))
+        devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks) for _ in range(count))
     topo = Topology(str(data.get("name", default_name)), tuple(devices), intra, inter, efficiency, floor)
     topo.verify()
     return topo

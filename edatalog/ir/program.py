@@ -455,10 +455,12 @@ def run_order(progs: Programs) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class OpCost:
     """What an op costs: floating-point operations and the bytes it reads and writes (for a
-    send or receive: the bytes moved)."""
+    send or receive: the bytes moved), and the dtype a kernel computes in (its rule's: a bf16
+    GEMM runs at the bf16 rate even when its partial sums are kept in f32)."""
 
     flops: int
     nbytes: int
+    dtype: str = "f32"
 
 
 REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective folds with

@@ -368,19 +368,21 @@ def test_the_solver_prices_the_halo_it_sends() -> None:
     assert costs.transfer("x", held, need) == pytest.approx(transfer_seconds(halo_bytes, topo.link(0, 1)))
 
 
-@pytest.mark.parametrize("interference", [0.0, 1.0])
+@pytest.mark.parametrize("interference", [0.0, 0.2, 1.0])
 def test_a_transfer_on_an_interfering_link_holds_back_compute_at_both_ends(interference: float) -> None:
     """Device 1 computes ``z`` from its own ``w`` (ready at once) and ``y`` from ``x``, which
     device 0 holds: one transfer of tx = latency + bytes / bandwidth, and two kernels of the
     floor k each (they are tiny).  Beside a link that does not interfere, the transfer runs
-    while ``z`` computes: seconds = max(tx, k) + k.  When the link takes the cores' time
-    (interference 1), device 1 loses tx of compute: seconds = tx + k + k."""
+    while ``z`` computes: seconds = max(tx, k) + k.  A link with interference f takes f * tx
+    of device 1's compute, so ``y`` starts at max(tx, k + f * tx): with tx = 2.001 ms and
+    k = 2 ms, 4.001 ms at f = 0, 4.400 ms at f = 0.2 (the GPU presets'), 6.001 ms at f = 1
+    (CPU ranks whose cores copy the bytes)."""
     prog = edatalog.compile_string(
         "dim N = 1024.\ninput x[N] : f32.\nparam w[N] : f32.\ny[i] = x[i] * 2.\nz[i] = w[i] * 3.\n"
     )
     g = prog.graph
     link = {"bandwidth": "4GB/s", "latency": "2ms", "interference": interference}
-    topo = from_dict({"nodes": [2], "kernel_floor": "1ms", "links": {"intra": link}})
+    topo = from_dict({"nodes": [2], "kernel_floor": "2ms", "links": {"intra": link}})
 
     def on(device: int, name: str) -> Tile:
         return Tile.whole(g.relation(name).box, (device,))
@@ -392,5 +394,6 @@ def test_a_transfer_on_an_interfering_link_holds_back_compute_at_both_ends(inter
     schedule = synthesize(g, plan, topo)
     tx, k = transfer_seconds(1024 * 4, topo.intra), topo.kernel_floor
     assert tx == pytest.approx(2e-3 + 4096 / 4e9)
-    want = tx + 2 * k if interference else max(tx, k) + k
+    want = max(tx, k + interference * tx) + k
     assert analyze(schedule).seconds == pytest.approx(want)
+    assert want == pytest.approx({0.0: 4.001e-3, 0.2: 4.4002e-3, 1.0: 6.001e-3}[interference], rel=1e-4)

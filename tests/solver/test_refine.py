@@ -114,16 +114,20 @@ def test_balanced_splits_deal_parts_out_zigzag() -> None:
 
 
 def test_pipelining_pays_for_long_sequences_and_moves_the_same_bytes() -> None:
-    """Megatron on a LLaMA-7B block at S=2048 on 8 A100s: two chunks along s overlap each chunk's
-    reductions with the next chunk's matmuls (the predicted time drops by more than 10%), and
-    move exactly as many bytes."""
-    prog = edatalog.compile_string(LLAMA, name="llama_block.edl", dims={"S": 2048})
+    """Megatron on a bf16 LLaMA-7B block at S=2048 on 8 A100s: two chunks along s overlap each
+    chunk's reductions with the next chunk's matmuls and move exactly as many bytes.  Where
+    overlap is free (a link that takes no compute), the predicted time drops by more than 10%;
+    on the preset, whose transfers take 20% of their time from the GPUs' compute at both ends,
+    the same plan is slower."""
+    prog = edatalog.compile_string(LLAMA, name="llama_block.edl", dims={"S": 2048}, dtype="bf16")
     graph = prog.graph
     machine = preset("a100x8")
-    base = Plan(strategies.build(graph, machine, "megatron"), graph, machine)
+    free = dataclasses.replace(machine, intra=dataclasses.replace(machine.intra, interference=0.0))
+    base = Plan(strategies.build(graph, free, "megatron"), graph, free)
     ir = refine.pipelined(graph, base.ir, "S", 2)
     assert ir is not None
-    piped = Plan(ir, graph, machine)
+    piped = Plan(ir, graph, free)
     assert piped.report.bytes_moved == base.report.bytes_moved
     assert piped.report.seconds < 0.9 * base.report.seconds
     assert max(piped.report.peak_memory.values()) <= max(base.report.peak_memory.values())
+    assert piped.report.seconds < Plan(ir, graph, machine).report.seconds

@@ -64,7 +64,9 @@ def test_a_link_says_how_much_compute_its_transfers_take(tmp_path: Path) -> None
     path = tmp_path / "cpu.toml"
     path.write_text('nodes = [2]\n[links.intra]\nname = "gloo"\nbandwidth = "2GB/s"\ninterference = 1.0\n')
     topo = load(str(path))
-    assert topo.intra.interference == 1.0 and preset("a100x2").intra.interference == 0.0
+    assert topo.intra.interference == 1.0 and preset("a100x2").intra.interference == 0.2
+    assert preset("2x4").inter is not None and preset("2x4").inter.interference == 0.2
+    assert preset("cpux2").intra.interference == 0.0
     assert from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
     path.write_text("nodes = [2]\n[links.intra]\ninterference = 1.5\n")
     with pytest.raises(EdlError, match=r"links.intra.interference .* in \[0, 1\], not 1.5"):
@@ -110,9 +112,49 @@ def test_quantities(text: object, unit: str, value: float) -> None:
 def test_cost_model() -> None:
     topo = preset("a100x2")
     dev = topo.devices[0]
-    # A big matmul is compute bound: flops / (0.7 * peak).
+    # A big bf16 matmul is compute bound: flops / (0.7 * peak).
     flops = 2 * 4096**3
-    assert compute_seconds(flops, 3 * 4096**2 * 2, dev, topo) == pytest.approx(flops / (0.7 * 312e12))
+    assert compute_seconds(flops, 3 * 4096**2 * 2, dev, topo, "bf16") == pytest.approx(flops / (0.7 * 312e12))
     # A tiny kernel costs the floor.
-    assert compute_seconds(10, 10, dev, topo) == topo.kernel_floor
+    assert compute_seconds(10, 10, dev, topo, "bf16") == topo.kernel_floor
     assert transfer_seconds(300_000_000, topo.link(0, 1)) == pytest.approx(3e-6 + 1e-3)
+
+
+@pytest.mark.parametrize(
+    ("machine", "dtype", "peak"),
+    [
+        ("a100x2", "bf16", 312e12),
+        ("a100x2", "f16", 312e12),
+        ("a100x2", "f32", 19.5e12),  # no TF32: what PyTorch's f32 matmuls run at by default
+        ("a100x2", "f64", 19.5e12),
+        ("h100x2", "bf16", 989e12),
+        ("h100x2", "f32", 67e12),
+        ("h200x2", "f32", 67e12),
+        ("2x4", "f32", 19.5e12),
+        ("cpux2", "f32", 1e11),
+        ("cpux2", "bf16", 1e11),
+    ],
+)
+def test_kernels_are_costed_at_their_dtypes_peak(machine: str, dtype: str, peak: float) -> None:
+    """An f32 GEMM of 4096^3 on an A100: 2 * 4096^3 / (0.7 * 19.5e12) = 10.07 ms, 16x its bf16
+    time (0.63 ms): the bytes (3 * 4096^2 * 4 = 201 MB at 0.7 * 2 TB/s = 0.14 ms) do not bind."""
+    topo = preset(machine)
+    flops, nbytes = 2 * 4096**3, 3 * 4096**2 * 4
+    want = max(flops / (0.7 * peak), nbytes / (0.7 * topo.devices[0].bandwidth))
+    assert compute_seconds(flops, nbytes, topo.devices[0], topo, dtype) == pytest.approx(want)
+    if machine == "a100x2" and dtype == "f32":
+        assert want == pytest.approx(10.07e-3, rel=1e-3)
+
+
+def test_flops_per_dtype_in_a_machine_file(tmp_path: Path) -> None:
+    path = tmp_path / "box.toml"
+    path.write_text('[device]\nflops = { default = "362TFLOPS", f32 = "91.6TFLOPS" }\n')
+    dev = load(str(path)).devices[0]
+    assert dev.peak("bf16") == 362e12 and dev.peak("f32") == 91.6e12 and dev.flops == 362e12
+    assert from_dict(json.loads(json.dumps(load(str(path)).to_dict()))) == load(str(path))
+    path.write_text('[device]\nflops = { f32 = "91.6TFLOPS" }\n')
+    with pytest.raises(EdlError, match="needs a 'default' rate"):
+        load(str(path))
+    path.write_text('[device]\nflops = { default = "1TFLOPS", fp8 = "2TFLOPS" }\n')
+    with pytest.raises(EdlError, match="unknown key 'fp8'"):
+        load(str(path))
