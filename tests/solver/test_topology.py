@@ -65,7 +65,8 @@ def test_a_link_says_how_much_compute_its_transfers_take(tmp_path: Path) -> None
     path.write_text('nodes = [2]\n[links.intra]\nname = "gloo"\nbandwidth = "2GB/s"\ninterference = 1.0\n')
     topo = load(str(path))
     assert topo.intra.interference == 1.0 and preset("a100x2").intra.interference == 0.2
-    assert preset("2x4").inter is not None and preset("2x4").inter.interference == 0.2
+    ib = preset("2x4").inter
+    assert ib is not None and ib.interference == 0.2
     assert preset("cpux2").intra.interference == 0.0
     assert from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
     path.write_text("nodes = [2]\n[links.intra]\ninterference = 1.5\n")
