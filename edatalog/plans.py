@@ -48,6 +48,7 @@ class Plan:
             raise EdlError(f"the plan uses {ir.n_devices} devices but {machine.name} has {machine.n}")
         self.ir, self.graph, self.topology, self.reduction = ir, graph, machine, reduction
         self.solution: auto.Solution | None = None  # how the solver found it, for solved plans
+        self.refined = ""  # a baseline's refinement that was kept ("S in 2 chunks"); solved plans: solution.refined
 
     def __str__(self) -> str:
         return str(self.ir)
@@ -79,6 +80,7 @@ class Plan:
             "sent": dict(sorted(r.sent.items())),
             "received": dict(sorted(r.received.items())),
             "over_memory": self.over_memory(),
+            **({"refined": self.refined} if self.refined else {}),
             **(self._solver_summary() if self.solution is not None else {}),
         }
 
@@ -101,6 +103,7 @@ class Plan:
             "gap": sol.gap,
             "memory_estimate": sol.memory_estimate,
             "chosen_by": sol.chosen_by,
+            "origin": sol.origin,
             "refined": sol.refined,
         }
 
@@ -162,11 +165,15 @@ def make_plan(
     time_limit: float = 10.0,
     space: str = "join",
     on_progress: Callable[[auto.Progress], None] | None = None,
+    refine: bool = False,
 ) -> Plan:
     """Plan ``prog`` on a machine.  ``auto`` (the default) asks the solver for the fastest plan
     within ``time_limit`` seconds that fits every device's memory (``memory`` overrides the
     machine's, e.g. ``"9GB"``); ``space="mesh"`` limits it to GSPMD-style plans.  The other
-    strategies are the hand-written baselines (replicate, data, megatron, random)."""
+    strategies are the hand-written baselines (replicate, data, megatron, megatron-sp, random);
+    with ``refine``, a baseline gets the refinements auto plans get (pipelined in chunks along
+    a dim, guarded splits balanced; ``Plan.refined`` says which was kept), within
+    ``time_limit``.  Auto plans are always refined."""
     machine = machines.resolve(topology)
     if memory is not None:
         machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
@@ -177,7 +184,17 @@ def make_plan(
     if strategy != "auto":
         if space != "join":
             raise EdlError("--space chooses the solver's search space; it goes with --strategy auto")
-        return Plan(strategies.build(prog.graph, machine, strategy, seed=seed), prog.graph, machine, reduction)
+        plan = Plan(strategies.build(prog.graph, machine, strategy, seed=seed), prog.graph, machine, reduction)
+        if refine:
+            graph = prog.graph
+
+            def check(ir: PlanIR) -> _Checked:
+                return _Checked(Plan(ir, graph, machine, reduction))
+
+            kept, plan_refined = policy.refine_baseline(graph, _Checked(plan), check, time_limit)
+            plan = kept.facade
+            plan.refined = plan_refined
+        return plan
     return _solved(prog.graph, machine, reduction, time_limit, seed, space, on_progress)
 
 

@@ -84,7 +84,9 @@ class Solution:
     # and the baselines in its space (its estimate adds steps up, so plans can swap places once
     # overlap is counted).
     shortlist: tuple[Plan, ...] = ()
+    origins: tuple[str, ...] = ()  # per shortlisted plan: "search", or "start: greedy", "start: megatron", ...
     chosen_by: str = "solver"  # "solver", or "timeline" when the re-check preferred another shortlisted plan
+    origin: str = ""  # set by the caller: the kept plan's entry of ``origins``
     build_seconds: float = 0.0  # of ``seconds``: costing the candidates and building the model
     infeasible: str = ""  # when no plan fits by the estimate: why (the shortlist is the leanest starts)
     refined: str = ""  # set by the caller when a refinement of the plan was kept ("S balanced, S in 2 chunks")
@@ -121,7 +123,9 @@ def solve(
     if on_progress is not None:
         on_progress(Progress(0.0, None, 0.0, 0, "building"))
     setup = _Setup(graph, topo, limit, space)
-    model, options, baselines, starts = setup.model, setup.options, setup.baselines, setup.starts
+    model, options = setup.model, setup.options
+    baselines = [c for _, c in setup.baselines]
+    starts = [c for _, c in setup.starts]
     fitting = sorted((c for c in starts if model.memory(c) <= limit), key=model.cost)
     warm = fitting[0] if fitting else None
     built = time.monotonic() - start
@@ -129,6 +133,7 @@ def solve(
         start, time_limit, seed, warm, on_progress, pool=starts, coarse=setup.coarse
     )
     shortlist: tuple[Plan, ...] = ()
+    picks: list[dict[str, int]] = []
     infeasible = ""
     if best is None:
         # Nothing fits by the estimate, which errs high: hand the leanest starts to the caller to
@@ -145,15 +150,19 @@ def solve(
         if need > max(d.memory for d in topo.devices):  # a bound, not an estimate: inputs and params do not fit
             _infeasible(infeasible, space)
         best = starts[0]
-        shortlist = tuple(_plan(graph, topo, options, c, space) for c in starts[:3])
+        picks = starts[:3]
+        shortlist = tuple(_plan(graph, topo, options, c, space) for c in picks)
     plan = _plan(graph, topo, options, best, space)
     if not shortlist:
         # The solver's best, the best starts and the baselines it can express that fit by the
         # estimate: the exact check keeps the fastest, so auto is never slower than them.
         extra = [*fitting[:SHORTLIST], *(c for c in baselines if model.memory(c) <= limit)]
-        picks = [best, *extra]
-        unique = [c for k, c in enumerate(picks) if c not in picks[:k]]
-        shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in unique[1:]))
+        both = [best, *extra]
+        picks = [c for k, c in enumerate(both) if c not in both[:k]]
+        shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in picks[1:]))
+    # Where each shortlisted plan came from: a start (the first that makes the same picks), or
+    # the search, when it found a plan no start is.
+    origins = tuple(next((f"start: {label}" for label, c in setup.starts if c == pick), "search") for pick in picks)
     cost = model.cost(best)
     return Solution(
         plan,
@@ -168,6 +177,7 @@ def solve(
         shortlist,
         build_seconds=built,
         infeasible=infeasible,
+        origins=origins,
     )
 
 
@@ -195,7 +205,7 @@ class _Setup:
             }
         self.model = Model(graph, costs, self.options, limit)
         self.baselines = starts.baselines(graph, topo, tiles)
-        self.starts = [
+        self.starts: list[starts.Start] = [
             *starts.simple(graph, self.model, self.baselines),
             *starts.two_level(graph, topo, rank, tiles, balance),
         ]
@@ -205,7 +215,7 @@ def starting_plans(graph: Graph, topo: Topology, space: str = "join") -> list[Pl
     """The plans a solve starts from and recombines (greedy, one dim split everywhere, the
     baselines, two-level), as plans: for tests and for looking at what the search begins with."""
     setup = _Setup(graph, topo, min(d.memory for d in topo.devices), space)
-    return [_plan(graph, topo, setup.options, c, space) for c in setup.starts]
+    return [_plan(graph, topo, setup.options, c, space) for _, c in setup.starts]
 
 
 def raise_infeasible(solution: Solution, space: str) -> None:

@@ -143,6 +143,8 @@ def solve(
         if fitting:
             best = fitting[0]
             solution.chosen_by = "solver" if best is checked[0] and not solution.infeasible else "timeline"
+            if solution.origins:
+                solution.origin = solution.origins[checked.index(best)]
             # Refinements leave the mesh space (chunks on one device, zigzag parts): join only.
             refined = _refined(graph, fitting[:REFINE_TRIES], check, clock) if space == "join" else None
             if refined is not None and refined[0].seconds < best.seconds:
@@ -170,6 +172,17 @@ def solve(
     solution.check_seconds, solution.refine_seconds = clock.spent["checking"], clock.spent["refining"]
     solution.total_seconds = clock.elapsed()
     return best, solution
+
+
+def refine_baseline(graph: Graph, base: C, check: Checker[C], time_limit: float) -> tuple[C, str]:
+    """``base`` (a checked plan: a baseline's) or the fastest of its refinements that fits, the
+    ones an auto plan gets (see :func:`_refined`), within ``time_limit`` seconds; and what the
+    refinement is ("" for ``base``).  A baseline refined so is what the solver's plans are
+    measured against: every trick for both."""
+    refined = _refined(graph, [base], check, _Clock(time_limit, None))
+    if refined is not None and (refined[0].seconds < base.seconds or not base.fits):
+        return refined
+    return base, ""
 
 
 def _refined(graph: Graph, plans: list[C], check: Checker[C], clock: _Clock) -> tuple[C, str] | None:

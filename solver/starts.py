@@ -34,9 +34,14 @@ class Model(Protocol):
     def held_of(self, relation: str, k: int) -> Held: ...
 
 
-def simple(graph: Graph, model: Model, hand: list[dict[str, int]]) -> list[dict[str, int]]:
+Start = tuple[str, dict[str, int]]  # what a starting plan is ("greedy", "megatron", ...), its picks
+
+
+def simple(graph: Graph, model: Model, hand: list[Start]) -> list[Start]:
     """A greedy pass, one dim split everywhere, and ``hand`` (the baselines' picks)."""
-    return [_greedy(graph, model), *_along_each_dim(graph, model), *hand]
+    dims = [dim for dim, _ in graph.dims]
+    along = [(f"{dim} split everywhere", c) for dim, c in zip(dims, _along_each_dim(graph, model), strict=True)]
+    return [("greedy", _greedy(graph, model)), *along, *hand]
 
 
 def two_level(
@@ -45,14 +50,14 @@ def two_level(
     rank: dict[str, int],
     tiles: dict[str, dict[Tile, int]],
     balance: frozenset[str],
-) -> list[dict[str, int]]:
+) -> list[Start]:
     """Two-level starts, as on a 2D device mesh: the N devices form ``a`` groups of ``b``, one dim
     is split ``a`` ways across the groups (zigzag too, for a dim in ``balance``), and
     Megatron-style tensor parallelism runs inside each group.  With long sequences these move
     far less than Megatron over all N devices (each all-reduce spans b devices and 1/a of the
     rows), and no single-node move leads there."""
     n = topo.n
-    out: list[dict[str, int]] = []
+    out: list[Start] = []
     for a in (d for d in range(2, n) if n % d == 0):
         try:
             inner = strategies.megatron_tiles(graph, n // a)
@@ -62,7 +67,8 @@ def two_level(
             for zigzag in (False, True) if dim in balance else (False,):
                 choice = _lifted(graph, rank, tiles, inner, dim, a, zigzag)
                 if choice is not None:
-                    out.append(choice)
+                    how = f"{dim} across {a} groups{' zigzag' if zigzag else ''}, megatron in each"
+                    out.append((f"two-level: {how}", choice))
     return out
 
 
@@ -99,9 +105,9 @@ def _lifted(
     return choice if split else None
 
 
-def baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[dict[str, int]]:
+def baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[Start]:
     """The megatron and data plans, where the space can express them."""
-    out: list[dict[str, int]] = []
+    out: list[Start] = []
     for name in ("megatron", "data"):
         try:
             hint = strategies.build(graph, topo, name)
@@ -109,7 +115,7 @@ def baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -
             continue
         choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
         if all(i is not None for i in choice.values()):
-            out.append({k: i for k, i in choice.items() if i is not None})
+            out.append((name, {k: i for k, i in choice.items() if i is not None}))
     return out
 
 

@@ -7,6 +7,11 @@
   them), the FFN dimension split (column-parallel ``w_gate``/``w_up``, row-parallel ``w_down``), the
   output projection row-parallel, norms and residuals replicated; partial sums are reduced, and
   outputs end replicated on every device.
+- ``megatron-sp``: Megatron with sequence parallelism (Korthikanti et al. 2022): the same
+  head and FFN splits, but the rules between them (norms, residuals, rotary tables) split along
+  the sequence over every device instead of replicated, so the row-parallel outputs (``attn``,
+  ``down``) are reduce-scattered along the sequence and the column-parallel inputs all-gathered
+  (the exchanges the plan implies); the output stays split along the sequence.
 - ``random``: seeded random uneven partitions and random devices, replication included.
 
 Inputs and params are placed where their consumers' blocks need them (:func:`place_by_consumers`),
@@ -24,7 +29,7 @@ from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.topology import Topology
 
-STRATEGIES = ("replicate", "data", "megatron", "random")
+STRATEGIES = ("replicate", "data", "megatron", "megatron-sp", "random")
 
 
 def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Plan:
@@ -36,6 +41,9 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
         return _finish(graph, topology, strategy, _data_tiles(graph, n), outputs=False)
     if strategy == "megatron":
         return _finish(graph, topology, strategy, megatron_tiles(graph, n), outputs=True)
+    if strategy == "megatron-sp":
+        tiles, reduce_axes = sequence_parallel(graph, megatron_tiles(graph, n), n)
+        return _finish(graph, topology, strategy, tiles, outputs=False, reduce_axes=reduce_axes)
     if strategy == "random":
         return random_plan(graph, topology, seed)
     close = did_you_mean(strategy, STRATEGIES)
@@ -43,8 +51,16 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
     raise EdlError(f"unknown strategy '{strategy}'", help=f"{close} {known}" if close else known)
 
 
-def _finish(graph: Graph, topology: Topology, strategy: str, tiles: Mapping[str, Tile], outputs: bool) -> Plan:
-    nodes = tuple(NodePlan(node.name, tiles[node.name]) for node in graph.nodes)
+def _finish(
+    graph: Graph,
+    topology: Topology,
+    strategy: str,
+    tiles: Mapping[str, Tile],
+    outputs: bool,
+    reduce_axes: Mapping[str, int] | None = None,
+) -> Plan:
+    axes = reduce_axes or {}
+    nodes = tuple(NodePlan(node.name, tiles[node.name], axes.get(node.name)) for node in graph.nodes)
     inputs = tuple(
         Placement(r.name, place_by_consumers(graph, tiles, r.name, topology.n))
         for r in graph.relations
@@ -117,6 +133,32 @@ def megatron_tiles(graph: Graph, n: int) -> dict[str, Tile]:
         else:
             tiles[node.name] = Tile.whole(node.box, range(n))  # norms, residuals, softmax rows...
     return tiles
+
+
+def sequence_parallel(graph: Graph, tiles: Mapping[str, Tile], n: int) -> tuple[dict[str, Tile], dict[str, int]]:
+    """Megatron's tiles made sequence parallel: every rule Megatron replicates that has a
+    sequence index (dim S) and reads a relation is split along it over the ``n`` devices, and every rule whose partial
+    sums Megatron reduces (the row-parallel ``attn`` and ``down``) reduce-scatters them along its
+    sequence axis, where those rules' readers now want them."""
+    extent = {i.symbol: i.extent for node in graph.nodes for i in node.indices}
+    if "S" not in extent:
+        raise EdlError("the megatron-sp strategy needs a sequence index (dim S) to split norms and residuals along")
+    count = min(n, extent["S"])
+    out = dict(tiles)
+    reduce_axes: dict[str, int] = {}
+    for node in graph.nodes:
+        seq = next((i for i in node.indices if i.symbol == "S"), None)
+        if seq is None or not node.inputs:
+            continue  # a rule that reads nothing (a rotary table) stays whole wherever it is read
+        tile = tiles[node.name]
+        if tile.devices and all(len(d) == n for d in tile.devices) and len(tile.devices) == 1:
+            splits = tuple(Split.even(i.name, i.extent, count if i is seq else 1) for i in node.indices)
+            out[node.name] = Tile(splits, tuple((k,) for k in range(count)))
+        elif any(s.parts > 1 for s in tile.splits if s.index in node.agg_indices):
+            axis = next((k for k, ax in enumerate(node.out_axes) if any(p.index == seq.name for p in ax.parts)), None)
+            if axis is not None:
+                reduce_axes[node.name] = axis
+    return out, reduce_axes
 
 
 def _part_of(splits: tuple[Split, ...], index: str, ranges: Mapping[str, tuple[int, int]]) -> int:

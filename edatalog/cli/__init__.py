@@ -123,7 +123,12 @@ def _parser() -> argparse.ArgumentParser:
         "-s",
         metavar="S",
         default="auto",
-        help="auto (the solver, default), or a baseline: replicate, data, megatron, random",
+        help="auto (the solver, default), or a baseline: replicate, data, megatron, megatron-sp, random",
+    )
+    pl.add_argument(
+        "--refine",
+        action="store_true",
+        help="give a baseline the refinements auto plans get (pipelined chunks, balanced splits), kept if faster",
     )
     pl.add_argument(
         "--memory",

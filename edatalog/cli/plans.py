@@ -23,8 +23,10 @@ params get a home.  From the plan and the machine, edatalog synthesizes each dev
 
 strategies: auto (default: the Z3 solver chooses every partition and device, minimizing the
 predicted time within each device's memory), or a baseline: replicate (device 0 does
-everything), data (split the batch), megatron (tensor parallelism for transformers), random
-(seeded random uneven blocks, for testing).  An auto plan is shown next to megatron's.
+everything), data (split the batch), megatron (tensor parallelism for transformers),
+megatron-sp (megatron with sequence parallelism: norms and residuals split along the
+sequence), random (seeded random uneven blocks, for testing).  An auto plan is shown next to
+megatron's.  --refine gives a baseline the refinements an auto plan gets (below).
 The solver's best plans are checked in the timeline, which overlaps steps its estimate adds
 up; there a plan may also be pipelined (blocks cut into chunks along a dim every rule has,
 such as the sequence, so that one chunk's exchange overlaps the next one's compute) or
@@ -38,6 +40,7 @@ examples:
   edl plan programs/llama_block.edl --topology a100x8 --dim S=512
   edl plan programs/llama_block.edl -t a100x8 --memory 2.25GB --time-limit 30 -o plan.json
   edl plan programs/llama_block.edl --topology a100x8 --strategy megatron
+  edl plan programs/llama_block.edl -t a100x8 --dim S=2048 --dtype bf16 -s megatron-sp --refine
   edl plan programs/llama_block.edl -t 2x4 --dim S=512 -o plan.json --trace trace.json
   edl plan programs/attention.edl -t my-machine.toml --strategy data --json
 """
@@ -159,6 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             reduction=args.reduction,
             memory=args.memory,
             space=args.space,
+            time_limit=args.time_limit,
+            refine=args.refine,
         )
     if args.output:
         plan.save(args.output)
@@ -176,6 +181,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _print_summary(plan)
     if plan.solution is not None:
         _print_solve(plan, baseline)
+    elif args.refine:
+        print(f"refined: {plan.refined}" if plan.refined else "refined: no refinement was faster; the plan as built")
     for path, what in ((args.output, "plan"), (args.trace, "trace")):
         if path:
             print(f"wrote {what} {path}")
@@ -224,6 +231,9 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
             "note: another plan on the solver's shortlist (a starting plan, or a baseline in its space) ran "
             "faster in the timeline, which overlaps steps the solver's estimate adds up; it is the one kept"
         )
+    if sol.origin:
+        found = "the search found it (no starting plan is it)" if sol.origin == "search" else f"a {sol.origin}"
+        print(f"origin: {found}")
     if sol.refined:
         print(
             f"refined: {sol.refined} (checked in the timeline: chunks let one chunk's exchange overlap the "

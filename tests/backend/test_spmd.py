@@ -3,7 +3,7 @@ device r's program, on 2 and 3 processes of this machine, one thread each.
 
 The bar of the runtime issue:
 
-- every strategy's plan (replicate, data, megatron, random, auto) equals the reference on every
+- every strategy's plan (replicate, data, megatron, megatron-sp, random, auto) equals the reference on every
   rank, for LLaMA blocks with multi-head and grouped-query attention (f32, to 1e-4) and for random
   programs of :mod:`tests.strategies` (f64, against its brute-force oracle);
 - every rank gets every output whole; ``gather=False`` gives the rank's pieces, the rest absent;
@@ -57,7 +57,7 @@ LLAMA = ROOT / "programs" / "llama_block.edl"
 # heads split over 3 ranks unevenly; GQA shares each key/value head between 2 query heads.
 DIMS = {"B": 2, "S": 8, "D": 32, "H": 4, "F": 48}
 HEADS = {"mha": 4, "gqa": 2}
-LLAMA_PLANS = ("replicate", "data", "megatron", "random", "auto")
+LLAMA_PLANS = ("replicate", "data", "megatron", "megatron-sp", "random", "auto")
 RANDOM_PLANS = ("replicate", "data", "random", "random", "auto")  # two random plans: two seeds
 F32_RTOL, F32_ATOL = 1e-4, 1e-5
 F64_RTOL, F64_ATOL = 1e-9, 1e-12
@@ -282,7 +282,7 @@ def test_every_strategy_equals_the_reference_on_every_rank(ran: Ran) -> None:
     values where present, 0 where absent."""
     assert sorted(ran.ranks) == list(range(ran.n)) and all(r.world == ran.n for r in ran.ranks.values())
     strategies = {e.plan.ir.strategy for e in ran.expected}
-    assert strategies == {"replicate", "data", "megatron", "random", "auto"}
+    assert strategies == {"replicate", "data", "megatron", "megatron-sp", "random", "auto"}
     assert all(e.plan.ir.n_devices == ran.n for e in ran.expected)
     for e in ran.expected:
         for rank, result in ran.ranks.items():

@@ -100,7 +100,7 @@ def _check_llama(heads: str, plan: edatalog.Plan, device: Any = "cpu", batch: in
 
 
 @pytest.mark.parametrize("n", sorted(MACHINES))
-@pytest.mark.parametrize("strategy", ["replicate", "data", "megatron"])
+@pytest.mark.parametrize("strategy", ["replicate", "data", "megatron", "megatron-sp"])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 def test_baseline_plans_of_llama_equal_the_reference(heads: str, strategy: str, n: int) -> None:
     plan = edatalog.plan(_llama(heads), topology=MACHINES[n], strategy=strategy)

@@ -319,8 +319,10 @@ def test_plan_json_has_the_solver_summary_and_megatron(auto_plan: tuple[Path, di
     assert isinstance(summary, dict) and isinstance(megatron, dict)
     assert summary["strategy"] == "auto" and megatron["strategy"] == "megatron"
     keys = {"solve_seconds", "build_seconds", "solver_estimate_ms", "lower_bound_ms", "optimal", "gap"}
-    keys |= {"memory_estimate", "chosen_by", "refined"}
+    keys |= {"memory_estimate", "chosen_by", "origin", "refined"}
     assert keys <= set(summary)
+    origin = summary["origin"]
+    assert isinstance(origin, str) and (origin == "search" or origin.startswith("start: "))
     assert "solve_seconds" not in megatron
     assert 0 < summary["lower_bound_ms"] <= summary["solver_estimate_ms"]
     assert summary["predicted_ms"] == pytest.approx(edatalog.load_plan(path).report.seconds * 1e3)
@@ -451,3 +453,16 @@ def test_a_memory_that_a_plan_fits_is_not_called_infeasible() -> None:
     assert not witness.over_memory()
     plan = edatalog.plan(prog, topology="a100x4", memory=limit, time_limit=1.0)
     assert not plan.over_memory()
+
+
+def test_every_shortlisted_plan_says_where_it_came_from() -> None:
+    """The solver's shortlist names each plan's origin: its own best ("search" when no starting
+    plan is it), then starting plans by kind, the baselines by name; the kept plan's is
+    ``Solution.origin``."""
+    prog = _llama(SMALL)
+    solution = auto.solve(prog.graph, preset("a100x2"), time_limit=2)
+    assert len(solution.origins) == len(solution.shortlist)
+    assert all(o == "search" or o.startswith("start: ") for o in solution.origins)
+    assert any(o == "start: megatron" for o in solution.origins[1:])
+    plan = edatalog.plan(prog, topology="a100x2", time_limit=2)
+    assert plan.solution is not None and plan.solution.origin in plan.solution.origins
