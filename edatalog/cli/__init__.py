@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from edatalog import __version__
 from edatalog.backend.runtime import RUNTIMES
 from edatalog.cli import calibrate, plans, programs, show
-from edatalog.cli.common import positive_int, seed
+from edatalog.cli.common import command_began, positive_int, seed
 from edatalog.errors import EdlError
 from edatalog.ir.dtypes import FLOATS
 
@@ -137,7 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         help="memory per device for this program, e.g. 9GB (default: the machine's); auto plans fit it",
     )
     pl.add_argument(
-        "--time-limit", type=float, default=10.0, metavar="SEC", help="the solver's time limit (default 10 s)"
+        "--time-limit",
+        type=float,
+        default=10.0,
+        metavar="SEC",
+        help="seconds for the whole command (default 10): auto's solver, checks and refinements get what "
+        "starting, compiling and the megatron comparison leave; a baseline's --refine gets all of it",
     )
     pl.add_argument(
         "--space",
@@ -223,6 +228,7 @@ def _glue_signed_values(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    command_began()
     args = _parser().parse_args(_glue_signed_values(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command](args)

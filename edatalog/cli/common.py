@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +15,35 @@ import numpy as np
 
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
+
+STARTUP_SECONDS = 2.0  # a process older than this when a command begins was not started for it
+_began = time.monotonic()  # when the running command began (set by ``command_began``)
+
+
+def command_began() -> None:
+    """Mark the start of a command: ``seconds_since_start`` counts from here, plus the process's
+    own start-up (interpreter and imports) when the process was started for this command."""
+    global _began
+    _began = time.monotonic()
+    up = _process_age()
+    if up is not None and up < STARTUP_SECONDS:
+        _began -= up
+
+
+def seconds_since_start() -> float:
+    """How long the user has waited for the running command so far."""
+    return time.monotonic() - _began
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (from /proc on Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime", encoding="ascii") as f:
+            return max(0.0, float(f.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def seed(text: str) -> int:

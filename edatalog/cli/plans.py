@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from edatalog.cli.common import Progress, check_writable, compile_args, print_warnings, table
+from edatalog.cli.common import Progress, check_writable, compile_args, print_warnings, seconds_since_start, table
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.printer import human
 from edatalog.ir.regions import Region, runs_text
@@ -15,6 +15,9 @@ from edatalog.plans import Plan, load_plan, make_plan
 from edatalog.solver import auto
 from edatalog.solver import topology as machines
 from edatalog.solver.explain import Priced, explain
+
+MIN_SOLVE_SECONDS = 0.5  # the least the solver gets, however long the rest took
+OUTPUT_SECONDS = 0.2  # kept back from --time-limit for printing and writing the plan
 
 EPILOG_PLAN = """\
 A plan splits every rule's join space into blocks and gives each block a device; inputs and
@@ -125,8 +128,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     prog = compile_args(args)
     baseline = None
     if args.strategy == "auto":
+        try:
+            baseline = make_plan(prog, args.topology, "megatron", reduction=args.reduction, memory=args.memory)
+            baseline.report  # noqa: B018 - timed here, before the solver's budget is set
+        except EdlError:
+            baseline = None  # not a transformer: nothing to compare with
+        # --time-limit is what the user waits for the whole command: the solver gets what starting,
+        # compiling and the baseline left, less a moment for printing.
+        limit = max(MIN_SOLVE_SECONDS, args.time_limit - seconds_since_start() - OUTPUT_SECONDS)
         with Progress() as progress:
-            task = progress.task("building", args.time_limit)
+            task = progress.task("building", limit)
 
             def show(p: auto.Progress) -> None:
                 # The phase, and the best plan so far: the solver's estimate while it searches,
@@ -145,14 +156,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 reduction=args.reduction,
                 memory=args.memory,
-                time_limit=args.time_limit,
+                time_limit=limit,
                 space=args.space,
                 on_progress=show,
             )
-        try:
-            baseline = make_plan(prog, plan.topology, "megatron", reduction=args.reduction)
-        except EdlError:
-            baseline = None  # not a transformer: nothing to compare with
     else:
         plan = make_plan(
             prog,

@@ -5,6 +5,7 @@ No test here measures a duration against a bound: they check what the phases did
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,35 @@ def test_a_spent_deadline_still_returns_the_solvers_plan_checked() -> None:
     assert plan.ir == sol.shortlist[0] and sol.chosen_by == "solver" and sol.refined == ""
     assert sol.refine_seconds == 0.0 and not plan.over_memory()
     assert sol.total_seconds >= sol.seconds + sol.check_seconds
+
+
+def test_edl_plan_gives_the_solver_what_the_command_has_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``edl plan --time-limit T`` is what the user waits for: the auto plan gets T less what the
+    command has already spent (start-up, compiling, the megatron comparison) and less a moment
+    for printing."""
+    from edatalog.cli import common, main
+    from edatalog.cli import plans as cli_plans
+
+    asked: list[float] = []
+    make_plan = cli_plans.make_plan
+
+    def spy(*args: object, **kwargs: object) -> edatalog.Plan:
+        if len(args) < 3 or args[2] == "auto":
+            asked.append(float(kwargs["time_limit"]))  # type: ignore[arg-type]
+        return make_plan(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli_plans, "make_plan", spy)
+    monkeypatch.setattr(cli_plans, "seconds_since_start", lambda: 3.0)
+    program = str(Path(__file__).resolve().parents[2] / "programs" / "mlp.edl")
+    assert (
+        main(["plan", program, "--dim", "B=4", "--dim", "D=8", "--dim", "F=16", "-t", "a100x2", "--time-limit", "4"])
+        == 0
+    )
+    assert asked == [pytest.approx(4 - 3.0 - cli_plans.OUTPUT_SECONDS)]
+    # A process started for the command counts its start-up; an older one (a notebook) does not.
+    monkeypatch.setattr(common, "_process_age", lambda: 0.7)
+    common.command_began()
+    assert common.seconds_since_start() >= 0.7
+    monkeypatch.setattr(common, "_process_age", lambda: 100.0)
+    common.command_began()
+    assert common.seconds_since_start() < 0.7
