@@ -60,7 +60,7 @@ def test_edl_plan_gives_the_solver_what_the_command_has_left(monkeypatch: pytest
     from edatalog.cli import plans as cli_plans
 
     asked: list[float] = []
-    make_plan = cli_plans.make_plan
+    from edatalog.plans import make_plan
 
     def spy(*args: object, **kwargs: object) -> edatalog.Plan:
         if len(args) < 3 or args[2] == "auto":
