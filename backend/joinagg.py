@@ -412,14 +412,29 @@ def _split_product(space: _Space) -> tuple[Array | None, list[tuple[int, int]]] 
     form = product_form(space.node)
     if form is None:
         return None
+    return constant_scale(space.node, space.cdt, space.xp, space.device), list(form.factors)
+
+
+def constant_scale(node: JoinAgg, cdt: Any, xp: ArrayOps, device: Any) -> Array | None:
+    """The constant factor of a product body (see :func:`product_form`) as a 0-d array in
+    ``cdt``, or None for 1: its constants (sub-DAGs of numbers and ops) evaluated once."""
+    form = product_form(node)
+    assert form is not None, "not a product"
     if not form.constants and not form.negate:
-        return None, list(form.factors)
-    scale = space.scalar(-1 if form.negate else 1)
-    memo: dict[int, Array] = {}
-    for k, power in form.constants:
-        c = _eval_dag(space, k, memo)
-        scale = scale * c if power > 0 else scale / c
-    return scale, list(form.factors)
+        return None
+    nodes = node.expr.nodes
+    values: dict[int, Array] = {}
+    scale = xp.scalar(-1 if form.negate else 1, cdt, device)
+    for root, power in form.constants:
+        for k in node.expr.under(root):
+            n = nodes[k]
+            if isinstance(n, Const):
+                values[k] = xp.scalar(n.value, xp.bool_ if isinstance(n.value, bool) else cdt, device)
+            else:
+                assert isinstance(n, Op), "a constant reads no input and no index"
+                values[k] = ops.apply_op(n.op, [values[a] for a in n.args], cdt, xp)
+        scale = scale * values[root] if power > 0 else scale / values[root]
+    return scale
 
 
 # -- everything else ----------------------------------------------------------------------------

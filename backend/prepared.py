@@ -32,6 +32,7 @@ from edatalog.backend.arrays import Array, ArrayOps, torch_module
 from edatalog.backend.joinagg import (
     CHUNK_POINTS,
     Known,
+    constant_scale,
     native_arithmetic,
     native_gemm,
     prepare,
@@ -185,7 +186,7 @@ class _Contraction(Prepared):
         self.repeat = math.prod(box[v] for v in node.agg_indices if v not in spanned and box[v] != 1)
         self.shape = [box[v] if v in made else 1 for v in out_vars]
         self.full = [box[v] for v in out_vars]
-        self.scale = _scale(node, xp, cdt, device)
+        self.scale = constant_scale(node, cdt, xp, device)
         self.identity = self.final_perm == sorted(self.final_perm) and self.shape == self.full
         # The operands as (batch, rows, shared) and (batch, shared, cols) strided views of the
         # inputs, when their groups of axes merge (they do for GEMMs over row-major relations).
@@ -313,29 +314,3 @@ class _Elementwise(Prepared):
                 out = None
             values[k] = ops.apply_op(what, [values[a] for a in args], cdt, xp, out=out)
         return xp.broadcast_to(xp.asarray(values[self.root]), self.full), self.present, self.order
-
-
-def _scale(node: JoinAgg, xp: ArrayOps, cdt: Any, device: Any) -> Array | None:
-    """The product's constant factor, as a 0-d array (None for 1), as ``evaluate_node`` makes it."""
-    form = product_form(node)
-    assert form is not None
-    if not form.constants and not form.negate:
-        return None
-    values: dict[int, Array] = {}
-    scale = xp.scalar(-1 if form.negate else 1, cdt, device)
-    for k, power in form.constants:
-        c = _constant(node, k, xp, cdt, device, values)
-        scale = scale * c if power > 0 else scale / c
-    return scale
-
-
-def _constant(node: JoinAgg, root: int, xp: ArrayOps, cdt: Any, device: Any, values: dict[int, Array]) -> Array:
-    """A sub-DAG of constants, evaluated as ``evaluate_node`` evaluates it."""
-    for k in node.expr.under(root):
-        n = node.expr.nodes[k]
-        if isinstance(n, Const):
-            values[k] = xp.scalar(n.value, xp.bool_ if isinstance(n.value, bool) else cdt, device)
-        else:
-            assert isinstance(n, Op), "a constant reads no input and no index"
-            values[k] = ops.apply_op(n.op, [values[a] for a in n.args], cdt, xp)
-    return values[root]
