@@ -186,12 +186,8 @@ def make_plan(
             raise EdlError("--space chooses the solver's search space; it goes with --strategy auto")
         plan = Plan(strategies.build(prog.graph, machine, strategy, seed=seed), prog.graph, machine, reduction)
         if refine:
-            graph = prog.graph
-
-            def check(ir: PlanIR) -> _Checked:
-                return _Checked(Plan(ir, graph, machine, reduction))
-
-            kept, plan_refined = policy.refine_baseline(graph, _Checked(plan), check, time_limit)
+            check = _checker(prog.graph, machine, reduction)
+            kept, plan_refined = policy.refine_baseline(prog.graph, _Checked(plan), check, time_limit)
             plan = kept.facade
             plan.refined = plan_refined
         return plan
@@ -219,6 +215,15 @@ class _Checked:
         return max(self.facade.report.peak_memory.values())
 
 
+def _checker(graph: Graph, machine: Topology, reduction: str) -> Callable[[PlanIR], _Checked]:
+    """The planning policy's exact check of a plan on ``machine``: the backend's timeline."""
+
+    def check(ir: PlanIR) -> _Checked:
+        return _Checked(Plan(ir, graph, machine, reduction))
+
+    return check
+
+
 def _solved(
     graph: Graph,
     machine: Topology,
@@ -230,10 +235,7 @@ def _solved(
 ) -> Plan:
     """The plan :func:`edatalog.solver.policy.solve` keeps (solve, check the shortlist, re-solve,
     refine, under one deadline), each plan checked in the backend's timeline."""
-
-    def check(ir: PlanIR) -> _Checked:
-        return _Checked(Plan(ir, graph, machine, reduction))
-
+    check = _checker(graph, machine, reduction)
     checked, solution = policy.solve(graph, machine, check, time_limit, seed, space, on_progress)
     plan = checked.facade
     plan.solution = solution
