@@ -62,7 +62,7 @@ from typing import Any
 
 from edatalog.backend import calibrate_probe
 from edatalog.errors import EdlError
-from edatalog.solver.topology import Device, Link, Topology
+from edatalog.solver.topology import Device, Library, Link, Topology
 
 ProgressFn = Callable[[float, float, str], None]  # (done, total, what is being measured)
 
@@ -767,9 +767,9 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         measured["how"]["latency"] = "one device: no link to measure"
     kind = devices[0]["kind"]
     name = f"calibrated-{opts.device}x{opts.nproc}"
-    topo = Topology(
-        name, tuple(Device(i, 0, kind, memory, flops, bandwidth) for i in range(opts.nproc)), intra, None, 1.0, floor
-    )
+    library = Library.NCCL if opts.device == "cuda" else Library.GLOO
+    machine = tuple(Device(i, 0, kind, memory, flops, bandwidth) for i in range(opts.nproc))
+    topo = Topology(name, machine, intra, None, 1.0, floor, library)
     topo.verify()
     return Calibration(topo, measured)
 
@@ -801,6 +801,7 @@ def _toml(cal: Calibration) -> str:
         (f"nodes = [{t.n}]", "all ranks on this machine"),
         ("efficiency = 1.0", "the rates below were reached: nothing to discount"),
         (f"kernel_floor = {_value(t.kernel_floor)}", f"s: {m['how']['kernel_floor']}"),
+        (f"library = {_value(t.library.value)}", "torch.distributed's backend: which exchanges run as collectives"),
         ("", ""),
         ("[device]", ""),
         (f"kind = {_value(d.kind)}", ""),

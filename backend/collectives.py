@@ -66,6 +66,7 @@ from edatalog.ir import intervals
 from edatalog.ir import program as ir
 from edatalog.ir.graph import AGG_NAMES, Graph
 from edatalog.ir.regions import Region
+from edatalog.solver.topology import Library
 
 ENV = "EDL_COLLECTIVES"  # "1": use collectives, "0": never; unset: the backend decides (see wanted)
 
@@ -74,9 +75,6 @@ Kind = ir.CollectiveKind
 
 EVERY = frozenset(Kind)
 NONE: frozenset[Kind] = frozenset()
-# What gloo runs faster as one collective than as the programs' direct messages (see the module
-# docstring): its all_reduce, not its reduce_scatter or all_gather.
-GLOO = frozenset({Kind.ALL_REDUCE})
 
 
 def wanted(choice: bool | None, backend: str) -> frozenset[Kind]:
@@ -92,7 +90,7 @@ def wanted(choice: bool | None, backend: str) -> frozenset[Kind]:
         return NONE
     if value:
         raise EdlError(f"{ENV}={os.environ[ENV]!r} is neither 0 nor 1", help=f"set {ENV}=1 or {ENV}=0, or unset it")
-    return EVERY if "nccl" in backend.lower() else GLOO
+    return (Library.NCCL if "nccl" in backend.lower() else Library.GLOO).collectives
 
 
 @dataclass(frozen=True)

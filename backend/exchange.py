@@ -27,7 +27,7 @@ import numpy as np
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
-from edatalog.ir.cost import flops_per_point
+from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.intervals import atoms
 from edatalog.ir.program import OpCost
@@ -461,7 +461,8 @@ def _lower(
             ranges = tuple((i.name, *t.ranges[i.name]) for i in node.indices)
             reads = tuple(tuple((b, r) for b, r in parts) for parts in t.reads)
             kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id], full[t.id])
-            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype)))
+            gemm = gemm_shape(gemm_roles(node), {i: hi - lo for i, (lo, hi) in t.ranges.items()})
+            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm)))
         elif isinstance(t, Send):
             dtype[t.id], full[t.id] = dtype[t.source], full[t.source]
             cost = OpCost(0, t.nbytes)

@@ -32,11 +32,11 @@ from datetime import timedelta
 from typing import Any
 
 from edatalog.backend.arrays import TorchOps, torch_module, wire_dtype
-from edatalog.backend.collectives import TorchCollectives, use_collectives, wanted
+from edatalog.backend.collectives import TorchCollectives, wanted
 from edatalog.backend.exchange import Schedule
-from edatalog.backend.fusion import fuse_programs
 from edatalog.backend.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
 from edatalog.backend.launch import TIMED_OUT
+from edatalog.backend.running import runtime_programs
 from edatalog.backend.torch_runtime import OpTime, Outputs, op_label, torch_devices
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
@@ -86,12 +86,10 @@ class SpmdExecutable:
             )
         self.rank, self.world = self.dist.get_rank(), n
         self.graph, self.schedule = graph, schedule
-        programs = fuse_programs(schedule.programs, graph)
-        self.outputs = schedule.outputs  # where each output ends: by buffer, as the programs run
         self.collectives = wanted(collectives, str(self.dist.get_backend()))
-        if self.collectives:
-            rewritten = use_collectives(programs, graph, self.collectives)
-            programs, self.outputs = rewritten.programs, rewritten.outputs(schedule.outputs)
+        run = runtime_programs(schedule.programs, graph, schedule.outputs, self.collectives)
+        programs = run.programs
+        self.outputs = run.outputs  # where each output ends: by buffer, as the programs run
         self.program = programs.devices[self.rank]
         default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"
         self.device = torch_devices(device or default, 1)[0]

@@ -1,17 +1,24 @@
 """Time, traffic and memory of a plan's device programs under the topology's cost model.
 
-Every device has a compute engine and, per link class, an egress and an ingress port.  Ops take
-the resources they need (a kernel or a combine its device's engine; a transfer, timed at its
-receive, the sender's egress and the receiver's ingress port) in the order their inputs become
-ready, synthesis order among equals, and start as soon as both inputs and resources are free:
-compute and communication overlap wherever dependencies allow, and no transfer waits behind one
-whose data comes later.  On a link whose transfers take the computing cores' time
-(``Link.interference``, e.g. gloo between CPU processes) a transfer also holds back each end's
-compute engine by that share of its time: the kernel running then ends that much later, or the
-next one starts that much later.  A send itself takes no time (it hands its data to the
-transfer).  What ops cost comes from the schedule's cost table, not from the ops.  Memory
-counts every buffer from the start of the op that makes it until the end of the last op that
-reads it before its ``Free``; buffers never freed (loaded inputs and params, outputs) stay.
+The programs timed are the ones a runtime runs (:func:`edatalog.backend.running.as_run`:
+attention fused into one kernel, exchanges that are whole collectives run as one where the
+topology's communication library does so).  Every device has a compute engine and, per link
+class, an egress and an ingress port.  Ops take the resources they need (a kernel, fused block
+or combine its device's engine; a transfer, timed at its receive, the sender's egress and the
+receiver's ingress port, and the pair itself) in the order their inputs become ready, synthesis
+order among equals, and start as soon as both inputs and resources are free: compute and
+communication overlap wherever dependencies allow, and no transfer waits behind one whose data
+comes later.  A transfer holds its pair for its whole time and its ports for less
+(:mod:`edatalog.solver.costmodel`): a device sending to several peers at once fills its port,
+one pair does not.  A collective starts when all its members have come and their ports are
+free, and holds every member's ports until it ends.  On a link whose transfers take the
+computing devices' time (``Link.interference``: NCCL's kernels on the SMs, gloo's copies on the
+CPU cores) communication also holds back each end's compute engine by that share of its time:
+the kernel running then ends that much later, or the next one starts that much later.  A send
+itself takes no time (it hands its data to the transfer).  What ops cost comes from the
+schedule's cost table, not from the ops.  Memory counts every buffer from the start of the op
+that makes it until the end of the last op that reads it before its ``Free``; buffers never
+freed (loaded inputs and params, outputs) stay.
 """
 
 from __future__ import annotations
@@ -23,9 +30,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edatalog.backend.exchange import Schedule
+from edatalog.backend.running import as_run
 from edatalog.ir import program as ir
 from edatalog.ir.program import region_bytes
-from edatalog.solver.costmodel import compute_seconds, transfer_seconds
+from edatalog.solver.costmodel import (
+    collective_bytes,
+    collective_seconds,
+    compute_seconds,
+    port_seconds,
+    transfer_seconds,
+)
 
 
 @dataclass(frozen=True)
@@ -37,13 +51,14 @@ class Span:
 @dataclass
 class Report:
     seconds: float
-    times: dict[tuple[int, int], Span]  # per op: (device, position in its program)
+    times: dict[tuple[int, int], Span]  # per op of ``schedule``: (device, position in its program)
     flops: dict[int, int]  # per device
     sent: dict[int, int]  # bytes per device
     received: dict[int, int]
     bytes_per_link: dict[tuple[int, int], int]  # (src, dst) -> bytes
     peak_memory: dict[int, int]  # bytes per device
-    computed_blocks: dict[str, int] = field(default_factory=dict)  # node -> blocks computed (not replicas)
+    computed_blocks: dict[str, int]  # node -> blocks computed (not replicas)
+    schedule: Schedule  # what was timed: the schedule as it runs (attention fused, collectives)
 
     @property
     def bytes_moved(self) -> int:
@@ -53,56 +68,106 @@ class Report:
 Key = tuple[int, int]  # (device, position in its program)
 
 
-def analyze(s: Schedule) -> Report:
-    progs = s.programs
-    n = progs.n_devices
+@dataclass
+class _Traffic:
+    sent: dict[int, int]
+    received: dict[int, int]
+    per_link: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def add(self, src: int, dst: int, nbytes: int) -> None:
+        self.sent[src] += nbytes
+        self.received[dst] += nbytes
+        self.per_link[(src, dst)] = self.per_link.get((src, dst), 0) + nbytes
+
+
+def analyze(schedule: Schedule, as_runtimes_run: bool = True) -> Report:
+    """The schedule's time, traffic and memory as a runtime runs it (:func:`as_run`: attention
+    fused, collectives where the topology's library runs them), or with ``as_runtimes_run``
+    False, as synthesis made it (point-to-point, kernel by kernel: the simulator's programs)."""
+    s = as_run(schedule) if as_runtimes_run else schedule
+    n = s.programs.n_devices
     times: dict[Key, Span] = {}
     free: dict[tuple[Any, ...], float] = {}
     flops = dict.fromkeys(range(n), 0)
-    sent = dict.fromkeys(range(n), 0)
-    received = dict.fromkeys(range(n), 0)
-    per_link: dict[tuple[int, int], int] = {}
+    traffic = _Traffic(dict.fromkeys(range(n), 0), dict.fromkeys(range(n), 0))
     graph = _Dag(s)
     for key in graph.by_readiness(times):
         op = graph.op[key]
+        device = key[0]
+        if isinstance(op, ir.Collective):
+            if key not in times:  # its first member to come times it for every member
+                _meet(s, graph, op.tag, times, free, traffic)
+            continue
         ready = max((times[d].end for d in graph.deps[key]), default=0.0)
         duration, resources = _cost(s, key, op)
-        start = max([ready, *(free.get(r, 0.0) for r in resources)])
+        start = max([ready, *(free.get(r, 0.0) for r, _ in resources)])
         times[key] = Span(start, start + duration)
-        for r in resources:
-            free[r] = start + duration
-        if isinstance(op, ir.Recv) and (lost := _interference(s, op.peer, key[0]) * duration):
-            for engine in (("compute", op.peer), ("compute", key[0])):
-                free[engine] = max(free.get(engine, 0.0), start) + lost
-        cost = s.costs[key]
-        device = key[0]
-        if isinstance(op, ir.Kernel | ir.Combine):
-            flops[device] += cost.flops
+        for r, held in resources:
+            free[r] = start + held
+        if isinstance(op, ir.Kernel | ir.Combine | ir.Fused):
+            flops[device] += s.costs[key].flops
         elif isinstance(op, ir.Recv):
-            sent[op.peer] += cost.nbytes
-            received[device] += cost.nbytes
-            per_link[(op.peer, device)] = per_link.get((op.peer, device), 0) + cost.nbytes
+            _interfere(free, (op.peer, device), start, s.topology.link(op.peer, device).interference * duration)
+            traffic.add(op.peer, device, s.costs[key].nbytes)
     seconds = max((sp.end for sp in times.values()), default=0.0)
     return Report(
         seconds,
         times,
         flops,
-        sent,
-        received,
-        per_link,
+        traffic.sent,
+        traffic.received,
+        traffic.per_link,
         _peak_memory(s, graph, times),
         {k: len(v) for k, v in s.blocks.items()},
+        s,
     )
+
+
+def _interfere(free: dict[tuple[Any, ...], float], devices: tuple[int, ...], start: float, lost: float) -> None:
+    """Communication that began at ``start`` takes ``lost`` seconds from each device's compute."""
+    if lost:
+        for d in devices:
+            free[("compute", d)] = max(free.get(("compute", d), 0.0), start) + lost
+
+
+def _meet(
+    s: Schedule, graph: _Dag, tag: int, times: dict[Key, Span], free: dict[tuple[Any, ...], float], traffic: _Traffic
+) -> None:
+    """Time one collective for all its members: it starts when every member has come and their
+    ports are free, and holds every member's ports of its link class until it ends (NCCL's time,
+    ring or tree: :func:`collective_seconds`).  Each member sends its ring successor and
+    receives from its predecessor the ring's share of the bytes."""
+    members = graph.members[tag]
+    op = graph.op[members[0]]
+    assert isinstance(op, ir.Collective)
+    group = op.group
+    # The slowest link between members carries the ring (between nodes when the group spans them).
+    links = [s.topology.link(a, b) for a in group for b in group if a != b] or [s.topology.intra]
+    link = min(links, key=lambda lk: lk.bandwidth)
+    nbytes = s.costs[members[0]].nbytes
+    duration = collective_seconds(op.kind, nbytes, len(group), link)
+    ports = [(way, d, link.name) for d in group for way in ("out", "in")]
+    ready = max((times[dep].end for key in members for dep in graph.deps[key]), default=0.0)
+    start = max([ready, *(free.get(p, 0.0) for p in ports)])
+    for key in members:
+        times[key] = Span(start, start + duration)
+    for p in ports:
+        free[p] = start + duration
+    _interfere(free, group, start, link.interference * duration)
+    moved = collective_bytes(op.kind, nbytes, len(group))
+    for k, d in enumerate(group):
+        traffic.add(d, group[(k + 1) % len(group)], moved)
 
 
 class _Dag:
     """The ops of every device (frees aside) with what each waits for: the ops that make the
-    buffers it reads, and for a receive, its send."""
+    buffers it reads, for a receive its send, and for a collective what every member reads."""
 
     def __init__(self, s: Schedule) -> None:
         self.op: dict[Key, ir.Op] = {}
         self.deps: dict[Key, list[Key]] = {}
         self.maker: dict[int, Key] = {}
+        self.members: dict[int, list[Key]] = {}  # collective tag -> its members' ops
         self.order: dict[Key, int] = {}  # synthesis order: buffers and tags are numbered in it
         send_of: dict[int, Key] = {}
         for device, k, op in s.programs.ops():
@@ -115,10 +180,16 @@ class _Dag:
                 self.maker[op.buf] = key
             if isinstance(op, ir.Send):
                 send_of[op.tag] = key
+            if isinstance(op, ir.Collective):
+                self.members.setdefault(op.tag, []).append(key)
             self.order[key] = op.tag if isinstance(op, ir.Send) else op.buf
         for key, op in self.op.items():
             if isinstance(op, ir.Recv):
                 self.deps[key].append(send_of[op.tag])
+        for members in self.members.values():
+            every = sorted({d for key in members for d in self.deps[key]})
+            for key in members:
+                self.deps[key] = every
 
     def by_readiness(self, times: dict[Key, Span]) -> Iterator[Key]:
         """Ops in the order their inputs become ready (synthesis order among equals): each
@@ -140,20 +211,20 @@ class _Dag:
                     heapq.heappush(heap, (max(times[d].end for d in self.deps[r]), self.order[r], r))
 
 
-def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[Any, ...]]]:
+def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[tuple[Any, ...], float]]]:
+    """An op's time, and the resources it holds with how long it holds each."""
     topo = s.topology
     device = key[0]
     cost = s.costs[key]
-    if isinstance(op, ir.Kernel | ir.Combine):
-        return compute_seconds(cost.flops, cost.nbytes, topo.devices[device], topo, cost.dtype), [("compute", device)]
+    if isinstance(op, ir.Kernel | ir.Combine | ir.Fused):
+        seconds = compute_seconds(cost.flops, cost.nbytes, topo.devices[device], topo, cost.dtype, cost.gemm)
+        return seconds, [(("compute", device), seconds)]
     if isinstance(op, ir.Recv):
         link = topo.link(op.peer, device)
-        return transfer_seconds(cost.nbytes, link), [("out", op.peer, link.name), ("in", device, link.name)]
+        seconds, port = transfer_seconds(cost.nbytes, link), port_seconds(cost.nbytes, link)
+        ports = [(("out", op.peer, link.name), port), (("in", device, link.name), port)]
+        return seconds, [*ports, (("pair", op.peer, device, link.name), seconds)]
     return 0.0, []  # loads and sends
-
-
-def _interference(s: Schedule, src: int, dst: int) -> float:
-    return s.topology.link(src, dst).interference
 
 
 def _peak_memory(s: Schedule, dag: _Dag, times: dict[Key, Span]) -> dict[int, int]:
@@ -189,9 +260,10 @@ def _peak_memory(s: Schedule, dag: _Dag, times: dict[Key, Span]) -> dict[int, in
     return peak
 
 
-def chrome_trace(s: Schedule, report: Report) -> dict[str, Any]:
+def chrome_trace(report: Report) -> dict[str, Any]:
     """The timeline as Chrome trace JSON (chrome://tracing, ui.perfetto.dev): one process per
-    device, with lanes for compute, sends and receives."""
+    device, with lanes for compute, sends and receives (a collective shows in both)."""
+    s = report.schedule
     events: list[dict[str, Any]] = []
     lanes = {"compute": 0, "send": 1, "recv": 2}
     for d in range(s.programs.n_devices):
@@ -206,9 +278,17 @@ def chrome_trace(s: Schedule, report: Report) -> dict[str, Any]:
             block = {i: [lo, hi] for i, lo, hi in op.ranges}
             args = {"block": block, "flops": cost.flops, "bytes": cost.nbytes}
             events.append({**base, "name": op.node, "cat": "compute", "tid": 0, "args": args})
+        elif isinstance(op, ir.Fused):
+            args = {"rules": op.names(), "flops": cost.flops, "bytes": cost.nbytes}
+            events.append({**base, "name": f"{op.kind} {op.relation}", "cat": "compute", "tid": 0, "args": args})
         elif isinstance(op, ir.Combine):
             args = {"sources": len(op.sources), "bytes": cost.nbytes}
             events.append({**base, "name": f"combine {op.relation}", "cat": "reduce", "tid": 0, "args": args})
+        elif isinstance(op, ir.Collective):
+            args = {"bytes": cost.nbytes, "group": list(op.group), "region": str(op.whole)}
+            name = f"{op.kind.value} {op.relation}"
+            for tid in (1, 2):
+                events.append({**base, "name": name, "cat": "collective", "tid": tid, "args": args})
         elif isinstance(op, ir.Recv):
             args = {"bytes": cost.nbytes, "region": str(op.region)}
             events.append({**base, "name": f"{op.relation} <- {op.peer}", "cat": "recv", "tid": 2, "args": args})
@@ -217,6 +297,6 @@ def chrome_trace(s: Schedule, report: Report) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"predicted_ms": report.seconds * 1e3}}
 
 
-def write_trace(path: str, s: Schedule, report: Report) -> None:
+def write_trace(path: str, report: Report) -> None:
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(chrome_trace(s, report), fh)
+        json.dump(chrome_trace(report), fh)

@@ -115,7 +115,7 @@ class Plan:
     def trace(self, path: str) -> None:
         """Write the predicted timeline as Chrome trace JSON (open it in ui.perfetto.dev)."""
         try:
-            write_trace(path, self.schedule, self.report)
+            write_trace(path, self.report)
         except OSError as exc:
             raise EdlError(f"cannot write {path}: {exc.strerror or exc}") from None
 

@@ -1,26 +1,101 @@
-"""The cost model: what a kernel and a transfer cost on a machine.  The backend's timeline uses it
-to predict a schedule's time; the planner will use the same functions, so plans are chosen by
-the cost they are then measured with.
+"""The cost model: what a kernel, a transfer and a collective cost on a machine.  The backend's
+timeline uses it to predict a schedule's time and the planner its estimates, so plans are
+chosen by the cost they are then measured with.
 
-- A kernel takes max(flops / (efficiency * peak), bytes / (efficiency * HBM bandwidth)), and at
-  least the topology's kernel floor; the peak is the device's for the dtype the kernel computes
-  in (an A100 multiplies bf16 at 312 TFLOP/s, f32 at 19.5).
-- A transfer takes latency + bytes / link bandwidth; on a link with ``interference`` f, each
-  end's compute engine loses f times that (applied by the timeline).
+- A kernel takes max(flops / (efficiency * shape * peak), bytes / (efficiency * HBM bandwidth)),
+  and at least the topology's kernel floor.  The peak is the device's for the dtype the kernel
+  computes in (an A100 multiplies bf16 at 312 TFLOP/s, f32 at 19.5).  ``shape`` is 1 except for
+  a GEMM on a device with SMs, where it is the share of the work its tiles and waves do that is
+  useful (:func:`gemm_shape_efficiency`).
+- A point-to-point transfer takes latency + bytes / the link's pair bandwidth, and holds each
+  end's port for latency + bytes / the port's bandwidth: one pair cannot fill an NVLink port,
+  several at once can.  On a link with ``interference`` f, each end's compute engine loses f
+  times the transfer's time (applied by the timeline).
+- A collective over a group takes NCCL's time at the port's ("bus") bandwidth: a ring, or for an
+  all-reduce a tree when that is faster (:func:`collective_seconds`).
 """
 
 from __future__ import annotations
 
+import math
+
+from edatalog.ir.program import CollectiveKind
 from edatalog.solver.topology import Device, Link, Topology
 
+TILE = 128  # output tile edge of a tensor-core GEMM kernel (cuBLAS/CUTLASS's common 128 x 128)
+SPLIT_K_DEPTH = 256  # the least depth of one split-K slice
 
-def compute_seconds(flops: int, nbytes: int, device: Device, topo: Topology, dtype: str) -> float:
-    """Roofline time of one kernel computing in ``dtype`` on ``device``."""
+GemmShape = tuple[int, int, int, int]  # (batch, m, n, k): a batch of (m x k)(k x n) products
+
+
+def gemm_shape_efficiency(shape: GemmShape, sms: int) -> float:
+    """The share of the tensor cores' work that is useful for a GEMM of ``shape`` on ``sms`` SMs.
+
+    The output is cut into ``TILE x TILE`` tiles, ``batch * ceil(m / TILE) * ceil(n / TILE)`` of
+    them; when they leave SMs idle, the depth is split too (split-K) into up to
+    ``sms // tiles`` slices of at least ``SPLIT_K_DEPTH``.  Each SM takes one work unit at a
+    time, so the units run in ``waves = ceil(units / sms)``, each as long as a full tile's:
+
+        useful = batch * m * n * k
+        done   = waves * sms * TILE * TILE * (k / splits)
+
+    A GEMM of 4096 x 4096 outputs on an A100's 108 SMs: 1024 tiles in 10 waves, 1024 / 1080 =
+    0.948; of 300 x 300: 9 tiles of which 300^2 / (3 * 128)^2 is useful, k = 4096 split 12 ways,
+    108 units in one wave: 0.61."""
+    batch, m, n, k = shape
+    if sms <= 0 or min(shape) <= 0:
+        return 1.0
+    tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
+    splits = max(1, min(sms // tiles, k // SPLIT_K_DEPTH)) if tiles < sms else 1
+    waves = math.ceil(tiles * splits / sms)
+    return (batch * m * n * k) / (waves * sms * TILE * TILE * (k / splits))
+
+
+def compute_seconds(
+    flops: int, nbytes: int, device: Device, topo: Topology, dtype: str, gemm: GemmShape | None = None
+) -> float:
+    """Roofline time of one kernel computing in ``dtype`` on ``device`` (a GEMM of ``gemm``'s
+    shape when given)."""
     if flops == 0 and nbytes == 0:
         return 0.0
     eff = topo.efficiency
-    return max(topo.kernel_floor, flops / (eff * device.peak(dtype)), nbytes / (eff * device.bandwidth))
+    shape = 1.0 if gemm is None else gemm_shape_efficiency(gemm, device.sms)
+    return max(topo.kernel_floor, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
 
 
 def transfer_seconds(nbytes: int, link: Link) -> float:
+    """A point-to-point transfer's time, start to end."""
+    return link.latency + nbytes / link.pair_bandwidth
+
+
+def port_seconds(nbytes: int, link: Link) -> float:
+    """How long a point-to-point transfer holds each end's port of the link."""
     return link.latency + nbytes / link.bandwidth
+
+
+def collective_seconds(kind: CollectiveKind, nbytes: int, members: int, link: Link) -> float:
+    """NCCL's time for a collective over ``members`` devices on ``link``, where ``nbytes`` is the
+    whole region (an all-gather's result, a reduction's input per member), ``L`` the latency and
+    ``B`` the port's bandwidth:
+
+    - ring: ``s`` steps, each a latency and ``1 / members`` of the bytes, ``s = members - 1`` for
+      a reduce-scatter or all-gather and ``2 (members - 1)`` for an all-reduce:
+      ``s * L + s / members * nbytes / B``;
+    - tree (all-reduce only, NCCL's double binary tree): up and down ``ceil(log2 members)``
+      levels, the bytes pipelined through each: ``2 ceil(log2 members) L + 2 nbytes / B``.
+
+    An all-reduce takes the faster: the tree for small messages, the ring for large."""
+    if members <= 1 or nbytes == 0:
+        return 0.0
+    steps = 2 * (members - 1) if kind is CollectiveKind.ALL_REDUCE else members - 1
+    ring = steps * link.latency + steps / members * nbytes / link.bandwidth
+    if kind is not CollectiveKind.ALL_REDUCE:
+        return ring
+    tree = 2 * math.ceil(math.log2(members)) * link.latency + 2 * nbytes / link.bandwidth
+    return min(ring, tree)
+
+
+def collective_bytes(kind: CollectiveKind, nbytes: int, members: int) -> int:
+    """What each member sends (and receives) in the ring: ``steps / members`` of ``nbytes``."""
+    steps = 2 * (members - 1) if kind is CollectiveKind.ALL_REDUCE else members - 1
+    return round(steps * nbytes / members) if members > 1 else 0

@@ -19,8 +19,9 @@ from functools import cached_property
 import numpy as np
 
 from edatalog.ir import dtypes
-from edatalog.ir.cost import flops_per_point
+from edatalog.ir.cost import GemmRoles, flops_per_point, gemm_roles, gemm_shape
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
+from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import (
     Box,
     Candidate,
@@ -32,8 +33,8 @@ from edatalog.solver.blocks import (
     split_longest,
     through,
 )
-from edatalog.solver.costmodel import compute_seconds, transfer_seconds
-from edatalog.solver.topology import Topology
+from edatalog.solver.costmodel import collective_seconds, compute_seconds, port_seconds, transfer_seconds
+from edatalog.solver.topology import Link, Topology
 
 Held = tuple[tuple[int, tuple[Box, ...]], ...]  # per device (sorted): the boxes of a relation it holds
 Need = tuple[tuple[int, Box], ...]  # per device (sorted): the box of a relation it reads
@@ -74,6 +75,7 @@ class Costs:
         # Boxes an access reaches, by (access axes, ranges of their indices); axes live as long as the graph.
         self._reached: dict[tuple[object, ...], tuple[Box, int]] = {}
         self._indices: dict[int, tuple[tuple[AxisMap, ...], tuple[str, ...]]] = {}
+        self._roles: dict[str, GemmRoles | None] = {}  # per node: its GEMM roles (see gemm_roles)
 
     def itemsize(self, relation: str) -> int:
         return dtypes.itemsize(self.graph.relation(relation).dtype)
@@ -90,6 +92,9 @@ class Costs:
         in_bytes: dict[str, int] = {}
         made: dict[int, int] = {}  # output bytes per device
         fpp = flops_per_point(node)
+        if node.name not in self._roles:
+            self._roles[node.name] = gemm_roles(node)
+        roles = self._roles[node.name]
         for b in blocks:
             out, size = self._reach(node.out_axes, b.ranges)
             out_boxes.setdefault(b.device, []).append(out)
@@ -101,8 +106,9 @@ class Costs:
                 have = needs[k].get(b.device)
                 needs[k][b.device] = need if have is None else box_hull(have, need)
             dev = self.topo.devices[b.device]
+            gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in b.ranges.items()}) if dev.sms else None
             per_device[b.device] = per_device.get(b.device, 0.0) + compute_seconds(
-                b.points * fpp, nbytes, dev, self.topo, node.dtype
+                b.points * fpp, nbytes, dev, self.topo, node.dtype, gemm
             )
         for k, acc in enumerate(accesses):
             size = max((box_size(n) for n in needs[k].values()), default=0) * items[k]
@@ -164,10 +170,22 @@ class Costs:
             if len(owners) == 1:
                 held.setdefault(owners[0], []).append(box)
                 continue
-            for owner, piece in zip(owners, split_longest(box, len(owners), layout.cand.reduce_axis), strict=False):
+            pieces = split_longest(box, len(owners), layout.cand.reduce_axis)
+            if CollectiveKind.REDUCE_SCATTER in self.topo.library.collectives and len(pieces) == len(owners):
+                # One reduce-scatter call, its reduction fused into the transfers.
+                link = min((self.topo.link(a, b) for a in owners for b in owners if a != b), key=_rate)
+                seconds = collective_seconds(CollectiveKind.REDUCE_SCATTER, box_size(box) * item, len(owners), link)
+                for owner, piece in zip(owners, pieces, strict=True):
+                    held.setdefault(owner, []).append(piece)
+                    busy[owner] = busy.get(owner, 0.0) + seconds
+                continue
+            for owner, piece in zip(owners, pieces, strict=False):
                 held.setdefault(owner, []).append(piece)
                 nbytes = box_size(piece) * item
-                recv = sum(transfer_seconds(nbytes, self.topo.link(src, owner)) for src in owners if src != owner)
+                links = [self.topo.link(src, owner) for src in owners if src != owner]
+                recv = max(
+                    sum(port_seconds(nbytes, lk) for lk in links), max(transfer_seconds(nbytes, lk) for lk in links)
+                )
                 combine = compute_seconds(
                     box_size(piece), nbytes * (len(owners) + 1), self.topo.devices[owner], self.topo, node.dtype
                 )
@@ -258,13 +276,18 @@ class Costs:
         nodes = self._node_of[devs]
         near = pieces.on_node[:, nodes].T  # need device x piece: a holder on the same node
         latency = np.where(near, intra.latency, inter.latency)
-        bandwidth = np.where(near, intra.bandwidth, inter.bandwidth)
-        seconds = np.where(fetch, latency + overlap * item / bandwidth, 0.0)
-        received = np.zeros(len(rows))
-        np.maximum.at(received, which, seconds.sum(axis=1))
-        sent = np.zeros((len(rows), self.topo.n))
+        nbytes = overlap * item
+        # Each transfer holds both ports (at the port's rate) and its pair (at the pair's rate).
+        port = np.where(fetch, latency + nbytes / np.where(near, intra.bandwidth, inter.bandwidth), 0.0)
+        pair = np.where(fetch, latency + nbytes / np.where(near, intra.pair_bandwidth, inter.pair_bandwidth), 0.0)
         row, piece = np.nonzero(fetch)
-        np.add.at(sent, (which[row], pieces.first[:, nodes].T[row, piece]), seconds[row, piece])
+        source = pieces.first[:, nodes].T[row, piece]
+        pairs = np.zeros((len(devs), self.topo.n))  # need device x source: the pair's time
+        np.add.at(pairs, (row, source), pair[row, piece])
+        received = np.zeros(len(rows))
+        np.maximum.at(received, which, np.maximum(port.sum(axis=1), pairs.max(axis=1)))
+        sent = np.zeros((len(rows), self.topo.n))
+        np.add.at(sent, (which[row], source), port[row, piece])
         for r, (k, _, _) in enumerate(rows):
             out[k] = float(max(received[r], sent[r].max()))
         return out
@@ -278,6 +301,10 @@ class Costs:
             box: Box = tuple(((0, n),) for n in rel.shape)
             out[name] = tuple((d, box) for d in range(self.topo.n))
         return out
+
+
+def _rate(link: Link) -> float:
+    return link.bandwidth
 
 
 MOST_INTERVALS = 8  # per axis, for the vectorized overlap; boxes with more take the slow path

@@ -19,12 +19,31 @@ import json
 import re
 import tomllib
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from edatalog.errors import EdlError, did_you_mean
+from edatalog.ir.program import CollectiveKind
 
 GIB = 1 << 30
+
+
+class Library(StrEnum):
+    """The torch.distributed backend that moves data between a machine's devices."""
+
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+    @property
+    def collectives(self) -> frozenset[CollectiveKind]:
+        """The exchanges it runs faster as one collective than as direct messages: every kind on
+        NCCL; on gloo only the all-reduce (2 CPU ranks, measured side by side: its all_reduce
+        beat direct messages, its reduce_scatter and all_gather did not; see
+        :mod:`edatalog.backend.collectives`)."""
+        if self is Library.NCCL:
+            return frozenset(CollectiveKind)
+        return frozenset({CollectiveKind.ALL_REDUCE})
 
 
 @dataclass(frozen=True)
@@ -37,6 +56,9 @@ class Device:
     bandwidth: float  # memory bandwidth, bytes/s
     # Peak FLOP/s per dtype where it differs (an A100: bf16 312 TF, but f32 19.5 TF), sorted.
     peaks: tuple[tuple[str, float], ...] = ()
+    # Streaming multiprocessors: a GEMM runs in waves of one output tile per SM, so a GEMM whose
+    # tiles leave the last wave part empty wastes the rest (0: no such quantization, e.g. CPUs).
+    sms: int = 0
 
     def peak(self, dtype: str) -> float:
         """The peak FLOP/s of kernels computing in ``dtype``."""
@@ -55,14 +77,28 @@ class Device:
 
 @dataclass(frozen=True)
 class Link:
+    """A link class.  ``bandwidth`` is what a device's port of this class carries per direction,
+    all its transfers together; a collective over it moves at that rate (NCCL's "bus
+    bandwidth").  One point-to-point transfer between a pair moves at ``p2p_bandwidth`` at most
+    (NCCL's send/recv between two A100s runs at a fraction of what its rings reach): a device
+    reaches its port's rate only by sending to several peers at once."""
+
     name: str  # "nvlink", "pcie", "ib", ...
     bandwidth: float  # bytes/s per direction per device
     latency: float  # seconds
     # The fraction of a transfer's time each end's compute engine loses to it, in [0, 1].
     interference: float = 0.0
+    p2p_bandwidth: float | None = None  # bytes/s of one transfer between a pair; None: ``bandwidth``
+
+    @property
+    def pair_bandwidth(self) -> float:
+        """The most bytes/s one point-to-point transfer moves."""
+        return self.bandwidth if self.p2p_bandwidth is None else min(self.p2p_bandwidth, self.bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
-        extra = {"interference": self.interference} if self.interference else {}
+        extra: dict[str, Any] = {"interference": self.interference} if self.interference else {}
+        if self.p2p_bandwidth is not None:
+            extra["p2p_bandwidth"] = self.p2p_bandwidth
         return {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency, **extra}
 
 
@@ -74,6 +110,9 @@ class Topology:
     inter: Link | None = None  # between nodes; None for single-node machines
     efficiency: float = 0.7  # fraction of peak FLOP/s and HBM bandwidth kernels reach
     kernel_floor: float = 5e-6  # seconds: the least a kernel launch costs
+    # The communication library the runtime uses between these devices (torch.distributed's
+    # backend): which exchanges run as one collective depends on it.
+    library: Library = Library.NCCL
 
     @property
     def n(self) -> int:
@@ -107,10 +146,9 @@ class Topology:
     def __str__(self) -> str:
         kinds = sorted({d.kind for d in self.devices})
         per_node = "+".join(str(len(g)) for g in self.nodes)
-        links = f"{self.intra.name} {_rate(self.intra.bandwidth)}"
-        text = f"{self.name}: {self.n} x {'/'.join(kinds)} ({per_node} per node), {links}"
+        text = f"{self.name}: {self.n} x {'/'.join(kinds)} ({per_node} per node), {_link(self.intra)}"
         if self.inter is not None and len(self.nodes) > 1:
-            text += f", {self.inter.name} {_rate(self.inter.bandwidth)} between nodes"
+            text += f", {_link(self.inter)} between nodes"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,13 +156,20 @@ class Topology:
         return {
             "name": self.name,
             "nodes": [len(g) for g in self.nodes],
-            "device": {"kind": d0.kind, "memory": d0.memory, "flops": d0.flops_spec(), "bandwidth": d0.bandwidth},
+            "device": {
+                "kind": d0.kind,
+                "memory": d0.memory,
+                "flops": d0.flops_spec(),
+                "bandwidth": d0.bandwidth,
+                **({"sms": d0.sms} if d0.sms else {}),
+            },
             "links": {
                 "intra": self.intra.to_dict(),
                 **({"inter": self.inter.to_dict()} if self.inter is not None else {}),
             },
             "efficiency": self.efficiency,
             "kernel_floor": self.kernel_floor,
+            "library": self.library.value,
         }
 
 
@@ -132,13 +177,28 @@ def _rate(bps: float) -> str:
     return f"{bps / 1e9:g} GB/s"
 
 
+def _link(link: Link) -> str:
+    pair = "" if link.pair_bandwidth == link.bandwidth else f" ({_rate(link.pair_bandwidth)} per pair)"
+    return f"{link.name} {_rate(link.bandwidth)}{pair}"
+
+
 # -- presets ------------------------------------------------------------------------------------
 
 _GPUS = {
-    # kind: (memory, bf16/f16 dense FLOP/s, HBM bytes/s, NVLink bytes/s per direction per GPU)
-    "a100": ("A100-80GB", 80 * GIB, 312e12, 2.0e12, 300e9),
-    "h100": ("H100", 80 * GIB, 989e12, 3.35e12, 450e9),
-    "h200": ("H200", 141 * 10**9, 989e12, 4.8e12, 450e9),
+    # kind: (memory, bf16/f16 dense FLOP/s, HBM bytes/s, SMs)
+    "a100": ("A100-80GB", 80 * GIB, 312e12, 2.0e12, 108),
+    "h100": ("H100", 80 * GIB, 989e12, 3.35e12, 132),
+    "h200": ("H200", 141 * 10**9, 989e12, 4.8e12, 132),
+}
+# NVLink per GPU and direction, as NCCL reaches it, not the data sheet's 300 (A100) or 450 GB/s
+# (H100/H200): on 8 x A100 its all-reduce measures 208-230 GB/s of bus bandwidth and a send/recv
+# between a pair about 72 GB/s (the measurements the audit of issue 11 cites; not ours).  The
+# H100/H200 figures scale the A100's fractions (0.77 and 0.24 of the data sheet) to 450 GB/s: an
+# assumption until measured.
+_NVLINK = {
+    "a100": (230e9, 72e9),  # (port/collective, one pair point-to-point)
+    "h100": (345e9, 108e9),
+    "h200": (345e9, 108e9),
 }
 # Dense peaks of the dtypes whose kernels do not run at the bf16/f16 tensor-core rate (NVIDIA's
 # data sheets, SXM parts): f32 without TF32 (PyTorch's default for f32 matmuls), and f64 on the
@@ -162,29 +222,32 @@ PRESETS_HELP = "a100xN, h100xN, h200xN, pcie4xN, cpuxN (N = 1..8), or 2x4"
 Peaks = tuple[tuple[str, float], ...]
 
 
-def _uniform(name: str, n: int, kind: str, memory: int, flops: float, bw: float, intra: Link, peaks: Peaks) -> Topology:
-    return Topology(name, tuple(Device(i, 0, kind, memory, flops, bw, peaks) for i in range(n)), intra)
+def _nvlink(family: str) -> Link:
+    port, pair = _NVLINK[family]
+    return Link("nvlink", port, NVLINK_LATENCY, GPU_INTERFERENCE, pair)
+
+
+def _gpus(family: str, n: int, node_size: int | None = None) -> tuple[Device, ...]:
+    kind, mem, flops, bw, sms = _GPUS[family]
+    per = node_size or n
+    return tuple(Device(i, i // per, kind, mem, flops, bw, _SLOW_PEAKS[family], sms) for i in range(n))
 
 
 def preset(name: str) -> Topology:
     """A named machine: ``a100x8``, ``h200x4``, ``pcie4x2``, ``cpux4``, ``2x4``."""
     if name == "2x4":
-        kind, mem, flops, bw, nvlink = _GPUS["a100"]
-        devices = tuple(Device(i, i // 4, kind, mem, flops, bw, _SLOW_PEAKS["a100"]) for i in range(8))
-        return Topology(name, devices, Link("nvlink", nvlink, NVLINK_LATENCY, GPU_INTERFERENCE), INFINIBAND)
+        return Topology(name, _gpus("a100", 8, 4), _nvlink("a100"), INFINIBAND)
     m = re.fullmatch(r"(a100|h100|h200|pcie4|cpu)x(\d+)", name)
     if m is None or not 1 <= int(m.group(2)) <= 8:
         raise EdlError(f"unknown topology '{name}'", help=f"presets: {PRESETS_HELP}; or a .toml/.json file")
     family, n = m.group(1), int(m.group(2))
     if family in _GPUS:
-        kind, mem, flops, bw, nvlink = _GPUS[family]
-        nvl = Link("nvlink", nvlink, NVLINK_LATENCY, GPU_INTERFERENCE)
-        return _uniform(name, n, kind, mem, flops, bw, nvl, _SLOW_PEAKS[family])
+        return Topology(name, _gpus(family, n), _nvlink(family))
     if family == "pcie4":
-        kind, mem, flops, bw, _ = _GPUS["a100"]
-        return _uniform(name, n, kind, mem, flops, bw, PCIE4, _SLOW_PEAKS["a100"])
-    # CPU "devices": cores of one host sharing memory; copies run at memcpy speed.
-    return _uniform(name, n, "CPU", 16 * GIB, 1e11, 20e9, Link("shm", 10e9, 1e-6), ())
+        return Topology(name, _gpus("a100", n), PCIE4)
+    # CPU "devices": cores of one host sharing memory; copies run at memcpy speed; gloo moves them.
+    devices = tuple(Device(i, 0, "CPU", 16 * GIB, 1e11, 20e9) for i in range(n))
+    return Topology(name, devices, Link("shm", 10e9, 1e-6), library=Library.GLOO)
 
 
 # -- custom machines ----------------------------------------------------------------------------
@@ -240,14 +303,17 @@ def load(path: str) -> Topology:
     memory = "80GiB"
     flops = "312TFLOPS"               # or per dtype: { default = "312TFLOPS", f32 = "19.5TFLOPS" }
     bandwidth = "2TB/s"
+    sms = 108                         # optional: SMs, for GEMM wave quantization (0: none)
     [links.intra]
     name = "nvlink"
-    bandwidth = "300GB/s"
+    bandwidth = "230GB/s"             # per device and direction, all transfers together; collectives
+    p2p_bandwidth = "72GB/s"          # optional: one point-to-point transfer (default: bandwidth)
     latency = "3us"
     interference = 0.0                # optional: the share of a transfer's time its ends cannot compute
     [links.inter]                     # needed when there are several nodes
     bandwidth = "25GB/s"
     latency = "10us"
+    library = "nccl"                  # optional: "nccl" (default) or "gloo", the runtime's backend
     [measured]                        # optional, any content: what `edl calibrate` measured
     """
     p = Path(path)
@@ -265,10 +331,10 @@ def load(path: str) -> Topology:
 
 
 _KEYS = {
-    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "measured"},
-    "device": {"kind", "memory", "flops", "bandwidth"},
+    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "library", "measured"},
+    "device": {"kind", "memory", "flops", "bandwidth", "sms"},
     "links": {"intra", "inter"},
-    "link": {"name", "bandwidth", "latency", "interference"},
+    "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "interference"},
 }
 
 
@@ -322,6 +388,16 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     memory = int(_positive(quantity(dev.get("memory", "80GiB"), "B", "device memory"), "device memory"))
     flops, peaks = _peaks(dev.get("flops", "312TFLOPS"))
     bw = _positive(quantity(dev.get("bandwidth", "2TB/s"), "B/s", "device bandwidth"), "device bandwidth")
+    sms = dev.get("sms", 0)
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
+        raise EdlError(f"topology: device sms must be a whole number of SMs (0: none), not {sms!r}")
+    try:
+        library = Library(str(data.get("library", "nccl")).lower())
+    except ValueError:
+        raise EdlError(
+            f"topology: unknown library {data['library']!r}",
+            help='library = "nccl" (GPUs) or "gloo" (CPU processes): the torch.distributed backend',
+        ) from None
     links = _table(data.get("links", {}), "links", _KEYS["links"])
 
     def link(key: str, default: Link | None) -> Link | None:
@@ -329,6 +405,8 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
             return default
         spec = _table(links[key], f"links.{key}", _KEYS["link"])
         bandwidth = quantity(spec.get("bandwidth", "25GB/s"), "B/s", f"links.{key}.bandwidth")
+        pair = spec.get("p2p_bandwidth")
+        p2p = None if pair is None else quantity(pair, "B/s", f"links.{key}.p2p_bandwidth")
         latency = quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency")
         interference = quantity(spec.get("interference", 0.0), "", f"links.{key}.interference")
         if not 0 <= interference <= 1:
@@ -342,6 +420,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
             _positive(bandwidth, f"links.{key}.bandwidth"),
             _positive(latency, f"links.{key}.latency", allow_zero=True),
             interference,
+            None if p2p is None else _positive(p2p, f"links.{key}.p2p_bandwidth"),
         )
 
     intra = link("intra", Link("nvlink", 300e9, NVLINK_LATENCY))
@@ -357,8 +436,8 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     floor = _positive(quantity(data.get("kernel_floor", "5us"), "s", "kernel_floor"), "kernel_floor", allow_zero=True)
     devices: list[Device] = []
     for node, count in enumerate(nodes):
-        devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks) for _ in range(count))
-    topo = Topology(str(data.get("name", default_name)), tuple(devices), intra, inter, efficiency, floor)
+        devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks, sms) for _ in range(count))
+    topo = Topology(str(data.get("name", default_name)), tuple(devices), intra, inter, efficiency, floor, library)
     topo.verify()
     return topo
 

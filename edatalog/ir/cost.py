@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,6 +105,41 @@ class NodeCost:
 def flops_per_point(node: JoinAggLike) -> int:
     """Scalar ops per point, plus one for folding it into the aggregate when indices are folded."""
     return node.expr.flops_per_point + (1 if node.agg is not None and node.agg_indices else 0)
+
+
+GemmRoles = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+
+
+def gemm_roles(node: JoinAggLike) -> GemmRoles | None:
+    """The indices of a GEMM node by role, ``(batch, m, n, k)``: a sum over indices that both
+    of its two widest inputs read.  ``k`` is the summed indices, ``m`` and ``n`` the kept ones
+    only the first or only the second reads, ``batch`` the rest (read by both, or by neither:
+    a third input such as attention's ``1 / l``).  None for everything else (elementwise rules,
+    reductions of one input): those are bound by memory, not by tensor-core tiles."""
+    if node.agg != "sum" or not node.agg_indices:
+        return None
+    distinct = list(dict.fromkeys(node.inputs))
+    if len(distinct) < 2:
+        return None
+    a, b = sorted(distinct, key=lambda acc: -len(acc.indices))[:2]
+    ia, ib = set(a.indices), set(b.indices)
+    summed = node.agg_indices
+    if not set(summed) <= ia & ib:
+        return None
+    out = node.out_indices
+    m = tuple(i for i in out if i in ia - ib)
+    n = tuple(i for i in out if i in ib - ia)
+    batch = tuple(i for i in out if (i in ia) == (i in ib))
+    return batch, m, n, summed
+
+
+def gemm_shape(roles: GemmRoles | None, extents: Mapping[str, int]) -> tuple[int, int, int, int] | None:
+    """``(batch, m, n, k)`` of a block of a GEMM node with :func:`gemm_roles` ``roles``, its
+    indices of sizes ``extents``."""
+    if roles is None:
+        return None
+    batch, m, n, k = (math.prod(extents[i] for i in names) for names in roles)
+    return batch, m, n, k
 
 
 def _cells(guard: Guard, keep: tuple[str, ...], box: dict[str, int]) -> tuple[int, bool]:

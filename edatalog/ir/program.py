@@ -461,6 +461,7 @@ class OpCost:
     flops: int
     nbytes: int
     dtype: str = "f32"
+    gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM kernel, for its tiles
 
 
 REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective folds with

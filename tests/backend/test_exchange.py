@@ -124,7 +124,7 @@ def test_hierarchical_reduction_crosses_the_slow_links_less() -> None:
     node_of = {d.index: d.node for d in topo.devices}
     slow = {}
     for reduction in ("direct", "hierarchical"):
-        report = analyze(synthesize(g, plan, topo, reduction))
+        report = analyze(synthesize(g, plan, topo, reduction), as_runtimes_run=False)  # the exchanges as made
         slow[reduction] = _slow_bytes(node_of, report.bytes_per_link)
         _check_sim(prog, plan, 8, reduction)
     size = 64 * 8  # y in bytes
@@ -133,9 +133,16 @@ def test_hierarchical_reduction_crosses_the_slow_links_less() -> None:
     assert slow["hierarchical"] < slow["direct"]
 
 
-def test_trace_is_valid_chrome_trace_json(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("topology", "strategy", "kinds"),
+    [
+        ("a100x4", "megatron", {"compute", "collective"}),  # NCCL: every exchange of Megatron is a collective
+        ("cpux4", "megatron-sp", {"compute", "send", "recv", "reduce"}),  # gloo: its reduce-scatters by messages
+    ],
+)
+def test_trace_is_valid_chrome_trace_json(tmp_path: Path, topology: str, strategy: str, kinds: set[str]) -> None:
     prog = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
-    plan = edatalog.plan(prog, topology="a100x4", strategy="megatron")
+    plan = edatalog.plan(prog, topology=topology, strategy=strategy)
     path = tmp_path / "trace.json"
     plan.trace(str(path))
     data = json.loads(path.read_text())
@@ -143,26 +150,34 @@ def test_trace_is_valid_chrome_trace_json(tmp_path: Path) -> None:
     spans = [e for e in events if e["ph"] == "X"]
     assert spans and all({"name", "ts", "dur", "pid", "tid"} <= e.keys() for e in spans)
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
-    assert {e["cat"] for e in spans} >= {"compute", "send", "recv", "reduce"}
+    assert {e["cat"] for e in spans} >= kinds
     names = [e for e in events if e["ph"] == "M" and e["name"] == "process_name"]
     assert len(names) == 4
-    assert data == json.loads(json.dumps(chrome_trace(plan.schedule, plan.report)))
+    assert data == json.loads(json.dumps(chrome_trace(plan.report)))
 
 
 def test_timeline_respects_dependencies_and_resources() -> None:
     prog = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
     plan = edatalog.plan(prog, topology="a100x4", strategy="megatron")
     times = plan.report.times
-    ops = {(d, k): op for d, k, op in plan.schedule.programs.ops() if not isinstance(op, ir.Free)}
+    ops = {(d, k): op for d, k, op in plan.report.schedule.programs.ops() if not isinstance(op, ir.Free)}
     maker = {op.buf: key for key, op in ops.items() if isinstance(op, ir.DEFINES)}
     send_at = {op.tag: key for key, op in ops.items() if isinstance(op, ir.Send)}
+    members: dict[int, list[tuple[int, int]]] = {}
+    for key, op in ops.items():
+        if isinstance(op, ir.Collective):
+            members.setdefault(op.tag, []).append(key)
+    assert members  # Megatron's all-reduces run as collectives on NCCL
     for key, op in ops.items():
         waits = [maker[b] for b in ir.reads(op)] + ([send_at[op.tag]] if isinstance(op, ir.Recv) else [])
+        if isinstance(op, ir.Collective):  # a meeting: it waits for every member's input
+            waits = [maker[b] for m in members[op.tag] for b in ir.reads(ops[m])]
+            assert {times[m] for m in members[op.tag]} == {times[key]}
         assert all(times[w].end <= times[key].start + 1e-15 for w in waits)
     compute = sorted(
         (times[key].start, times[key].end)
         for key, op in ops.items()
-        if key[0] == 0 and isinstance(op, ir.Kernel | ir.Combine)
+        if key[0] == 0 and isinstance(op, ir.Kernel | ir.Combine | ir.Fused)
     )
     assert all(a[1] <= b[0] + 1e-15 for a, b in itertools.pairwise(compute))  # one kernel at a time
 

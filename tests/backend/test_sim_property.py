@@ -49,6 +49,7 @@ from edatalog.ir import dtypes
 from edatalog.ir import program as ir
 from edatalog.ir.graph import VerifyError
 from edatalog.ir.regions import Region
+from edatalog.solver.costmodel import collective_bytes
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.strategies import random_plan
 from edatalog.solver.topology import preset
@@ -178,15 +179,26 @@ def _check_no_double_receive(s: Schedule, relation_of: Mapping[int, str]) -> Non
         _mark(mask, op.region)
 
 
-def _check_report(s: Schedule, r: Report) -> None:
+def _check_report(r: Report) -> None:
+    """The timeline of the programs it timed (``r.schedule``: as synthesized, or as the runtimes
+    run them) respects every dependency, collectives' meetings included, and runs one kernel at
+    a time per device."""
+    s = r.schedule
     ops = {(d, k): op for d, k, op in s.programs.ops() if not isinstance(op, ir.Free)}
     assert set(r.times) == set(ops)
     maker = {op.buf: key for key, op in ops.items() if isinstance(op, ir.DEFINES)}
     send_at = {op.tag: key for key, op in ops.items() if isinstance(op, ir.Send)}
+    members: dict[int, list[tuple[int, int]]] = {}
+    for key, op in ops.items():
+        if isinstance(op, ir.Collective):
+            members.setdefault(op.tag, []).append(key)
     for key, op in ops.items():
         span = r.times[key]
         assert 0.0 <= span.start <= span.end, f"{op}: span {span}"
         waits = [maker[b] for b in ir.reads(op)] + ([send_at[op.tag]] if isinstance(op, ir.Recv) else [])
+        if isinstance(op, ir.Collective):
+            waits = [maker[b] for m in members[op.tag] for b in ir.reads(ops[m])]
+            assert {r.times[m] for m in members[op.tag]} == {span}, f"{op}: members apart"
         for dep in waits:
             assert r.times[dep].end <= span.start + 1e-15, f"{op} starts at {span.start}, before {dep} ends"
     assert r.seconds == max((sp.end for sp in r.times.values()), default=0.0)
@@ -194,7 +206,7 @@ def _check_report(s: Schedule, r: Report) -> None:
         kernels = sorted(
             (r.times[key].start, r.times[key].end)
             for key, op in ops.items()
-            if key[0] == d and isinstance(op, ir.Kernel | ir.Combine)
+            if key[0] == d and isinstance(op, ir.Kernel | ir.Combine | ir.Fused)
         )
         for a, b in itertools.pairwise(kernels):
             assert a[1] <= b[0], f"device {d}: kernels overlap"
@@ -202,13 +214,21 @@ def _check_report(s: Schedule, r: Report) -> None:
     per_link: dict[tuple[int, int], int] = {}
     for (d, k), op in recvs:
         per_link[(op.peer, d)] = per_link.get((op.peer, d), 0) + s.costs[(d, k)].nbytes
+    for keys in members.values():  # a ring: each member sends its successor its share
+        op = ops[keys[0]]
+        assert isinstance(op, ir.Collective)
+        moved = collective_bytes(op.kind, s.costs[keys[0]].nbytes, len(op.group))
+        for j, d in enumerate(op.group):
+            succ = op.group[(j + 1) % len(op.group)]
+            per_link[(d, succ)] = per_link.get((d, succ), 0) + moved
     assert r.bytes_per_link == per_link
-    assert r.bytes_moved == sum(s.costs[key].nbytes for key, _ in recvs)
     for d in range(s.plan.n_devices):
-        assert r.sent[d] == sum(s.costs[key].nbytes for key, op in recvs if op.peer == d)
-        assert r.received[d] == sum(s.costs[key].nbytes for key, _ in recvs if key[0] == d)
+        assert r.sent[d] == sum(v for (a, _), v in per_link.items() if a == d)
+        assert r.received[d] == sum(v for (_, b), v in per_link.items() if b == d)
         kernel_flops = [
-            s.costs[key].flops for key, op in ops.items() if key[0] == d and isinstance(op, ir.Kernel | ir.Combine)
+            s.costs[key].flops
+            for key, op in ops.items()
+            if key[0] == d and isinstance(op, ir.Kernel | ir.Combine | ir.Fused)
         ]
         assert r.flops[d] == sum(kernel_flops) and r.flops[d] >= 0
         resident = sum(s.costs[key].nbytes for key, op in ops.items() if key[0] == d and isinstance(op, ir.Load))
@@ -267,7 +287,8 @@ def _check(prog: edatalog.Program, values: dict[str, np.ndarray], topology: str,
     plan = random_plan(graph, machine, seed)
     schedule = synthesize(graph, plan, machine, reduction)
     _check_schedule(schedule)
-    _check_report(schedule, analyze(schedule))
+    _check_report(analyze(schedule))
+    _check_report(analyze(schedule, as_runtimes_run=False))
     inputs = prog.prepare(values)
     _check_outputs(schedule, inputs, prog.evaluate(inputs))
 
@@ -454,7 +475,8 @@ def _run_hand(prog: edatalog.Program, plan: Plan, values: dict[str, np.ndarray])
     """Synthesize, check the schedule's invariants and its outputs against the reference."""
     schedule = synthesize(prog.graph, plan, preset(plan.topology))
     _check_schedule(schedule)
-    _check_report(schedule, analyze(schedule))
+    _check_report(analyze(schedule))
+    _check_report(analyze(schedule, as_runtimes_run=False))
     inputs = prog.prepare(values)
     _check_outputs(schedule, inputs, prog.evaluate(inputs))
     return schedule

@@ -80,7 +80,7 @@ def test_plan_prints_placements_tiles_machine_and_cost(capsys: pytest.CaptureFix
     assert rows["gate"] == "b:1 s:1 f:8 d:1 -> devices 0..7"
     assert rows["ss"] == "b:1 s:1 d:1 -> {0..7}"
     assert "outputs:" in lines
-    assert "a100x8: 8 x A100-80GB (8 per node), nvlink 300 GB/s" in lines
+    assert "a100x8: 8 x A100-80GB (8 per node), nvlink 230 GB/s (72 GB/s per pair)" in lines
     assert any(line.split() == ["device", "flops", "peak", "memory", "sent", "received"] for line in lines)
     assert any(line.split() == ["link", "kind", "bytes"] for line in lines)
     assert lines[-1].startswith("predicted ") and " ms on a100x8, " in lines[-1]
@@ -107,22 +107,24 @@ def test_data_parallel_splits_the_work_without_moving_anything(capsys: pytest.Ca
     _, out, _ = _run(capsys, "plan", ATTN, *dims, "-t", "a100x4", "-s", "data", "--json")
     data = json.loads(out)["summary"]
     assert data["bytes_moved"] == 0
-    assert sum(data["flops"].values()) == total
     _, out, _ = _run(capsys, "plan", ATTN, *dims, "-t", "a100x4", "-s", "replicate", "--json")
     rep = json.loads(out)["summary"]
-    assert rep["flops"] == {"0": total, "1": 0, "2": 0, "3": 0}
+    # The same kernels, on one device or split by batch over four: flash attention computes whole
+    # tiles (here one 8 x 8 tile per head, diagonal included), so more than the causal points.
+    assert sum(data["flops"].values()) == rep["flops"]["0"] > total
+    assert rep["flops"] == {"0": rep["flops"]["0"], "1": 0, "2": 0, "3": 0}
 
 
 def test_plan_writes_the_plan_and_a_chrome_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plan_path, trace_path = tmp_path / "p.json", tmp_path / "t.json"
-    code, out, _ = _run(
-        capsys, "plan", LLAMA, *GQA, "-t", "a100x4", "-s", "megatron", "-o", str(plan_path), "--trace", str(trace_path)
+    code, out, _ = _run(  # on gloo, Megatron-SP's reduce-scatters are messages (on NCCL, collectives)
+        capsys, "plan", LLAMA, *GQA, "-t", "cpux4", "-s", "megatron-sp", "-o", str(plan_path), "--trace", str(trace_path)
     )
     assert code == 0
     assert f"wrote plan {plan_path}" in out and f"wrote trace {trace_path}" in out
     saved = json.loads(plan_path.read_text())
     assert {"format", "program", "machine", "graph", "reduction"} <= set(saved)
-    assert saved["machine"]["name"] == "a100x4" and saved["machine"]["nodes"] == [4]
+    assert saved["machine"]["name"] == "cpux4" and saved["machine"]["nodes"] == [4]
 
     trace: dict[str, Any] = json.loads(trace_path.read_text())
     events = trace["traceEvents"]
@@ -140,7 +142,10 @@ def test_plan_writes_the_plan_and_a_chrome_trace(capsys: pytest.CaptureFixture[s
     assert trace["otherData"]["predicted_ms"] == pytest.approx(end_us / 1e3)
 
 
-def test_hierarchical_reduction_moves_less_between_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hierarchical_reduction_moves_less_between_nodes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EDL_COLLECTIVES", "0")  # reductions by messages, not NCCL's rings
     dims = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=8", "--dim", "KVH=8", "--dim", "F=64"]
     between: dict[str, int] = {}
     for reduction in ("direct", "hierarchical", "auto"):

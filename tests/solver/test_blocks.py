@@ -21,7 +21,7 @@ from edatalog.ir.graph import JoinAgg
 from edatalog.ir.regions import Region
 from edatalog.solver import blocks
 from edatalog.solver.blocks import Layout, candidates, dim_order, through
-from edatalog.solver.costmodel import transfer_seconds
+from edatalog.solver.costmodel import port_seconds, transfer_seconds
 from edatalog.solver.costs import Costs, Held, Need
 from edatalog.solver.topology import preset
 from tests.strategies import example_settings
@@ -226,7 +226,9 @@ def test_zigzag_splits_give_every_device_as_much_causal_work() -> None:
 
 
 def _slow_transfer(costs: Costs, item: int, held: Held, need: Need) -> float:
-    """Transfer cost, one cell set at a time."""
+    """Transfer cost, one cell set at a time: each receiver waits for the larger of its port (every
+    transfer's latency + bytes / port rate) and its busiest pair (latency + bytes / pair rate,
+    per source), each sender for its port."""
     topo = costs.topo
     holders: dict[blocks.Box, list[int]] = {}
     for d, boxes in held:
@@ -235,16 +237,19 @@ def _slow_transfer(costs: Costs, item: int, held: Held, need: Need) -> float:
     sent = dict.fromkeys(range(topo.n), 0.0)
     worst = 0.0
     for d, want in need:
-        seconds = 0.0
+        port = 0.0
+        pairs: dict[int, float] = {}
         for box, devs in holders.items():
             if d in devs or blocks.box_meet(want, box) == 0:
                 continue
             near = [s for s in sorted(devs) if topo.devices[s].node == topo.devices[d].node]
             src = (near or sorted(devs))[0]
-            t = transfer_seconds(blocks.box_meet(want, box) * item, topo.link(src, d))
-            seconds += t
+            nbytes = blocks.box_meet(want, box) * item
+            t = port_seconds(nbytes, topo.link(src, d))
+            port += t
             sent[src] += t
-        worst = max(worst, seconds)
+            pairs[src] = pairs.get(src, 0.0) + transfer_seconds(nbytes, topo.link(src, d))
+        worst = max(worst, port, *pairs.values())
     return max(worst, *sent.values())
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from edatalog.errors import EdlError
-from edatalog.solver.costmodel import compute_seconds, transfer_seconds
-from edatalog.solver.topology import GIB, from_dict, load, preset, quantity, resolve
+from edatalog.ir.program import CollectiveKind
+from edatalog.solver.costmodel import compute_seconds, port_seconds, transfer_seconds
+from edatalog.solver.topology import GIB, Library, from_dict, load, preset, quantity, resolve
 
 
 @pytest.mark.parametrize("family", ["a100", "h100", "h200", "pcie4", "cpu"])
@@ -20,14 +21,10 @@ def test_presets_have_the_named_device_count(family: str, n: int) -> None:
     assert topo.n == n and len(topo.nodes) == 1
 
 
-def test_preset_numbers_follow_the_design_notes() -> None:
-    a100 = preset("a100x8")
-    assert a100.devices[0].memory == 80 * GIB
-    assert a100.devices[0].flops == 312e12 and a100.devices[0].bandwidth == 2.0e12
-    assert a100.link(0, 7).bandwidth == 300e9
-    assert preset("h100x2").devices[0].flops == 989e12
-    assert preset("h200x2").devices[0].bandwidth == 4.8e12
-    assert preset("pcie4x4").link(0, 1).bandwidth == 25e9
+def test_presets_are_what_a_machine_file_writes_and_reads() -> None:
+    for name in ("a100x8", "h100x2", "h200x4", "pcie4x4", "cpux2", "2x4"):
+        topo = preset(name)
+        assert from_dict(json.loads(json.dumps(topo.to_dict())), default_name=name) == topo
 
 
 def test_two_nodes_of_four() -> None:
@@ -111,14 +108,42 @@ def test_quantities(text: object, unit: str, value: float) -> None:
 
 
 def test_cost_model() -> None:
+    """A big bf16 GEMM on an A100 is compute bound: flops / (0.7 * 312e12); a tiny kernel costs
+    the floor; a 72 MB transfer between a pair of A100s takes 3 us + 72e6 / 72e9 = 1.003 ms
+    (NCCL's send/recv rate), and holds each end's port for 3 us + 72e6 / 230e9 = 0.316 ms."""
     topo = preset("a100x2")
     dev = topo.devices[0]
-    # A big bf16 matmul is compute bound: flops / (0.7 * peak).
     flops = 2 * 4096**3
     assert compute_seconds(flops, 3 * 4096**2 * 2, dev, topo, "bf16") == pytest.approx(flops / (0.7 * 312e12))
-    # A tiny kernel costs the floor.
     assert compute_seconds(10, 10, dev, topo, "bf16") == topo.kernel_floor
-    assert transfer_seconds(300_000_000, topo.link(0, 1)) == pytest.approx(3e-6 + 1e-3)
+    assert transfer_seconds(72_000_000, topo.link(0, 1)) == pytest.approx(1.003e-3)
+    assert port_seconds(72_000_000, topo.link(0, 1)) == pytest.approx(3e-6 + 72e6 / 230e9)
+
+
+def test_a_link_without_a_pair_rate_moves_one_transfer_at_the_port_rate(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text('nodes = [2]\n[links.intra]\nbandwidth = "10GB/s"\nlatency = 0\n')
+    link = load(str(path)).intra
+    assert link.p2p_bandwidth is None and link.pair_bandwidth == 10e9
+    assert transfer_seconds(10**9, link) == port_seconds(10**9, link) == pytest.approx(0.1)
+    path.write_text('nodes = [2]\n[links.intra]\nbandwidth = "10GB/s"\np2p_bandwidth = "2.5GB/s"\nlatency = 0\n')
+    link = load(str(path)).intra
+    assert transfer_seconds(10**9, link) == pytest.approx(0.4) and port_seconds(10**9, link) == pytest.approx(0.1)
+    path.write_text('nodes = [2]\n[links.intra]\np2p_bandwidth = "-1GB/s"\n')
+    with pytest.raises(EdlError, match="p2p_bandwidth must be positive"):
+        load(str(path))
+
+
+def test_the_library_decides_which_exchanges_are_collectives(tmp_path: Path) -> None:
+    assert preset("a100x8").library is Library.NCCL and preset("cpux2").library is Library.GLOO
+    assert Library.NCCL.collectives == set(CollectiveKind)
+    assert Library.GLOO.collectives == {CollectiveKind.ALL_REDUCE}
+    path = tmp_path / "m.toml"
+    path.write_text('library = "gloo"\nnodes = [2]\n')
+    assert load(str(path)).library is Library.GLOO
+    path.write_text('library = "mpi"\nnodes = [2]\n')
+    with pytest.raises(EdlError, match="unknown library 'mpi'"):
+        load(str(path))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,95 @@
+"""The cost model against hand computations: GEMM tiles and waves, collectives as NCCL runs them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import edatalog
+from edatalog.ir.cost import gemm_roles, gemm_shape
+from edatalog.ir.program import CollectiveKind
+from edatalog.solver.costmodel import (
+    collective_bytes,
+    collective_seconds,
+    compute_seconds,
+    gemm_shape_efficiency,
+)
+from edatalog.solver.topology import Link, preset
+
+AR, RS, AG = CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER
+
+
+@pytest.mark.parametrize(
+    ("shape", "sms", "want"),
+    [
+        # 32 x 32 = 1024 tiles of 128^2 on 108 SMs: 10 waves, the last of 52 tiles.
+        ((1, 4096, 4096, 4096), 108, 1024 / 1080),
+        # 8 x 8 = 64 tiles fill 64 of 108 SMs; k = 128 is too shallow to split (< 2 x 256).
+        ((1, 1024, 1024, 128), 108, 64 / 108),
+        # 9 tiles of which 300^2 / 384^2 is useful; k = 4096 split 12 ways (108 // 9): one full wave.
+        ((1, 300, 300, 4096), 108, 300**2 / 384**2),
+        # a batch of 32 heads of 2048 x 2048 (by 128): 32 x 256 tiles in ceil(8192 / 132) = 63 waves on an H100.
+        ((32, 2048, 2048, 128), 132, 8192 / (63 * 132)),
+        # no SMs (a CPU): no quantization.
+        ((1, 3, 5, 7), 0, 1.0),
+    ],
+)
+def test_gemm_efficiency_counts_tiles_and_waves(shape: tuple[int, int, int, int], sms: int, want: float) -> None:
+    assert gemm_shape_efficiency(shape, sms) == pytest.approx(want)
+
+
+def test_a_gemm_kernel_is_slower_by_its_wasted_tiles() -> None:
+    """1024^2 outputs of depth 128 on an A100: 64 of 108 SMs busy, so 2 * 1024^2 * 128 flops take
+    (108 / 64) x as long as at 0.7 of peak; the same flops with no shape stay at 0.7 of peak."""
+    topo = preset("a100x1")
+    dev = topo.devices[0]
+    flops = 2 * 1024 * 1024 * 128
+    plain = compute_seconds(flops, 0, dev, topo, "bf16")
+    assert plain == pytest.approx(max(topo.kernel_floor, flops / (0.7 * 312e12)))
+    shaped = compute_seconds(flops * 64, 0, dev, topo, "bf16", (64, 1024, 1024, 128))  # 64 such GEMMs at once
+    assert shaped == pytest.approx(64 * flops / (0.7 * (4096 / 4104) * 312e12))  # 4096 tiles in 38 waves
+
+
+def test_gemm_roles_of_the_llama_rules() -> None:
+    prog = edatalog.compile("programs/llama_block.edl", dims={"S": 256})
+    g = prog.graph
+    roles = {n.name: gemm_roles(n) for n in g.nodes}
+    # sc[b,s,h,t] += q[b,s,h,e] * k[b,t,kv,e] ...: heads and batch batch, s by t, summing e.
+    sc = roles["sc"]
+    assert sc is not None and set(sc[3]) == {"e"} and "s" in sc[1] and "t" in sc[2]
+    assert roles["act"] is None  # elementwise
+    extents = {i.name: i.extent for i in g.node("sc").indices}
+    batch, m, n, k = gemm_shape(sc, extents) or (0, 0, 0, 0)
+    assert (m, n, k) == (256, 256, extents["e"])
+    assert batch == math.prod(extents[i] for i in sc[0])
+
+
+NVLINK = Link("nvlink", 230e9, 3e-6)
+
+
+def test_a_ring_all_reduce_moves_twice_n_minus_one_nth_of_the_bytes() -> None:
+    """64 MiB over 8 A100s: 14 steps, 14 * 3 us + 14 / 8 * 2^26 / 230e9 = 0.5526 ms; the tree would
+    take 6 * 3 us + 2 * 2^26 / 230e9 = 0.6015 ms."""
+    nbytes = 2**26
+    ring = 14 * 3e-6 + 14 / 8 * nbytes / 230e9
+    assert collective_seconds(AR, nbytes, 8, NVLINK) == pytest.approx(ring)
+    assert ring == pytest.approx(0.5526e-3, rel=1e-3)
+    assert collective_bytes(AR, nbytes, 8) == round(14 / 8 * nbytes)
+
+
+def test_a_small_all_reduce_takes_the_tree() -> None:
+    """1 KiB over 8: the ring's 14 latencies (42 us) lose to the tree's 6 (18 us + 2 KiB / 230e9)."""
+    tree = 6 * 3e-6 + 2 * 1024 / 230e9
+    assert collective_seconds(AR, 1024, 8, NVLINK) == pytest.approx(tree)
+
+
+@pytest.mark.parametrize("kind", [RS, AG])
+def test_reduce_scatter_and_all_gather_are_half_an_all_reduce(kind: CollectiveKind) -> None:
+    nbytes = 2**26
+    assert collective_seconds(kind, nbytes, 4, NVLINK) == pytest.approx(3 * 3e-6 + 3 / 4 * nbytes / 230e9)
+    assert collective_bytes(kind, nbytes, 4) == 3 * nbytes // 4
+
+
+def test_a_group_of_one_moves_nothing() -> None:
+    assert collective_seconds(AR, 2**20, 1, NVLINK) == 0.0 and collective_bytes(AR, 2**20, 1) == 0
