@@ -118,7 +118,18 @@ def test_data_parallel_splits_the_work_without_moving_anything(capsys: pytest.Ca
 def test_plan_writes_the_plan_and_a_chrome_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plan_path, trace_path = tmp_path / "p.json", tmp_path / "t.json"
     code, out, _ = _run(  # on gloo, Megatron-SP's reduce-scatters are messages (on NCCL, collectives)
-        capsys, "plan", LLAMA, *GQA, "-t", "cpux4", "-s", "megatron-sp", "-o", str(plan_path), "--trace", str(trace_path)
+        capsys,
+        "plan",
+        LLAMA,
+        *GQA,
+        "-t",
+        "cpux4",
+        "-s",
+        "megatron-sp",
+        "-o",
+        str(plan_path),
+        "--trace",
+        str(trace_path),
     )
     assert code == 0
     assert f"wrote plan {plan_path}" in out and f"wrote trace {trace_path}" in out
