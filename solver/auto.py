@@ -448,6 +448,7 @@ class Model:
             if best_cost <= bound:  # the start is at the lower bound already
                 return best, bound, True, 0
         names = list(self.x)
+        hoods = self.neighbourhoods()
 
         def only(allowed: dict[str, set[int]]) -> list[z3.BoolRef]:
             return [z3.Not(v) for name, vs in xs.items() for k, v in enumerate(vs) if k not in allowed[name]]
@@ -474,13 +475,13 @@ class Model:
             left = time_limit * 0.9 - 0.5 - (time.monotonic() - start)
             if left <= 0:
                 break
-            if phase == "coarse" and (until == math.inf or time.monotonic() >= until or quiet >= len(names)):
+            if phase == "coarse" and (until == math.inf or time.monotonic() >= until or quiet >= len(hoods)):
                 if until != math.inf:  # the coarse phase is over
                     phase, restrict, share = phases.pop(0)
                     quiet = 0
                 else:
                     until = time.monotonic() + share * left
-            whole = phase == "fine" and (best is None or quiet >= len(names))
+            whole = phase == "fine" and (best is None or quiet >= len(hoods))
             if phase == "mix":
                 assumptions = restrict
                 s.set("timeout", max(1, int(min(left, MIX_SECONDS) * 1000)))
@@ -491,7 +492,7 @@ class Model:
                 assumptions = restrict
                 s.set("timeout", max(1, int(min(left, max(0.001, until - time.monotonic())) * 1000)))
             else:
-                free = {names[(window + k) % len(names)] for k in range(WINDOW)}
+                free = hoods[window % len(hoods)]
                 assumptions = [xs[n][i] for n, i in best.items() if n not in free] + restrict
                 s.set("timeout", max(1, int(min(left, WINDOW_SECONDS) * 1000)))
             result = s.check(*assumptions)
@@ -517,11 +518,35 @@ class Model:
             elif whole:
                 break  # out of time
             elif best is None:
-                quiet = len(names)  # the coarse space has nothing that fits: move on
+                quiet = len(hoods)  # the coarse space has nothing that fits: move on
             else:
-                window = (window + WINDOW // 2) % len(names)
-                quiet += WINDOW // 2
+                window += 1
+                quiet += 1
         return best, bound, optimal, found
+
+    def neighbourhoods(self) -> list[set[str]]:
+        """The sets of nodes large-neighbourhood search frees at a time, the rest fixed: each
+        node with the nodes that make what it reads and the nodes that read what it makes (a
+        layout change pays off only when producer and readers change with it: q, k and v with
+        the norm they read, attention's scores with the rotations before and the softmax
+        after), then windows of :data:`WINDOW` consecutive nodes, overlapping by half."""
+        names = list(self.x)
+        makers = {n.out: n.name for n in self.graph.nodes}
+        readers: dict[str, set[str]] = {}
+        for n in self.graph.nodes:
+            for acc in n.inputs:
+                if acc.relation in makers:
+                    readers.setdefault(makers[acc.relation], set()).add(n.name)
+        hoods: list[set[str]] = []
+        for n in self.graph.nodes:
+            hood = {n.name, *readers.get(n.name, ()), *(makers[a.relation] for a in n.inputs if a.relation in makers)}
+            if len(hood) > 1 and hood not in hoods:
+                hoods.append(hood)
+        for k in range(0, len(names), max(1, WINDOW // 2)):
+            window = {names[(k + j) % len(names)] for j in range(WINDOW)}
+            if window not in hoods:
+                hoods.append(window)
+        return hoods
 
     def _floor(self) -> float:
         """A lower bound: every node at its cheapest candidate, no transfers."""
