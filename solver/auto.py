@@ -129,11 +129,12 @@ def solve(
     fitting = sorted((c for c in starts if model.memory(c) <= limit), key=model.cost)
     warm = fitting[0] if fitting else None
     built = time.monotonic() - start
-    best, bound, optimal, found = model.search(
+    best, bound, optimal, found, ended = model.search(
         start, time_limit, seed, warm, on_progress, pool=starts, coarse=setup.coarse
     )
     shortlist: tuple[Plan, ...] = ()
     picks: list[dict[str, int]] = []
+    extra_origins: tuple[str, ...] = ()  # of shortlisted plans that are no picks: baselines as built
     infeasible = ""
     if best is None:
         # Nothing fits by the estimate, which errs high: hand the leanest starts to the caller to
@@ -156,13 +157,19 @@ def solve(
     if not shortlist:
         # The solver's best, the best starts and the baselines it can express that fit by the
         # estimate: the exact check keeps the fastest, so auto is never slower than them.
-        extra = [*fitting[:SHORTLIST], *(c for c in baselines if model.memory(c) <= limit)]
+        extra = [*ended, *fitting[:SHORTLIST], *(c for c in baselines if model.memory(c) <= limit)]
         both = [best, *extra]
         picks = [c for k, c in enumerate(both) if c not in both[:k]]
         shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in picks[1:]))
+        if space == "join":  # the baselines as built, where the picks did not make them already
+            same = {(p.nodes, p.inputs) for p in shortlist}
+            exact = [(name, p) for name, p in setup.built if (p.nodes, p.inputs) not in same]
+            shortlist += tuple(p for _, p in exact)
+            extra_origins = tuple(f"baseline: {name}" for name, _ in exact)
     # Where each shortlisted plan came from: a start (the first that makes the same picks), or
     # the search, when it found a plan no start is.
     origins = tuple(next((f"start: {label}" for label, c in setup.starts if c == pick), "search") for pick in picks)
+    origins += extra_origins
     cost = model.cost(best)
     return Solution(
         plan,
@@ -204,7 +211,7 @@ class _Setup:
                 for node in graph.nodes
             }
         self.model = Model(graph, costs, self.options, limit)
-        self.baselines = starts.baselines(graph, topo, tiles)
+        self.baselines, self.built = starts.baselines(graph, topo, tiles)
         self.starts: list[starts.Start] = [
             *starts.simple(graph, self.model, self.baselines),
             *starts.two_level(graph, topo, rank, tiles, balance),
@@ -427,12 +434,14 @@ class Model:
         on_progress: Callable[[Progress], None] | None,
         pool: Sequence[dict[str, int]] = (),
         coarse: dict[str, set[int]] | None = None,
-    ) -> tuple[dict[str, int] | None, float, bool, int]:
+    ) -> tuple[dict[str, int] | None, float, bool, int, list[dict[str, int]]]:
         """Improve on ``warm``, in phases: the best mix of the plans in ``pool`` (each node may
         take any pick one of them makes: Z3 recombines, say, one plan's attention with another's
         MLP); large-neighbourhood search limited to the picks in ``coarse`` (the mesh-style
         ones: a smaller space, searched further in the same time) for a share of the time;
-        then large-neighbourhood search over every pick; then the whole space at once."""
+        then large-neighbourhood search over every pick; then the whole space at once.  Also
+        returns the best plan each phase ended with: the estimate adds up what the timeline
+        overlaps, so an earlier phase's best can be the faster one there."""
         ctx = z3.Context()
         s = z3.Solver(ctx=ctx)
         s.set("random_seed", seed)
@@ -446,7 +455,7 @@ class Model:
                 for k, v in enumerate(xs[name]):
                     s.set_initial_value(v, k == i)
             if best_cost <= bound:  # the start is at the lower bound already
-                return best, bound, True, 0
+                return best, bound, True, 0, []
         names = list(self.x)
         hoods = self.neighbourhoods()
 
@@ -460,6 +469,7 @@ class Model:
             phases.append(("coarse", only(coarse), COARSE_SHARE))
         phases.append(("fine", [], 1.0))
         phase, restrict, share = phases.pop(0)
+        ended: list[dict[str, int] | None] = []  # the best when each phase before the last ended
         until = math.inf  # when the current phase ends
         window = 0  # large-neighbourhood search: free WINDOW consecutive nodes, fix the rest
         quiet = 0  # windows in a row that found nothing better
@@ -477,6 +487,7 @@ class Model:
                 break
             if phase == "coarse" and (until == math.inf or time.monotonic() >= until or quiet >= len(hoods)):
                 if until != math.inf:  # the coarse phase is over
+                    ended.append(best)
                     phase, restrict, share = phases.pop(0)
                     quiet = 0
                 else:
@@ -509,6 +520,7 @@ class Model:
                     optimal = True
                     break
             elif phase == "mix":
+                ended.append(best)
                 phase, restrict, share = phases.pop(0)  # the best mix is found (unsat) or out of its time
             elif result == z3.unsat and whole:
                 optimal = best is not None
@@ -522,7 +534,7 @@ class Model:
             else:
                 window += 1
                 quiet += 1
-        return best, bound, optimal, found
+        return best, bound, optimal, found, [b for b in ended if b is not None]
 
     def neighbourhoods(self) -> list[set[str]]:
         """The sets of nodes large-neighbourhood search frees at a time, the rest fixed: each

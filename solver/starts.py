@@ -12,7 +12,7 @@ from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.solver import strategies
 from edatalog.solver.blocks import Candidate, Layout
 from edatalog.solver.costs import Costs, Held, Option
-from edatalog.solver.plan import Tile
+from edatalog.solver.plan import Plan, Tile
 from edatalog.solver.topology import Topology
 
 
@@ -35,6 +35,7 @@ class Model(Protocol):
 
 
 Start = tuple[str, dict[str, int]]  # what a starting plan is ("greedy", "megatron", ...), its picks
+Built = tuple[str, Plan]  # a baseline's name and its plan, as the strategy builds it
 
 
 def simple(graph: Graph, model: Model, hand: list[Start]) -> list[Start]:
@@ -105,18 +106,23 @@ def _lifted(
     return choice if split else None
 
 
-def baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> list[Start]:
-    """The megatron and data plans, where the space can express them."""
+def baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> tuple[list[Start], list[Built]]:
+    """The megatron, megatron-sp and data plans: as picks where the space can express them (the
+    search starts from them), and as built (the exact plans the caller checks too, so that a
+    solved plan is never slower than a baseline: the picks place inputs by their consumers, and
+    may differ from the hand-written placements)."""
     out: list[Start] = []
-    for name in ("megatron", "data"):
+    built: list[Built] = []
+    for name in ("megatron", "megatron-sp", "data"):
         try:
             hint = strategies.build(graph, topo, name)
         except EdlError:
             continue
+        built.append((name, hint))
         choice = {p.node: tiles[p.node].get(p.tile) for p in hint.nodes}
         if all(i is not None for i in choice.values()):
             out.append((name, {k: i for k, i in choice.items() if i is not None}))
-    return out
+    return out, built
 
 
 def _along_each_dim(graph: Graph, model: Model) -> list[dict[str, int]]:
