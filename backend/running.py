@@ -62,7 +62,7 @@ def as_run(s: Schedule) -> Schedule:
     """The schedule as a runtime on the topology's communication library runs it, each op
     costed (see the module docstring)."""
     run = runtime_programs(s.programs, s.graph, s.outputs, wanted(None, s.topology.library.value))
-    if run.programs == s.programs:
+    if run.programs is s.programs:  # nothing to fuse, no collective
         return s
     costs = _costs(s, run.programs)
     return dataclasses.replace(s, programs=run.programs, costs=costs, outputs=run.outputs)
@@ -80,7 +80,8 @@ def _costs(s: Schedule, programs: ir.Programs) -> dict[tuple[int, int], OpCost]:
     out: dict[tuple[int, int], OpCost] = {}
     for device, k, op in programs.ops():
         if isinstance(op, ir.Fused):
-            out[(device, k)] = flash_cost(s.graph, op, {b: made[(device, b)] for b in _inner(op)}, programs, device)
+            inner = {part.buf: made[(device, part.buf)] for part in op.body}
+            out[(device, k)] = flash_cost(s.graph, op, inner, programs, device)
         elif isinstance(op, ir.Collective):
             out[(device, k)] = OpCost(0, op.whole.size * dtypes.itemsize(op.dtype), op.dtype)
         elif isinstance(op, ir.Send):
@@ -90,10 +91,6 @@ def _costs(s: Schedule, programs: ir.Programs) -> dict[tuple[int, int], OpCost]:
         else:
             out[(device, k)] = OpCost(0, 0)
     return out
-
-
-def _inner(op: ir.Fused) -> list[int]:
-    return [k.buf for k in op.body]
 
 
 def flash_cost(graph: Graph, op: ir.Fused, inner: Mapping[int, OpCost], programs: ir.Programs, device: int) -> OpCost:
