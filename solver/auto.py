@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import z3
@@ -163,7 +163,8 @@ def solve(
         shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in picks[1:]))
         if space == "join":  # the baselines as built, where the picks did not make them already
             same = {(p.nodes, p.inputs) for p in shortlist}
-            exact = [(name, p) for name, p in setup.built if (p.nodes, p.inputs) not in same]
+            # Restamped: a plan the solver returns is the solver's ("auto"); its origin keeps the name.
+            exact = [(name, replace(p, strategy="auto")) for name, p in setup.built if (p.nodes, p.inputs) not in same]
             shortlist += tuple(p for _, p in exact)
             extra_origins = tuple(f"baseline: {name}" for name, _ in exact)
     # Where each shortlisted plan came from: a start (the first that makes the same picks), or
