@@ -162,7 +162,7 @@ def mark_full(programs: ir.Programs, graph: Graph) -> ir.Programs:
     full at run time though not marked so.  Marking it here (and what combines it, and its
     messages) changes no value: the runtime already keeps no mask for these buffers; now none
     travels either, and their exchanges can be collectives."""
-    kernels = Kernels(graph)
+    kernels = _kernels(graph)
     full: dict[int, bool] = {}
     sent: dict[int, int] = {}  # tag -> the buffer sent
     changed: dict[tuple[int, int], ir.Op] = {}
@@ -183,6 +183,23 @@ def mark_full(programs: ir.Programs, graph: Graph) -> ir.Programs:
         for p in programs.devices
     )
     return ir.Programs(programs.graph, programs.relations, devices, programs.outputs)
+
+
+_KERNELS: dict[int, tuple[Graph, Kernels]] = {}  # by id(graph): blocks looked at for the graph's plans
+_KERNELS_KEPT = 4
+
+
+def _kernels(graph: Graph) -> Kernels:
+    """The blocks of ``graph`` looked at so far (the planner checks dozens of plans of one
+    graph, whose blocks repeat), for the last few graphs."""
+    hit = _KERNELS.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    while len(_KERNELS) >= _KERNELS_KEPT:
+        del _KERNELS[next(iter(_KERNELS))]
+    kernels = Kernels(graph)
+    _KERNELS[id(graph)] = (graph, kernels)
+    return kernels
 
 
 def _marked(op: ir.Op, full: dict[int, bool], sent: Mapping[int, int], kernels: Kernels) -> ir.Op:

@@ -21,11 +21,12 @@ from typing import Any, Protocol
 
 from edatalog.backend import ops
 from edatalog.backend.arrays import NUMPY, Array, ArrayOps
-from edatalog.backend.fusion import KIND, AttentionKernel, Chain, attention_chains
+from edatalog.backend.fusion import KIND, AttentionKernel
 from edatalog.backend.joinagg import Known, evaluate_node, known_presence
 from edatalog.backend.prepared import Layout, Prepared, layout_of, prepare_block
 from edatalog.backend.reference import write_cells
 from edatalog.ir import program as ir
+from edatalog.ir.attention import Chain, attention_chains
 from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
 from edatalog.ir.regions import Region
 from edatalog.ir.rewrite import restrict

@@ -38,6 +38,7 @@ from edatalog.backend.contract import contract, squeeze
 from edatalog.backend.operands import access_view, guard_mask, index_values
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine
+from edatalog.ir.forms import product_form
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.rewrite import reindex_bands
 from edatalog.ir.scalar import Const, IndexValue, Load, Op, ScalarExpr
@@ -352,46 +353,6 @@ def _sum_over(arrays: list[Array], space: _Space, out_vars: list[str]) -> Array:
             result = result * space.box[v]
     shape = [space.box[v] if v in spanned else 1 for v in out_vars]
     return xp.broadcast_to(result.reshape(shape), [space.box[v] for v in out_vars])
-
-
-@dataclass(frozen=True)
-class Product:
-    """A body written as ``(-1)^negate * prod(constant ^ +-1) * prod(factor ^ +-1)``: node
-    numbers of the scalar DAG with their powers; constants do not vary over the join space."""
-
-    factors: tuple[tuple[int, int], ...]
-    constants: tuple[tuple[int, int], ...]
-    negate: bool
-
-
-@functools.lru_cache(maxsize=4096)
-def product_form(node: JoinAgg) -> Product | None:
-    """The body as a :class:`Product`, or None when it is not one (or has no varying factor)."""
-    nodes = node.expr.nodes
-    varying = node.expr.varying()
-    factors: list[tuple[int, int]] = []
-    constants: list[tuple[int, int]] = []
-    negate = False
-
-    def walk(k: int, power: int) -> bool:
-        nonlocal negate
-        n = nodes[k]
-        if k not in varying:
-            constants.append((k, power))
-            return True
-        if isinstance(n, Op) and n.op == "mul":
-            return walk(n.args[0], power) and walk(n.args[1], power)
-        if isinstance(n, Op) and n.op == "div":
-            return walk(n.args[0], power) and walk(n.args[1], -power)
-        if isinstance(n, Op) and n.op == "neg":
-            negate = not negate
-            return walk(n.args[0], power)
-        factors.append((k, power))
-        return True
-
-    if not walk(node.expr.root, 1) or not factors:
-        return None
-    return Product(tuple(factors), tuple(constants), negate)
 
 
 def factor_indices(node: JoinAgg, root: int) -> tuple[str, ...]:

@@ -20,9 +20,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from edatalog.backend.contract import peak_elements
-from edatalog.backend.joinagg import CHUNK_POINTS, factor_indices, prepare, product_form
+from edatalog.backend.joinagg import CHUNK_POINTS, factor_indices, prepare
 from edatalog.errors import EdlError, Span
 from edatalog.ir import dtypes
+from edatalog.ir.forms import product_form
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.printer import binary
 

@@ -36,11 +36,11 @@ from edatalog.backend.joinagg import (
     native_arithmetic,
     native_gemm,
     prepare,
-    product_form,
     read_once,
 )
 from edatalog.backend.operands import index_values, view_spec
 from edatalog.ir import dtypes
+from edatalog.ir.forms import product_form
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.scalar import OPS, Const, IndexValue, Load, Op
 

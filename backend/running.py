@@ -22,7 +22,6 @@ for the SPMD runtime and for the timeline alike, so that what is predicted is wh
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -32,13 +31,11 @@ from edatalog.backend.exchange import Entry, Schedule
 from edatalog.backend.fusion import fuse_programs
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
-from edatalog.ir.graph import Graph, JoinAgg
+from edatalog.ir.graph import Graph
 from edatalog.ir.program import OpCost
 from edatalog.ir.regions import Region
 from edatalog.solver.blocks import tighten
-
-FLASH_TILE = 128  # query and key tile edge of flash attention's kernels
-MOST_TILES = 4096  # tiles looked at per block; beyond, the guard's exact points are counted
+from edatalog.solver.costmodel import tiled_points
 
 
 @dataclass(frozen=True)
@@ -114,22 +111,3 @@ def _reads(op: ir.Kernel | ir.Combine) -> tuple[tuple[tuple[int, Region], ...], 
     if isinstance(op, ir.Kernel):
         return op.reads
     return tuple(((b, op.region),) for b in op.sources)
-
-
-def tiled_points(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> int:
-    """The points of the block's box in the tiles of its guard's indices that hold a point of
-    the guard: what a tiled kernel computes (it skips empty tiles, and masks within the rest)."""
-    dense = math.prod(hi - lo for lo, hi in ranges.values())
-    gvars = sorted(node.guard.vars & set(ranges))
-    if node.guard.is_true or not gvars:
-        return dense
-    starts = [range(ranges[v][0], ranges[v][1], FLASH_TILE) for v in gvars]
-    if math.prod(len(r) for r in starts) > MOST_TILES:
-        return tighten(node, ranges)[1]
-    others = dense // max(1, math.prod(ranges[v][1] - ranges[v][0] for v in gvars))
-    total = 0
-    for corner in itertools.product(*starts):
-        tile = {v: (lo, min(lo + FLASH_TILE, ranges[v][1])) for v, lo in zip(gvars, corner, strict=True)}
-        if tighten(node, {**ranges, **tile})[1]:
-            total += math.prod(hi - lo for lo, hi in tile.values())
-    return total * others

@@ -10,16 +10,21 @@ the program: resident inputs and params, plus every relation alive at that step,
 The search starts from plans built without search (a greedy pass, one dim split everywhere, the
 baselines, and two-level plans: a dim split across groups of devices, Megatron inside each).  Z3
 runs as an iterated solver with a tightening bound, in its own context, with a seed and a
-deadline: each model found must beat the best so far by :data:`STEP`.  It first recombines the
-starting plans, then searches neighbourhoods of the best plan among mesh-style picks, then among
-all picks, then the whole space, where "unsat" proves the best optimal within that step.  On
-the deadline the best plan found so far is returned with its gap, and a shortlist (it, the best
-starts, the baselines) for the caller to check in the exact timeline.
+deadline: each model found must beat the best so far by :data:`STEP`.  Two searches run at once,
+on two threads (Z3 runs without Python's lock): one in the mesh space (even splits), whose model
+is small and quickly built, and one in the join space, once its model is built.  Each
+recombines the starting plans, searches neighbourhoods of the best plan and of the next best
+starts, then the whole space, where "unsat" proves the best optimal within that step.  On the
+deadline the best plan found so far is returned with its gap, and a shortlist (it, each phase's
+best, the best starts, the baselines) for the caller to check in the exact timeline, where it
+also searches further (:class:`Neighbours`): the estimate adds steps up, the timeline overlaps
+them, and the two can rank different structures differently.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,7 +36,7 @@ from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
 from edatalog.ir.printer import human
 from edatalog.solver import starts
-from edatalog.solver.blocks import Box, Layout, candidates, dim_order, guarded_dims
+from edatalog.solver.blocks import Box, Layout, candidates, dim_order
 from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
 from edatalog.solver.plan import NodePlan, Placement, Plan, Tile
 from edatalog.solver.strategies import place_by_consumers
@@ -44,8 +49,10 @@ KB = 1024  # memory constraints count kilobytes at the finest
 PB_RANGE = 1 << 30  # Z3's pseudo-Boolean sums wrap past 2**31: every constraint's weights sum below this
 WINDOW = 6  # nodes freed at a time while improving the incumbent
 WINDOW_SECONDS = 1.0  # the most one neighbourhood may take
-MIX_SECONDS = 2.0  # the most one step of recombining the starting plans may take
-COARSE_SHARE = 0.4  # of the search time left after recombining, spent in the mesh-style picks first
+MIX_SECONDS = 1.0  # the most one step of recombining the starting plans may take
+POLISHED = 3  # starts improved by a search of their own, beside the best plan
+BEST_SHARE = 0.4  # of the search time left after recombining, for improving the best plan
+POLISH_SHARE = 0.7  # of what is left then, for improving the other starts (the rest: the whole space)
 SHORTLIST = 6  # best starting plans re-checked in the timeline with the solver's best
 
 _Term = tuple[str, int]  # literal, weight (units of time or of memory)
@@ -96,6 +103,10 @@ class Solution:
     total_seconds: float = 0.0  # the whole call: solves, checks, refinements
     unchecked: int = 0  # shortlisted plans the deadline left unchecked
     solves: int = 1  # solves run (more than one after memory re-solves)
+    # Per shortlisted plan, its picks of ``options`` (None for a baseline as built), and plans
+    # next to a choice of picks: what the caller's search in the timeline moves through.
+    picks: tuple[dict[str, int] | None, ...] = field(default=(), repr=False)
+    neighbours: Neighbours | None = field(default=None, repr=False)
 
     @property
     def gap(self) -> float:
@@ -122,16 +133,22 @@ def solve(
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
     if on_progress is not None:
         on_progress(Progress(0.0, None, 0.0, 0, "building"))
+    mesh = _MeshSearch(graph, topo, limit, start, time_limit, seed) if space == "join" else None
     setup = _Setup(graph, topo, limit, space)
+    built = time.monotonic() - start
     model, options = setup.model, setup.options
     baselines = [c for _, c in setup.baselines]
     starts = [c for _, c in setup.starts]
     fitting = sorted((c for c in starts if model.memory(c) <= limit), key=model.cost)
     warm = fitting[0] if fitting else None
-    built = time.monotonic() - start
-    best, bound, optimal, found, ended = model.search(
-        start, time_limit, seed, warm, on_progress, pool=starts, coarse=setup.coarse
-    )
+    best, bound, optimal, found, ended = model.search(start, time_limit, seed, warm, on_progress, pool=starts)
+    if mesh is not None:
+        meshed, mesh_found = mesh.result(setup)
+        found += mesh_found
+        ended = [*meshed, *ended]
+        fits = [c for c in meshed if model.memory(c) <= limit]
+        if fits and (best is None or min(map(model.cost, fits)) < model.cost(best)):
+            best, optimal = min(fits, key=model.cost), False
     shortlist: tuple[Plan, ...] = ()
     picks: list[dict[str, int]] = []
     extra_origins: tuple[str, ...] = ()  # of shortlisted plans that are no picks: baselines as built
@@ -186,6 +203,8 @@ def solve(
         build_seconds=built,
         infeasible=infeasible,
         origins=origins,
+        picks=(*picks, *(None for _ in extra_origins)),
+        neighbours=Neighbours(graph, topo, model, options, space, seed),
     )
 
 
@@ -197,26 +216,72 @@ class _Setup:
             raise EdlError(f"unknown search space '{space}'", help="spaces: join (any partition) or mesh (GSPMD-style)")
         costs = Costs(graph, topo)
         rank = dim_order(graph)
-        balance = guarded_dims(graph)
+        # No zigzag candidates: they more than double the model (every rule with an S index
+        # gets them) for what the balanced refinement does to a finished plan anyway
+        # (edatalog.solver.refine.balanced, tried on the fastest plans checked).
+        balance: frozenset[str] = frozenset()
         self.options: dict[str, list[Option]] = {}
-        tiles: dict[str, dict[Tile, int]] = {}  # every candidate's tile -> the option that stands for it
+        # Per node, every candidate's tile -> the option that stands for it.
+        self.tiles: dict[str, dict[Tile, int]] = {}
         for node in graph.nodes:
             cands = candidates(node, topo.n, mesh=space == "mesh", balance=balance)
             opts = [costs.option(node, Layout(node, c, rank)) for c in cands]
-            self.options[node.name], tiles[node.name] = _prune(opts)
-        # The picks a mesh could make (the join search looks among them first).
-        self.coarse: dict[str, set[int]] | None = None
-        if space == "join":
-            self.coarse = {
-                node.name: {tiles[node.name][Layout(node, c, rank).tile] for c in candidates(node, topo.n, mesh=True)}
-                for node in graph.nodes
-            }
+            self.options[node.name], self.tiles[node.name] = _prune(opts)
         self.model = Model(graph, costs, self.options, limit)
-        self.baselines, self.built = starts.baselines(graph, topo, tiles)
+        self.baselines, self.built = starts.baselines(graph, topo, self.tiles)
         self.starts: list[starts.Start] = [
             *starts.simple(graph, self.model, self.baselines),
-            *starts.two_level(graph, topo, rank, tiles, balance),
+            *starts.two_level(graph, topo, rank, self.tiles, balance),
         ]
+
+    def picks_of(self, other: _Setup, choice: dict[str, int]) -> dict[str, int] | None:
+        """``choice``, a plan of ``other`` (the mesh space's), as picks of this setup's options;
+        None if a tile has no option here."""
+        out = {}
+        for name, i in choice.items():
+            k = self.tiles[name].get(other.options[name][i].layout.tile)
+            if k is None:
+                return None
+            out[name] = k
+        return out
+
+
+class _MeshSearch:
+    """The mesh space (even splits that divide the extents) searched on a thread beside the
+    join space: its model is a fraction of the size, built in a fraction of the time and
+    searched much further in the same time, and Z3 runs without Python's lock, so that the two
+    searches use two cores.  Its plans then join the join search's shortlist as join picks."""
+
+    def __init__(self, graph: Graph, topo: Topology, limit: int, start: float, time_limit: float, seed: int) -> None:
+        self.setup = _Setup(graph, topo, limit, "mesh")
+        self.plans: list[dict[str, int]] = []  # its best and each phase's, mesh picks
+        self.found = 0
+        self.error: BaseException | None = None
+        model = self.setup.model
+        fitting = sorted((c for _, c in self.setup.starts if model.memory(c) <= limit), key=model.cost)
+
+        def search() -> None:
+            try:
+                if fitting:
+                    best, _, _, self.found, ended = model.search(
+                        start, time_limit, seed + 1, fitting[0], None, pool=fitting, mix=False
+                    )
+                    if self.found:
+                        self.plans = [c for c in (best, *ended) if c is not None]
+            except BaseException as exc:  # noqa: BLE001 - re-raised by result(), in the caller's thread
+                self.error = exc
+
+        self.thread = threading.Thread(target=search, name="edatalog-mesh-search", daemon=True)
+        self.thread.start()
+
+    def result(self, setup: _Setup) -> tuple[list[dict[str, int]], int]:
+        """Once the search ends: its improving plans as picks of ``setup`` (the join space's),
+        and how many it found."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        picks = [p for p in (setup.picks_of(self.setup, c) for c in self.plans) if p is not None]
+        return [p for k, p in enumerate(picks) if p not in picks[:k]], self.found
 
 
 def starting_plans(graph: Graph, topo: Topology, space: str = "join") -> list[Plan]:
@@ -434,108 +499,73 @@ class Model:
         warm: dict[str, int] | None,
         on_progress: Callable[[Progress], None] | None,
         pool: Sequence[dict[str, int]] = (),
-        coarse: dict[str, set[int]] | None = None,
+        mix: bool = True,
     ) -> tuple[dict[str, int] | None, float, bool, int, list[dict[str, int]]]:
-        """Improve on ``warm``, in phases: the best mix of the plans in ``pool`` (each node may
-        take any pick one of them makes: Z3 recombines, say, one plan's attention with another's
-        MLP); large-neighbourhood search limited to the picks in ``coarse`` (the mesh-style
-        ones: a smaller space, searched further in the same time) for a share of the time;
-        then large-neighbourhood search over every pick; then the whole space at once.  Also
-        returns the best plan each phase ended with: the estimate adds up what the timeline
-        overlaps, so an earlier phase's best can be the faster one there."""
+        """Improve on ``warm``, in phases:
+
+        1. the best mix of the plans in ``pool`` (each node may take any pick one of them
+           makes: Z3 recombines, say, one plan's attention with another's MLP);
+        2. large-neighbourhood search: one neighbourhood of nodes freed at a time, the rest
+           fixed at the best so far;
+        3. the whole space at once, where "unsat" proves the best optimal within :data:`STEP`.
+
+        Also returns the best plan the first phase ended with: the estimate adds up what the
+        timeline overlaps, so an earlier phase's best can be the faster one there."""
         ctx = z3.Context()
         s = z3.Solver(ctx=ctx)
         s.set("random_seed", seed)
         s.from_string(self.decls + "".join(f"(assert {a})" for a in self.asserts))
         xs = {name: [z3.Bool(v, ctx) for v in lits] for name, lits in self.x.items()}
-        bound = self._floor()
-        best, best_cost, found, optimal = None, None, 0, False
+        run = _Run(self, s, xs, start, time_limit, on_progress)
         if warm is not None and self.memory(warm) <= self.memory_limit:
-            best, best_cost = warm, self.cost(warm)
+            run.offer(warm)
             for name, i in warm.items():
                 for k, v in enumerate(xs[name]):
                     s.set_initial_value(v, k == i)
-            if best_cost <= bound:  # the start is at the lower bound already
-                return best, bound, True, 0, []
-        names = list(self.x)
-        hoods = self.neighbourhoods()
+            if run.at_bound():  # the start is at the lower bound already
+                return run.best, run.bound, True, 0, []
+        ended: list[dict[str, int]] = []
+        if mix and len(pool) > 1 and run.left() > 0:
+            allowed = {name: {c[name] for c in pool if name in c} for name in self.x}
+            mixes = [z3.Not(v) for name, vs in xs.items() for k, v in enumerate(vs) if k not in allowed[name]]
+            run.whole(mixes, time.monotonic() + MIX_SECONDS)
+            if run.best is not None:
+                ended.append(run.best)
+        optimal = run.at_bound()
+        if not optimal and run.left() > 0:
+            hoods = self.neighbourhoods()
+            others = [c for c in sorted(pool, key=self.cost) if c != run.best and self.memory(c) <= self.memory_limit]
+            others = [c for k, c in enumerate(others) if c not in others[:k]][:POLISHED]
+            if run.best is not None:
+                run.lns(hoods, time.monotonic() + BEST_SHARE * run.left() if others else math.inf)
+            ended += self._polish(run, others, hoods)
+            optimal = run.at_bound() or run.whole([], math.inf) == z3.unsat
+        if optimal and run.best_cost is not None:
+            run.bound = max(run.bound, min(run.best_cost, run.best_cost * (1 - STEP)))
+        return run.best, run.bound, optimal and run.best is not None, run.found, ended
 
-        def only(allowed: dict[str, set[int]]) -> list[z3.BoolRef]:
-            return [z3.Not(v) for name, vs in xs.items() for k, v in enumerate(vs) if k not in allowed[name]]
-
-        phases: list[tuple[str, list[z3.BoolRef], float]] = []  # name, restriction, share of the time left
-        if len(pool) > 1:
-            phases.append(("mix", only({n: {c[n] for c in pool if n in c} for n in names}), 0.0))
-        if coarse is not None and any(len(coarse[n]) < len(xs[n]) for n in names):
-            phases.append(("coarse", only(coarse), COARSE_SHARE))
-        phases.append(("fine", [], 1.0))
-        phase, restrict, share = phases.pop(0)
-        ended: list[dict[str, int] | None] = []  # the best when each phase before the last ended
-        until = math.inf  # when the current phase ends
-        window = 0  # large-neighbourhood search: free WINDOW consecutive nodes, fix the rest
-        quiet = 0  # windows in a row that found nothing better
-        while True:
-            if best_cost is not None:
-                weights, lits = self.objective
-                cap = max(0, int(best_cost * (1 - STEP)) - 1)
-                s.from_string(f"(assert ((_ pble {cap} {weights}) {lits}))")
-            if on_progress is not None:
-                best_ms = self.ms(best_cost) if best_cost is not None else None
-                on_progress(Progress(time.monotonic() - start, best_ms, self.ms(bound), found))
-            # Keep a little of the budget for turning the answer into a plan.
-            left = time_limit * 0.9 - 0.5 - (time.monotonic() - start)
-            if left <= 0:
+    def _polish(self, run: _Run, others: list[dict[str, int]], hoods: list[set[str]]) -> list[dict[str, int]]:
+        """Each of ``others`` improved by large-neighbourhood search of its own, in a solver
+        scope of its own (its bounds are its own), for an equal share of :data:`POLISH_SHARE`
+        of the time left; those improved.  The estimate adds up what the timeline overlaps, so
+        it ranks different structures (a sequence split across groups against Megatron) less
+        well than it ranks a structure's variants: the next best starts, polished, are worth
+        checking in the timeline beside the best."""
+        out = []
+        for k, other in enumerate(others):
+            seconds = POLISH_SHARE * run.left() / (len(others) - k)
+            if seconds <= 0:
                 break
-            if phase == "coarse" and (until == math.inf or time.monotonic() >= until or quiet >= len(hoods)):
-                if until != math.inf:  # the coarse phase is over
-                    ended.append(best)
-                    phase, restrict, share = phases.pop(0)
-                    quiet = 0
-                else:
-                    until = time.monotonic() + share * left
-            whole = phase == "fine" and (best is None or quiet >= len(hoods))
-            if phase == "mix":
-                assumptions = restrict
-                s.set("timeout", max(1, int(min(left, MIX_SECONDS) * 1000)))
-            elif whole:
-                assumptions = []
-                s.set("timeout", max(1, int(left * 1000)))
-            elif best is None:  # a coarse phase with nothing to improve on: search all of it
-                assumptions = restrict
-                s.set("timeout", max(1, int(min(left, max(0.001, until - time.monotonic())) * 1000)))
-            else:
-                free = hoods[window % len(hoods)]
-                assumptions = [xs[n][i] for n, i in best.items() if n not in free] + restrict
-                s.set("timeout", max(1, int(min(left, WINDOW_SECONDS) * 1000)))
-            result = s.check(*assumptions)
-            if result == z3.sat:
-                m = s.model()
-                best = {
-                    name: next(i for i, v in enumerate(vs) if z3.is_true(m.eval(v, model_completion=True)))
-                    for name, vs in xs.items()
-                }
-                best_cost = self.cost(best)
-                found += 1
-                quiet = 0
-                if best_cost <= bound:  # at the lower bound: nothing can be faster
-                    optimal = True
-                    break
-            elif phase == "mix":
-                ended.append(best)
-                phase, restrict, share = phases.pop(0)  # the best mix is found (unsat) or out of its time
-            elif result == z3.unsat and whole:
-                optimal = best is not None
-                if best_cost is not None:
-                    bound = max(bound, best_cost * (1 - STEP))
-                break
-            elif whole:
-                break  # out of time
-            elif best is None:
-                quiet = len(hoods)  # the coarse space has nothing that fits: move on
-            else:
-                window += 1
-                quiet += 1
-        return best, bound, optimal, found, [b for b in ended if b is not None]
+            sub = _Run(self, run.s, run.xs, run.start, run.time_limit, None, run.bound)  # shows the best only
+            run.s.push()
+            sub.offer(other)
+            sub.lns(hoods, time.monotonic() + seconds)
+            run.s.pop()
+            run.found += sub.found
+            if sub.best is not None and sub.best != other:
+                out.append(sub.best)
+                run.offer(sub.best)
+        return out
 
     def neighbourhoods(self) -> list[set[str]]:
         """The sets of nodes large-neighbourhood search frees at a time, the rest fixed: each
@@ -561,7 +591,7 @@ class Model:
                 hoods.append(window)
         return hoods
 
-    def _floor(self) -> float:
+    def floor(self) -> float:
         """A lower bound: every node at its cheapest candidate, no transfers."""
         return float(sum(min(self._weight(o.compute + o.reduce) for o in opts) for opts in self.options.values()))
 
@@ -583,6 +613,159 @@ class Model:
         true = self._true(choice)
         most = max((sum(w for lit, w in live if lit in true) for live in self.step_terms), default=0)
         return most * self.unit_bytes
+
+
+class _Run:
+    """One incumbent of :meth:`Model.search` and the ways to improve it: each model Z3 finds
+    must beat the incumbent by :data:`STEP` under the estimate (a bound asserted in the
+    solver's current scope)."""
+
+    def __init__(
+        self,
+        model: Model,
+        solver: z3.Solver,
+        xs: dict[str, list[z3.BoolRef]],
+        start: float,
+        time_limit: float,
+        on_progress: Callable[[Progress], None] | None,
+        bound: float | None = None,
+    ) -> None:
+        self.model, self.s, self.xs = model, solver, xs
+        self.start, self.time_limit, self.on_progress = start, time_limit, on_progress
+        self.bound = model.floor() if bound is None else bound
+        self.best: dict[str, int] | None = None
+        self.best_cost: int | None = None
+        self.found = 0  # improving plans found
+
+    def left(self) -> float:
+        """Seconds of search left, keeping a little of the budget for turning the answer into a plan."""
+        return self.time_limit * 0.9 - 0.5 - (time.monotonic() - self.start)
+
+    def at_bound(self) -> bool:
+        return self.best_cost is not None and self.best_cost <= self.bound
+
+    def offer(self, choice: dict[str, int]) -> None:
+        """Take ``choice`` as the incumbent if it is cheaper, and bound the search below it."""
+        cost = self.model.cost(choice)
+        if self.best_cost is not None and cost >= self.best_cost:
+            return
+        self.best, self.best_cost = choice, cost
+        weights, lits = self.model.objective
+        cap = max(0, int(cost * (1 - STEP)) - 1)
+        self.s.from_string(f"(assert ((_ pble {cap} {weights}) {lits}))")
+
+    def _check(self, assumptions: list[z3.BoolRef], seconds: float) -> z3.CheckSatResult:
+        if self.on_progress is not None:
+            best_ms = self.model.ms(self.best_cost) if self.best_cost is not None else None
+            self.on_progress(Progress(time.monotonic() - self.start, best_ms, self.model.ms(self.bound), self.found))
+        self.s.set("timeout", max(1, int(seconds * 1000)))
+        result = self.s.check(*assumptions)
+        if result == z3.sat:
+            m = self.s.model()
+            choice = {
+                name: next(i for i, v in enumerate(vs) if z3.is_true(m.eval(v, model_completion=True)))
+                for name, vs in self.xs.items()
+            }
+            self.found += 1
+            self.offer(choice)
+        return result
+
+    def whole(self, restrict: list[z3.BoolRef], until: float) -> z3.CheckSatResult:
+        """Improve within ``restrict`` alone until "unsat" (nothing better there), the time is
+        up or the lower bound is reached; the last result."""
+        result = z3.unknown
+        while not self.at_bound():
+            seconds = min(self.left(), until - time.monotonic())
+            if seconds <= 0:
+                return z3.unknown
+            result = self._check(restrict, seconds)
+            if result != z3.sat:
+                return result
+        return result
+
+    def lns(self, hoods: list[set[str]], until: float) -> bool:
+        """Large-neighbourhood search: free one neighbourhood at a time, the rest fixed at the
+        incumbent, until every neighbourhood in a row has nothing better, the time is up or the
+        lower bound is reached.  Whether the neighbourhoods ran out (rather than the time)."""
+        quiet, k = 0, 0
+        while self.best is not None and quiet < len(hoods) and not self.at_bound():
+            seconds = min(self.left(), until - time.monotonic(), WINDOW_SECONDS)
+            if seconds <= 0:
+                return False
+            free = hoods[k % len(hoods)]
+            fixed = [self.xs[n][i] for n, i in self.best.items() if n not in free]
+            if self._check(fixed, seconds) == z3.sat:
+                quiet = 0
+            else:
+                k += 1
+                quiet += 1
+        return True
+
+
+class Neighbours:
+    """Plans next to a plan, for a search in the exact timeline (the caller's: the solver never
+    runs it): the estimate adds up what the timeline overlaps, so the plan it ranks first is not
+    always the fastest there, while its ranking of a plan's close variants is good.  Given a
+    plan and a neighbourhood of nodes, :meth:`propose` asks Z3 for the plan that differs from
+    it only there, in at least one node, and that the estimate puts within ``slack`` of it."""
+
+    def __init__(
+        self, graph: Graph, topo: Topology, model: Model, options: dict[str, list[Option]], space: str, seed: int
+    ) -> None:
+        self.graph, self.topo, self.model, self.options = graph, topo, model, options
+        self.space, self.seed = space, seed
+        self._solver: z3.Solver | None = None
+        self._xs: dict[str, list[z3.BoolRef]] = {}
+
+    def hoods(self, choice: dict[str, int]) -> list[set[str]]:
+        """The model's neighbourhoods, those where ``choice`` spends the most first (by the
+        estimate: compute, reductions, and what its nodes' inputs take to arrive)."""
+        m = self.model
+        true = m._true(choice)
+        spent = {n: m._weight(m.options[n][i].compute + m.options[n][i].reduce) for n, i in choice.items()}
+        for node in self.graph.nodes:
+            o = m.options[node.name][choice[node.name]]
+            for acc, need in o.needs:
+                lit = m.need.get(acc.relation, {}).get(need)
+                producers = self.graph.producers(acc.relation)
+                if lit is None or not producers:
+                    continue
+                held = m.held_of(acc.relation, choice[producers[0].name])
+                h = m.held.get(acc.relation, {}).get(held)
+                if h is not None and h in true:
+                    spent[node.name] += sum(w for need_lit, w in m.pairs.get(h, []) if need_lit == lit)
+        return sorted(m.neighbourhoods(), key=lambda hood: -sum(spent[n] for n in hood))
+
+    def plan(self, choice: dict[str, int]) -> Plan:
+        return _plan(self.graph, self.topo, self.options, choice, self.space)
+
+    def propose(self, choice: dict[str, int], hood: set[str], slack: float, seconds: float) -> dict[str, int] | None:
+        """A plan that differs from ``choice`` in ``hood`` only, and there in at least one node,
+        that fits and that the estimate puts at most ``slack`` times ``choice``'s; None when
+        there is none or Z3 finds none in ``seconds``."""
+        if self._solver is None:
+            ctx = z3.Context()
+            self._solver = z3.Solver(ctx=ctx)
+            self._solver.set("random_seed", self.seed)
+            self._solver.from_string(self.model.decls + "".join(f"(assert {a})" for a in self.model.asserts))
+            self._xs = {name: [z3.Bool(v, ctx) for v in lits] for name, lits in self.model.x.items()}
+        s, x = self._solver, self.model.x
+        weights, lits = self.model.objective
+        differ = " ".join(f"(not {x[n][choice[n]]})" for n in sorted(hood))
+        cap = int(self.model.cost(choice) * slack)
+        s.push()
+        try:
+            s.from_string(f"(assert (or {differ}))(assert ((_ pble {cap} {weights}) {lits}))")
+            s.set("timeout", max(1, int(seconds * 1000)))
+            if s.check(*(self._xs[n][i] for n, i in choice.items() if n not in hood)) != z3.sat:
+                return None
+            m = s.model()
+            return {
+                name: next(i for i, v in enumerate(vs) if z3.is_true(m.eval(v, model_completion=True)))
+                for name, vs in self._xs.items()
+            }
+        finally:
+            s.pop()
 
 
 def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:

@@ -17,13 +17,19 @@ chosen by the cost they are then measured with.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Mapping
 
+from edatalog.ir.graph import JoinAgg
 from edatalog.ir.program import CollectiveKind
+from edatalog.solver.blocks import tighten
 from edatalog.solver.topology import Device, Link, Topology
 
 TILE = 128  # output tile edge of a tensor-core GEMM kernel (cuBLAS/CUTLASS's common 128 x 128)
 SPLIT_K_DEPTH = 256  # the least depth of one split-K slice
+FLASH_TILE = 128  # query and key tile edge of flash attention's kernels
+MOST_TILES = 4096  # tiles looked at per block; beyond, the guard's exact points are counted
 
 GemmShape = tuple[int, int, int, int]  # (batch, m, n, k): a batch of (m x k)(k x n) products
 
@@ -52,15 +58,23 @@ def gemm_shape_efficiency(shape: GemmShape, sms: int) -> float:
 
 
 def compute_seconds(
-    flops: int, nbytes: int, device: Device, topo: Topology, dtype: str, gemm: GemmShape | None = None
+    flops: int,
+    nbytes: int,
+    device: Device,
+    topo: Topology,
+    dtype: str,
+    gemm: GemmShape | None = None,
+    floor: bool = True,
 ) -> float:
     """Roofline time of one kernel computing in ``dtype`` on ``device`` (a GEMM of ``gemm``'s
-    shape when given)."""
+    shape when given), at least the kernel floor unless ``floor`` is False (a part of a fused
+    kernel, whose floor another part pays)."""
     if flops == 0 and nbytes == 0:
         return 0.0
     eff = topo.efficiency
     shape = 1.0 if gemm is None else gemm_shape_efficiency(gemm, device.sms)
-    return max(topo.kernel_floor, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
+    least = topo.kernel_floor if floor else 0.0
+    return max(least, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
 
 
 def transfer_seconds(nbytes: int, link: Link) -> float:
@@ -99,3 +113,22 @@ def collective_bytes(kind: CollectiveKind, nbytes: int, members: int) -> int:
     """What each member sends (and receives) in the ring: ``steps / members`` of ``nbytes``."""
     steps = 2 * (members - 1) if kind is CollectiveKind.ALL_REDUCE else members - 1
     return round(steps * nbytes / members) if members > 1 else 0
+
+
+def tiled_points(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> int:
+    """The points of the block's box in the tiles of its guard's indices that hold a point of
+    the guard: what a tiled kernel computes (it skips empty tiles, and masks within the rest)."""
+    dense = math.prod(hi - lo for lo, hi in ranges.values())
+    gvars = sorted(node.guard.vars & set(ranges))
+    if node.guard.is_true or not gvars:
+        return dense
+    starts = [range(ranges[v][0], ranges[v][1], FLASH_TILE) for v in gvars]
+    if math.prod(len(r) for r in starts) > MOST_TILES:
+        return tighten(node, ranges)[1]
+    others = dense // max(1, math.prod(ranges[v][1] - ranges[v][0] for v in gvars))
+    total = 0
+    for corner in itertools.product(*starts):
+        tile = {v: (lo, min(lo + FLASH_TILE, ranges[v][1])) for v, lo in zip(gvars, corner, strict=True)}
+        if tighten(node, {**ranges, **tile})[1]:
+            total += math.prod(hi - lo for lo, hi in tile.values())
+    return total * others

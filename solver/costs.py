@@ -19,6 +19,7 @@ from functools import cached_property
 import numpy as np
 
 from edatalog.ir import dtypes
+from edatalog.ir.attention import attention_chains
 from edatalog.ir.cost import GemmRoles, flops_per_point, gemm_roles, gemm_shape
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
@@ -33,7 +34,13 @@ from edatalog.solver.blocks import (
     split_longest,
     through,
 )
-from edatalog.solver.costmodel import collective_seconds, compute_seconds, port_seconds, transfer_seconds
+from edatalog.solver.costmodel import (
+    collective_seconds,
+    compute_seconds,
+    port_seconds,
+    tiled_points,
+    transfer_seconds,
+)
 from edatalog.solver.topology import Link, Topology
 
 Held = tuple[tuple[int, tuple[Box, ...]], ...]  # per device (sorted): the boxes of a relation it holds
@@ -45,7 +52,8 @@ class _Pieces:
     boxes: list[Box]
     by: np.ndarray  # piece x device: holds it
     on_node: np.ndarray  # piece x node: some device of the node holds it
-    first: np.ndarray  # piece x node: the holder that sends to that node
+    senders: np.ndarray  # piece x node x k: the holders that send to that node (the node's own first), cycled
+    count: np.ndarray  # piece x node: how many of ``senders`` there are
     array: np.ndarray | None  # piece x axis x interval x (lo, hi) (see _as_array), None when too many
 
 
@@ -76,6 +84,15 @@ class Costs:
         self._reached: dict[tuple[object, ...], tuple[Box, int]] = {}
         self._indices: dict[int, tuple[tuple[AxisMap, ...], tuple[str, ...]]] = {}
         self._roles: dict[str, GemmRoles | None] = {}  # per node: its GEMM roles (see gemm_roles)
+        # Per rule of an attention chain: the chain's intermediates (scores, maxima,
+        # probabilities, sums), which never leave the fused kernel, and the chain's first rule.
+        self._fused: dict[str, frozenset[str]] = {}
+        self._first: dict[str, str] = {}
+        for chain in attention_chains(graph):
+            inner = frozenset(graph.node(n).out for n in chain.nodes[:-1])
+            for name in chain.nodes:
+                self._fused[name], self._first[name] = inner, chain.scores
+        self._tiles: dict[tuple[object, ...], int] = {}
 
     def itemsize(self, relation: str) -> int:
         return dtypes.itemsize(self.graph.relation(relation).dtype)
@@ -95,21 +112,30 @@ class Costs:
         if node.name not in self._roles:
             self._roles[node.name] = gemm_roles(node)
         roles = self._roles[node.name]
+        fused = self._fused.get(node.name)  # a rule of an attention chain: part of one flash kernel
         for b in blocks:
             out, size = self._reach(node.out_axes, b.ranges)
             out_boxes.setdefault(b.device, []).append(out)
-            nbytes = size * out_item
-            made[b.device] = made.get(b.device, 0) + nbytes
+            made[b.device] = made.get(b.device, 0) + size * out_item
+            nbytes = 0 if fused is not None and node.out in fused else size * out_item
             for k, acc in enumerate(accesses):
                 need, size = self._reach(acc.axes, b.ranges)
-                nbytes += size * items[k]
+                if fused is None or acc.relation not in fused:
+                    nbytes += size * items[k]
                 have = needs[k].get(b.device)
                 needs[k][b.device] = need if have is None else box_hull(have, need)
             dev = self.topo.devices[b.device]
-            gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in b.ranges.items()}) if dev.sms else None
-            per_device[b.device] = per_device.get(b.device, 0.0) + compute_seconds(
-                b.points * fpp, nbytes, dev, self.topo, node.dtype, gemm
-            )
+            if fused is None:
+                gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in b.ranges.items()}) if dev.sms else None
+                seconds = compute_seconds(b.points * fpp, nbytes, dev, self.topo, node.dtype, gemm)
+            else:
+                # As the backend fuses and the timeline costs it (edatalog.backend.running): the
+                # rule's flops over the flash tiles holding a point, no bytes of the scores and
+                # the other intermediates, and one kernel floor, the scores rule's.
+                points = self._tiled(node, b.ranges)
+                first = node.name == self._first[node.name]
+                seconds = compute_seconds(points * fpp, nbytes, dev, self.topo, node.dtype, floor=first)
+            per_device[b.device] = per_device.get(b.device, 0.0) + seconds
         for k, acc in enumerate(accesses):
             size = max((box_size(n) for n in needs[k].values()), default=0) * items[k]
             in_bytes[acc.relation] = max(in_bytes.get(acc.relation, 0), size)
@@ -125,6 +151,14 @@ class Costs:
             max(made.values(), default=0),
             in_bytes,
         )
+
+    def _tiled(self, node: JoinAgg, ranges: dict[str, tuple[int, int]]) -> int:
+        """:func:`tiled_points` of a block, cached: candidates of a node share most blocks."""
+        key = (node.name, *sorted(ranges.items()))
+        hit = self._tiles.get(key)
+        if hit is None:
+            hit = self._tiles[key] = tiled_points(node, ranges)
+        return hit
 
     def _reach(self, axes: tuple[AxisMap, ...], ranges: dict[str, tuple[int, int]]) -> tuple[Box, int]:
         """:func:`through` and its size, cached: candidates of a node share most block ranges."""
@@ -229,15 +263,21 @@ class Costs:
         distinct = list(holders)
         by = np.zeros((len(distinct), n), dtype=bool)
         on_node = np.zeros((len(distinct), nodes), dtype=bool)
-        first = np.zeros((len(distinct), nodes), dtype=np.int64)  # a holder on each node, else any
+        most = max((len(h) for h in holders.values()), default=1)
+        senders = np.zeros((len(distinct), nodes, most), dtype=np.int64)
+        count = np.ones((len(distinct), nodes), dtype=np.int64)
         for j, box in enumerate(distinct):
             devs = sorted(holders[box])
             by[j, devs] = True
             for node in range(nodes):
                 near = [d for d in devs if self._node_of[d] == node]
                 on_node[j, node] = bool(near)
-                first[j, node] = (near or devs)[0]
-        pieces = _Pieces(distinct, by, on_node, first, _as_array(distinct))
+                # The holders on the node send, each to its share of the readers (exchange
+                # synthesis picks the least busy); from another node, one holder does.
+                who = near or devs[:1]
+                senders[j, node, : len(who)] = who
+                count[j, node] = len(who)
+        pieces = _Pieces(distinct, by, on_node, senders, count, _as_array(distinct))
         self._held[id(held)] = (held, pieces)
         return pieces
 
@@ -281,7 +321,14 @@ class Costs:
         port = np.where(fetch, latency + nbytes / np.where(near, intra.bandwidth, inter.bandwidth), 0.0)
         pair = np.where(fetch, latency + nbytes / np.where(near, intra.pair_bandwidth, inter.pair_bandwidth), 0.0)
         row, piece = np.nonzero(fetch)
-        source = pieces.first[:, nodes].T[row, piece]
+        # The k-th reader of a piece (within one need) takes its k-th sender, cycling.
+        order = np.lexsort((row, piece, which[row]))
+        group = which[row][order] * len(pieces.boxes) + piece[order]
+        starts = np.r_[0, np.flatnonzero(np.diff(group)) + 1]
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+        count = pieces.count[piece, nodes[row]]
+        source = pieces.senders[piece, nodes[row], rank % count]
         pairs = np.zeros((len(devs), self.topo.n))  # need device x source: the pair's time
         np.add.at(pairs, (row, source), pair[row, piece])
         received = np.zeros(len(rows))

@@ -23,9 +23,13 @@ from edatalog.solver.blocks import guarded_dims
 from edatalog.solver.plan import Plan
 from edatalog.solver.topology import Topology
 
-SOLVE_SHARE = 0.8  # of the time left, for building and searching; checking and refining get the rest
+SOLVE_SHARE = 0.6  # of the time left, for building and searching; checking, searching the timeline, refining: the rest
 REFINE_TRIES = 3  # the fastest shortlisted plans whose refinements are checked
 ATTEMPTS = 4  # solves at most: the first, then re-solves under a cut memory budget
+TIMELINE_SHARE = 0.6  # of the time left after checking the shortlist, for the search in the timeline
+SLACK = 1.15  # a move may be this much slower than the plan it leaves, by the estimate
+PROPOSE_SECONDS = 0.3  # the most Z3 may take to propose one move
+IMPROVE = 1e-3  # a move is kept when the timeline puts it this much faster
 
 
 class Checked(Protocol):
@@ -145,6 +149,8 @@ def solve(
             solution.chosen_by = "solver" if best is checked[0] and not solution.infeasible else "timeline"
             if solution.origins:
                 solution.origin = solution.origins[checked.index(best)]
+            if space == "join" and solution.neighbours is not None:
+                best = _in_timeline(best, checked, solution, check, clock)
             # Refinements leave the mesh space (chunks on one device, zigzag parts): join only.
             refined = _refined(graph, fitting[:REFINE_TRIES], check, clock) if space == "join" else None
             if refined is not None and refined[0].seconds < best.seconds:
@@ -172,6 +178,46 @@ def solve(
     solution.check_seconds, solution.refine_seconds = clock.spent["checking"], clock.spent["refining"]
     solution.total_seconds = clock.elapsed()
     return best, solution
+
+
+def _in_timeline(best: C, checked: list[C], solution: auto.Solution, check: Checker[C], clock: _Clock) -> C:
+    """``best`` improved by a search in the timeline: large-neighbourhood search whose moves
+    Z3 proposes (:class:`edatalog.solver.auto.Neighbours`: the plan that differs from the best
+    in one neighbourhood, which the estimate puts within :data:`SLACK` of it) and the timeline
+    judges, kept when faster and within memory, for :data:`TIMELINE_SHARE` of the time left;
+    until every neighbourhood in a row has nothing faster.  Starts from the fastest checked
+    plan that is picks of the solver's (not a baseline as built)."""
+    neighbours = solution.neighbours
+    assert neighbours is not None
+    ranked = sorted((c for c in checked if c.fits), key=lambda c: c.seconds)
+    at = next((checked.index(c) for c in ranked if solution.picks[checked.index(c)] is not None), None)
+    if at is None:
+        return best
+    current, picks = checked[at], solution.picks[at]
+    assert picks is not None
+    hoods = neighbours.hoods(picks)
+    until = time.monotonic() + TIMELINE_SHARE * clock.left()
+    seen = {tuple(sorted(picks.items()))}
+    moves, quiet, k = 0, 0, 0
+    while quiet < len(hoods) and (left := until - time.monotonic()) > 0:
+        hood = hoods[k % len(hoods)]
+        k += 1
+        quiet += 1
+        choice = neighbours.propose(picks, hood, SLACK, min(left, PROPOSE_SECONDS))
+        if choice is None or (key := tuple(sorted(choice.items()))) in seen:
+            continue
+        seen.add(key)
+        c = clock.check(neighbours.plan(choice), check, "checking")
+        if c is None:
+            break
+        if c.fits and c.seconds < current.seconds * (1 - IMPROVE):
+            current, picks, quiet = c, choice, 0
+            moves += 1
+    if moves and current.seconds < best.seconds:
+        solution.origin = f"search: {moves} move{'s' * (moves > 1)} in the timeline from {solution.origins[at]}"
+        solution.chosen_by = "timeline"
+        return current
+    return best
 
 
 def refine_baseline(graph: Graph, base: C, check: Checker[C], time_limit: float) -> tuple[C, str]:

@@ -17,7 +17,7 @@ from edatalog.solver import topology as machines
 from edatalog.solver.explain import Priced, explain
 
 MIN_SOLVE_SECONDS = 0.5  # the least the solver gets, however long the rest took
-OUTPUT_SECONDS = 0.2  # kept back from --time-limit for printing and writing the plan
+OUTPUT_SECONDS = 0.5  # kept back from --time-limit for printing and writing the plan
 
 EPILOG_PLAN = """\
 A plan splits every rule's join space into blocks and gives each block a device; inputs and
@@ -239,7 +239,12 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
             "faster in the timeline, which overlaps steps the solver's estimate adds up; it is the one kept"
         )
     if sol.origin:
-        found = "the search found it (no starting plan is it)" if sol.origin == "search" else f"a {sol.origin}"
+        if sol.origin == "search":
+            found = "the search found it (no starting plan is it)"
+        elif sol.origin.startswith("search: "):
+            found = f"the search in the timeline found it ({sol.origin.removeprefix('search: ')})"
+        else:
+            found = f"a {sol.origin}"
         print(f"origin: {found}")
     if sol.refined:
         print(

@@ -404,6 +404,12 @@ class Graph:
 
     def fingerprint(self) -> str:
         """A hash of what the graph computes (source locations excluded)."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        # Once per graph: plans and programs name their graph by it, and the planner checks
+        # dozens of plans of one graph.
         blob = json.dumps(serialize.encode(self, with_origins=False), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -36,9 +36,10 @@ import torch
 
 import edatalog
 from edatalog.backend import sim
-from edatalog.backend.fusion import KIND, Chain, attention_chains, fuse_programs
+from edatalog.backend.fusion import KIND, fuse_programs
 from edatalog.errors import EdlWarning
 from edatalog.ir import program as ir
+from edatalog.ir.attention import Chain, attention_chains
 from edatalog.solver.plan import NodePlan, Placement, Split, Tile
 from edatalog.solver.plan import Plan as PlanIR
 from edatalog.solver.strategies import place_by_consumers

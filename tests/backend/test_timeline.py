@@ -10,11 +10,11 @@ import pytest
 
 import edatalog
 from edatalog.backend.exchange import synthesize
-from edatalog.backend.running import FLASH_TILE, as_run, tiled_points
+from edatalog.backend.running import as_run
 from edatalog.backend.timeline import analyze
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
-from edatalog.solver.costmodel import collective_bytes, collective_seconds
+from edatalog.solver.costmodel import FLASH_TILE, collective_bytes, collective_seconds, tiled_points
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.topology import from_dict, preset
 

@@ -19,6 +19,7 @@ import io
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -322,7 +323,7 @@ def test_plan_json_has_the_solver_summary_and_megatron(auto_plan: tuple[Path, di
     keys |= {"memory_estimate", "chosen_by", "origin", "refined"}
     assert keys <= set(summary)
     origin = summary["origin"]
-    assert isinstance(origin, str) and (origin == "search" or origin.startswith("start: "))
+    assert isinstance(origin, str) and origin.startswith(("search", "start: ", "baseline: "))
     assert "solve_seconds" not in megatron
     assert 0 < summary["lower_bound_ms"] <= summary["solver_estimate_ms"]
     assert summary["predicted_ms"] == pytest.approx(edatalog.load_plan(path).report.seconds * 1e3)
@@ -466,4 +467,29 @@ def test_every_shortlisted_plan_says_where_it_came_from() -> None:
     assert all(o == "search" or o.startswith(("start: ", "baseline: ")) for o in solution.origins)
     assert any(o == "start: megatron" for o in solution.origins[1:])
     plan = edatalog.plan(prog, topology="a100x2", time_limit=2)
-    assert plan.solution is not None and plan.solution.origin in plan.solution.origins
+    assert plan.solution is not None
+    # The kept plan is a shortlisted one, or one the search in the timeline moved to from it.
+    moved = re.fullmatch(r"search: \d+ moves? in the timeline from (.*)", plan.solution.origin)
+    assert (moved.group(1) if moved else plan.solution.origin) in plan.solution.origins
+
+
+def test_a_neighbour_differs_only_in_its_neighbourhood_and_stays_within_the_slack() -> None:
+    """What the search in the timeline moves through: each proposal changes the plan only in the
+    neighbourhood freed, changes it there, and the estimate puts it within the slack; proposals
+    run the reference exactly."""
+    prog = _llama(SMALL)
+    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2)
+    neighbours = solution.neighbours
+    assert neighbours is not None and solution.picks[0] is not None
+    choice = solution.picks[0]
+    proposed = 0
+    for hood in neighbours.hoods(choice)[:6]:
+        other = neighbours.propose(choice, hood, 1.5, 1.0)
+        if other is None:
+            continue
+        proposed += 1
+        assert {n for n in choice if other[n] != choice[n]} <= hood
+        assert any(other[n] != choice[n] for n in hood)
+        assert neighbours.model.cost(other) <= 1.5 * neighbours.model.cost(choice)
+        _assert_runs_exactly(prog, edatalog.Plan(neighbours.plan(other), prog.graph, preset("a100x4")))
+    assert proposed

@@ -228,13 +228,15 @@ def test_zigzag_splits_give_every_device_as_much_causal_work() -> None:
 def _slow_transfer(costs: Costs, item: int, held: Held, need: Need) -> float:
     """Transfer cost, one cell set at a time: each receiver waits for the larger of its port (every
     transfer's latency + bytes / port rate) and its busiest pair (latency + bytes / pair rate,
-    per source), each sender for its port."""
+    per source), each sender for its port.  A piece's k-th reader fetches it from the k-th of
+    the piece's holders on the reader's node (cycling), or from its first holder elsewhere."""
     topo = costs.topo
     holders: dict[blocks.Box, list[int]] = {}
     for d, boxes in held:
         for box in boxes:
             holders.setdefault(box, []).append(d)
     sent = dict.fromkeys(range(topo.n), 0.0)
+    readers = dict.fromkeys(holders, 0)
     worst = 0.0
     for d, want in need:
         port = 0.0
@@ -243,7 +245,9 @@ def _slow_transfer(costs: Costs, item: int, held: Held, need: Need) -> float:
             if d in devs or blocks.box_meet(want, box) == 0:
                 continue
             near = [s for s in sorted(devs) if topo.devices[s].node == topo.devices[d].node]
-            src = (near or sorted(devs))[0]
+            senders = near or sorted(devs)[:1]
+            src = senders[readers[box] % len(senders)]
+            readers[box] += 1
             nbytes = blocks.box_meet(want, box) * item
             t = port_seconds(nbytes, topo.link(src, d))
             port += t

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 import edatalog
-from edatalog.ir.cost import gemm_roles, gemm_shape
+from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape
 from edatalog.ir.program import CollectiveKind
+from edatalog.solver.blocks import Layout, candidates, dim_order
 from edatalog.solver.costmodel import (
     collective_bytes,
     collective_seconds,
     compute_seconds,
     gemm_shape_efficiency,
 )
+from edatalog.solver.costs import Costs
 from edatalog.solver.topology import Link, preset
+
+ROOT = Path(__file__).resolve().parents[2]
 
 AR, RS, AG = CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER
 
@@ -93,3 +98,34 @@ def test_reduce_scatter_and_all_gather_are_half_an_all_reduce(kind: CollectiveKi
 
 def test_a_group_of_one_moves_nothing() -> None:
     assert collective_seconds(AR, 2**20, 1, NVLINK) == 0.0 and collective_bytes(AR, 2**20, 1) == 0
+
+
+def test_the_estimate_costs_attention_as_one_flash_kernel() -> None:
+    """Causal attention on one A100 in bf16, (B, H, S, E) = (1, 32, 4096, 128): the solver's
+    estimate of each rule of the softmax chain is its part of one flash kernel, as the timeline
+    costs the fused block (edatalog.backend.running.flash_cost).
+
+    Of the 32 x 32 flash tiles of 128 x 128 (s, t), the 528 on or below the diagonal hold
+    points: 528 x 128^2 (s, t) pairs count, not the 4096 x 4097 / 2 the guard keeps.
+    - The scores, sc[b,h,s,t] += q[b,s,h,e] * k[b,t,h,e] / sqrt(E): times H E = 4096, at 3 flops
+      (multiply, divide, add): 106,300,440,576 flops at 0.7 x 312 TF/s = 486.7 us; its bytes
+      are q and k only, 64 MiB at 0.7 x 2 TB/s = 47.9 us (the scores never leave the kernel).
+    - The maxima, m[b,h,s] max= sc[b,h,s,t]: times H = 32, at 1 flop: 276,824,064 flops =
+      1.27 us, with no kernel floor (the scores rule pays the kernel's) and no bytes (it reads
+      the scores, writes maxima, both inside the kernel).  Costed as a kernel of its own it
+      would read 512 MiB of scores: 383 us."""
+    text = ROOT.joinpath("programs", "attention.edl").read_text()
+    prog = edatalog.compile_string(text, dims={"B": 1, "S": 4096, "D": 4096, "H": 32}, dtype="bf16")
+    graph, topo = prog.graph, preset("a100x1")
+    costs = Costs(graph, topo)
+    rank = dim_order(graph)
+
+    def whole(name: str) -> float:
+        node = graph.node(name)
+        (cand,) = [c for c in candidates(node, 1) if c.reduce_axis is None and c.chunk == 1]
+        return costs.option(node, Layout(node, cand, rank)).compute
+
+    pairs = 528 * 128**2
+    assert pairs * 4096 * flops_per_point(graph.node("sc")) == 106_300_440_576
+    assert whole("sc") == pytest.approx(106_300_440_576 / (0.7 * 312e12))
+    assert whole("m") == pytest.approx(pairs * 32 * 1 / (0.7 * 312e12))
