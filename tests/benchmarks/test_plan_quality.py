@@ -21,14 +21,18 @@ def test_one_case_against_the_best_baseline() -> None:
     assert report["dtype"] == "bf16"
     (case,) = report["cases"]
     results = case["results"]
-    assert set(results) == {"auto", "mesh", "megatron", "megatron+r", "megatron-sp", "megatron-sp+r", "data"}
+    baselines = {"megatron", "megatron+r", "megatron-sp", "megatron-sp+r", "data"}
+    assert set(results) == {"auto", "mesh", "best start", *baselines}
     assert all(r["error"] is None and r["predicted_ms"] > 0 for r in results.values())
     for base in ("megatron", "megatron-sp"):
         assert results[f"{base}+r"]["predicted_ms"] <= results[base]["predicted_ms"]
         assert results[f"{base}+r"]["how"]
-    fitting = {s: r["predicted_ms"] for s, r in results.items() if s not in ("auto", "mesh") and r["fits"]}
+    fitting = {s: r["predicted_ms"] for s, r in results.items() if s in baselines and r["fits"]}
     best = min(fitting, key=lambda s: fitting[s])
     assert report["best_baseline"]["7B-S512"] == best
     ratio = results["auto"]["predicted_ms"] / fitting[best]
     assert abs(report["auto_over_best_baseline"]["7B-S512"] - ratio) < 1e-12
     assert results["auto"]["how"]
+    # Found by the search: strictly faster than the best start and every baseline that fits.
+    rivals = [results["best start"]["predicted_ms"], *fitting.values()]
+    assert ("7B-S512" in report["found_by_search"]) == all(results["auto"]["predicted_ms"] < r for r in rivals)
