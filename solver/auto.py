@@ -53,6 +53,7 @@ MIX_SECONDS = 1.0  # the most one step of recombining the starting plans may tak
 POLISHED = 3  # starts improved by a search of their own, beside the best plan
 BEST_SHARE = 0.4  # of the search time left after recombining, for improving the best plan
 POLISH_SHARE = 0.7  # of what is left then, for improving the other starts (the rest: the whole space)
+MEMORY_SLACK = 1.25  # shortlisted plans may be this much over the memory limit by the estimate
 SHORTLIST = 6  # best starting plans re-checked in the timeline with the solver's best
 
 _Term = tuple[str, int]  # literal, weight (units of time or of memory)
@@ -174,7 +175,11 @@ def solve(
     if not shortlist:
         # The solver's best, the best starts and the baselines it can express that fit by the
         # estimate: the exact check keeps the fastest, so auto is never slower than them.
-        extra = [*ended, *fitting[:SHORTLIST], *(c for c in baselines if model.memory(c) <= limit)]
+        # The estimate of memory errs high, the check is exact: starts and baselines a little
+        # over the limit by the estimate are checked too.
+        near = limit * MEMORY_SLACK
+        close = sorted((c for c in starts if model.memory(c) <= near), key=model.cost)[:SHORTLIST]
+        extra = [*ended, *close, *(c for c in baselines if model.memory(c) <= near)]
         both = [best, *extra]
         picks = [c for k, c in enumerate(both) if c not in both[:k]]
         shortlist = (plan, *(_plan(graph, topo, options, c, space) for c in picks[1:]))
