@@ -181,6 +181,15 @@ class ArrayOps:
         """Whether every element is true: a host decision (on CUDA it waits for the device)."""
         raise NotImplementedError
 
+    def take_along(self, a: Array, index: Array, axis: int) -> Array:
+        """``a`` read along ``axis`` at ``index`` (int64, of size 1 along ``axis``), the other
+        axes broadcast between the two: a gather, the result of size 1 along ``axis``."""
+        raise NotImplementedError
+
+    def argwhere_first(self, a: Array) -> tuple[int, ...] | None:
+        """The first position where ``a`` holds, in row-major order, or None."""
+        raise NotImplementedError
+
     # -- writing in place ---------------------------------------------------------------------
 
     def assign(self, view: Array, values: Array | bool, where: Array | None) -> None:
@@ -289,6 +298,17 @@ class NumpyOps(ArrayOps):
 
     def all(self, a: Array) -> bool:
         return bool(np.all(a))
+
+    def take_along(self, a: Array, index: Array, axis: int) -> Array:
+        shape = list(np.broadcast_shapes(a.shape, index.shape))
+        wide, at = shape.copy(), shape.copy()
+        wide[axis], at[axis] = a.shape[axis], 1
+        return np.take_along_axis(np.broadcast_to(a, wide), np.broadcast_to(index, at), axis)
+
+    def argwhere_first(self, a: Array) -> tuple[int, ...] | None:
+        if not np.any(a):
+            return None
+        return tuple(int(x) for x in np.unravel_index(int(np.argmax(a)), np.shape(a)))
 
     def assign(self, view: Array, values: Array | bool, where: Array | None) -> None:
         np.copyto(view, values, where=True if where is None else where)
@@ -456,6 +476,20 @@ class TorchOps(ArrayOps):
 
     def all(self, a: Array) -> bool:
         return bool(torch_module().all(a))
+
+    def take_along(self, a: Array, index: Array, axis: int) -> Array:
+        torch = torch_module()
+        shape = list(torch.broadcast_shapes(a.shape, index.shape))
+        wide, at = shape.copy(), shape.copy()
+        wide[axis], at[axis] = a.shape[axis], 1
+        return torch.gather(a.expand(wide), axis, index.expand(at))
+
+    def argwhere_first(self, a: Array) -> tuple[int, ...] | None:
+        torch = torch_module()
+        if not bool(torch.any(a)):
+            return None
+        flat = int(torch.argmax(a.reshape(-1).to(torch.uint8)))
+        return tuple(int(x) for x in np.unravel_index(flat, tuple(a.shape)))
 
     def assign(self, view: Array, values: Array | bool, where: Array | None) -> None:
         t = torch_module()

@@ -200,6 +200,10 @@ class _Synthesizer:
             if points == 0:
                 continue  # guards and supports leave this block empty: nothing to compute or send
             out = Region.through(node.out_axes, ranges)
+            # A looked-up index takes one value per point of the others: the block gathers over
+            # those, and over part of the index's range only some of its cells get a value.
+            chosen = math.prod(ranges[lk.index][1] - ranges[lk.index][0] for lk in node.lookups)
+            part = any(ranges[lk.index] != (0, lk.extent) for lk in node.lookups)
             holders = {}
             for d in block.devices:
                 deps: list[int] = []
@@ -210,7 +214,8 @@ class _Synthesizer:
                     parts = self._fetch(acc.relation, need, d)
                     reads.append([(buf, region) for buf, region in parts])
                     deps.extend(self.buffers[buf].task for buf, _ in parts)
-                    nbytes += need.size * self._itemsize(acc.relation)
+                    size = min(need.size, points // chosen) if node.looked_up & set(acc.indices) else need.size
+                    nbytes += size * self._itemsize(acc.relation)
                 task = Compute(
                     len(self.tasks),
                     d,
@@ -220,9 +225,9 @@ class _Synthesizer:
                     ranges,
                     reads,
                     out,
-                    points * flops_per_point(node),
+                    points // chosen * flops_per_point(node),
                     nbytes,
-                    points == math.prod(hi - lo for lo, hi in ranges.values()),
+                    points == math.prod(hi - lo for lo, hi in ranges.values()) and not part,
                 )
                 holders[d] = self._add(task, node.out, out)
             entries.append(Entry(out, holders))
@@ -461,7 +466,8 @@ def _lower(
             ranges = tuple((i.name, *t.ranges[i.name]) for i in node.indices)
             reads = tuple(tuple((b, r) for b, r in parts) for parts in t.reads)
             kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id], full[t.id])
-            gemm = gemm_shape(gemm_roles(node), {i: hi - lo for i, (lo, hi) in t.ranges.items()})
+            roles = None if node.lookups else gemm_roles(node)  # a gather is no GEMM
+            gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in t.ranges.items()})
             ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm)))
         elif isinstance(t, Send):
             dtype[t.id], full[t.id] = dtype[t.source], full[t.source]

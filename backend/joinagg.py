@@ -27,7 +27,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from edatalog.backend import ops
 from edatalog.backend.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.contract import contract, squeeze
 from edatalog.backend.operands import access_view, guard_mask, index_values
+from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine
 from edatalog.ir.forms import product_form
@@ -73,8 +74,12 @@ class _Space:
     offsets: dict[str, int]  # where the chunk starts, per index (missing: 0)
     track_presence: bool = True  # False: the result's presence is known beforehand (``Known``)
     owned: frozenset[int] = frozenset()  # inputs whose ``data`` no one else holds (a converted copy)
+    looked_up: dict[str, Array] = field(default_factory=dict)  # per looked-up index: its value at each point
 
     def index_array(self, name: str) -> Array:
+        value = self.looked_up.get(name)
+        if value is not None:
+            return self.xp.cast(value, self.cdt)
         lo = self.offsets.get(name, 0)
         return index_values(self.order, self.box, name, self.cdt, self.xp, lo, self.device)
 
@@ -109,6 +114,7 @@ class _Space:
             {**self.offsets, var: self.offsets.get(var, 0) + lo},
             self.track_presence,
             owned,
+            {name: cut(a) for name, a in self.looked_up.items()},
         )
 
 
@@ -149,7 +155,10 @@ def evaluate_node(
         None if p is None else access_view(xp.asarray(p, xp.bool_, device), acc, order, box, fill=False, xp=xp)
         for p, acc in zip(present, node.inputs, strict=True)
     ]
-    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None, owned)
+    looked_up: dict[str, Array] = {}
+    if node.lookups:
+        box, views, masks, looked_up = _gather(node, data, order, box, views, masks, xp, device)
+    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None, owned, looked_up)
     out_vars = [v for v in order if v not in node.agg_indices]
     result = _contraction(space, out_vars) if node.agg == "sum" and node.agg_indices else None
     if native and result is not None:  # a GEMM: native_gemm saw a product of two loads, nothing absent
@@ -159,12 +168,64 @@ def evaluate_node(
     return value, (pres if known is None else known.present), out_vars
 
 
+def _gather(
+    node: JoinAgg,
+    data: Sequence[Array],
+    order: list[str],
+    box: dict[str, int],
+    views: list[Array],
+    masks: list[Array | None],
+    xp: ArrayOps,
+    device: Any,
+) -> tuple[dict[str, int], list[Array], list[Array | None], dict[str, Array]]:
+    """The join space with each looked-up index resolved: at every point, the index takes the
+    value its input holds there, so the inputs it indexes are read there (a gather) and its
+    axis shrinks to one place.  A value outside the index's full range is an error; one outside
+    this block's part of it (a block over part of the vocabulary) leaves the point absent here.
+    Returns the space's box, the inputs' views and presence, and each looked-up index's value
+    at every point (relative to the block, as the rule's index values are)."""
+    box, views, masks = dict(box), list(views), list(masks)
+    values: dict[str, Array] = {}
+    i64 = xp.dtype("i64")
+    for lk in node.lookups:
+        acc = node.inputs[lk.input]
+        raw = access_view(xp.asarray(data[lk.input], i64, device), acc, order, box, xp=xp)
+        bad = xp.logical_or(raw < 0, raw >= lk.extent)
+        if masks[lk.input] is not None:  # an absent cell names no place
+            bad = xp.logical_and(bad, masks[lk.input])
+        if xp.argwhere_first(bad) is not None:
+            raise EdlError(
+                f"rule '{node.out}': a value of '{acc.relation}' looked up as index '{lk.index}' is "
+                f"out of range: the index runs 0 .. {lk.extent - 1}",
+                help=f"every value of '{acc.relation}' must name a place along '{lk.index}' "
+                "(a token id below the vocabulary size, a position below the cache's length)",
+            )
+        value = raw - lk.offset
+        axis, size = order.index(lk.index), box[lk.index]
+        partial = lk.offset > 0 or size < lk.extent
+        inside = xp.logical_and(value >= 0, value < size) if partial else None
+        where = xp.where(inside, value, xp.constant(0, i64)) if inside is not None else value
+        for j, other in enumerate(node.inputs):
+            if lk.index not in other.indices:
+                continue
+            views[j] = xp.take_along(views[j], where, axis)
+            mask = masks[j]
+            if mask is not None:
+                mask = xp.take_along(mask, where, axis)
+            if inside is not None:
+                mask = inside if mask is None else xp.logical_and(mask, inside)
+            masks[j] = mask
+        box[lk.index] = 1
+        values[lk.index] = value
+    return box, views, masks, values
+
+
 def native_gemm(node: JoinAgg, present: Sequence[Array | None], xp: ArrayOps, device: Any) -> bool:
     """Whether ``node`` is a half-precision sum of the product of two inputs, with no guard,
     scale or absent cell, that ``xp`` multiplies natively (accumulating in f32, rounding once:
     the semantics of a ``bf16`` rule): then it runs as one matmul on its half-precision inputs,
     never widened to f32 first (which makes a CPU's bf16 GEMM several times slower)."""
-    if node.dtype not in ("bf16", "f16") or node.agg != "sum" or not node.agg_indices:
+    if node.dtype not in ("bf16", "f16") or node.agg != "sum" or not node.agg_indices or node.lookups:
         return False
     if not node.guard.is_true or any(p is not None for p in present):
         return False
@@ -190,7 +251,7 @@ def native_arithmetic(node: JoinAgg, data_dtypes: Sequence[Any], present: Sequen
     dtype: torch then computes it on the half-precision inputs directly (each kernel widens to
     f32 in registers, computes and rounds once), which is exactly the rule's semantics, without
     a widened copy of each input."""
-    if node.dtype not in ("bf16", "f16") or node.agg_indices or xp.name != "torch":
+    if node.dtype not in ("bf16", "f16") or node.agg_indices or xp.name != "torch" or node.lookups:
         return False
     if not node.guard.is_true or any(p is not None for p in present):
         return False
@@ -206,8 +267,11 @@ def known_presence(node: JoinAgg, exact_inputs: bool, xp: ArrayOps = NUMPY, devi
     """The presence of ``node``'s result decided from its guard alone, when it can be: every
     relation it reads has an exact support (``exact_inputs``: their absent cells are what the
     guard excludes) and the guard's shadow on the output indices is exact.  None otherwise (the
-    evaluator then tracks presence cell by cell)."""
+    evaluator then tracks presence cell by cell).  A block over part of a looked-up index's
+    range has cells only where the values fall in its part: decided at run time."""
     if not exact_inputs:
+        return None
+    if any(lk.offset > 0 or node.box[lk.index] < lk.extent for lk in node.lookups):
         return None
     node = prepare(node)
     box = node.box

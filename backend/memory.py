@@ -101,14 +101,15 @@ def _temporaries(graph: Graph, node: JoinAgg) -> list[tuple[tuple[int, ...], int
     node = prepare(node)
     cdt = dtypes.compute_dtype(node.dtype)
     item = dtypes.itemsize(cdt)
-    box = node.box
+    # A looked-up index takes one value per point: the evaluation gathers along it.
+    box = {v: 1 if v in node.looked_up else n for v, n in node.box.items()}
     out: list[tuple[tuple[int, ...], int]] = []
     for acc in node.inputs:
         rel = graph.relation(acc.relation)
         cells = math.prod(rel.shape)
         if rel.dtype != cdt:
             out.append((rel.shape, cells * item))
-        if any(not _inside(p.expr.bounds(box), p.extent) for ax in acc.axes for p in ax.parts):
+        if any(not _inside(p.expr.bounds(node.box), p.extent) for ax in acc.axes for p in ax.parts):
             out.append((rel.shape, cells * item))  # the zero-padded copy (a little larger)
     result = tuple(box[v] for v in node.out_indices)
     out += [(result, math.prod(result) * item), (result, math.prod(result))]  # values, presence

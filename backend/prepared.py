@@ -115,7 +115,7 @@ def prepare_block(
 ) -> Prepared | None:
     """The block prepared for inputs laid out as ``layouts`` (every cell present), or None
     where only the general evaluation applies."""
-    if xp.name != "torch" or known is None:
+    if xp.name != "torch" or known is None or block.lookups:
         return None
     node = prepare(block)
     if node.agg_indices:

@@ -103,7 +103,31 @@ class Program:
                 out[name] = _torch_value(values[name], rel, span)
             else:
                 out[name] = _convert(values[name], rel, span)
+        self._check_lookups(out)
         return out
+
+    def _check_lookups(self, values: Mapping[str, Any]) -> None:
+        """Every value of an input or param that a rule looks up names a place of the index it
+        gives: an out-of-range token id is an error here, with where it is, never a wrong row."""
+        for node in self.graph.nodes:
+            for lk in node.lookups:
+                name = node.inputs[lk.input].relation
+                if name not in values:
+                    continue
+                arr = values[name]
+                if _is_torch_tensor(arr):
+                    arr = arr.detach().cpu().numpy()
+                bad = np.argwhere((np.asarray(arr) < 0) | (np.asarray(arr) >= lk.extent))
+                if len(bad):
+                    at = tuple(int(i) for i in bad[0])
+                    value = int(np.asarray(arr)[at])
+                    raise EdlError(
+                        f"{name}[{', '.join(map(str, at))}] = {value} is out of range: rule '{node.out}' looks it up "
+                        f"as index '{lk.index}', which runs 0 .. {lk.extent - 1}",
+                        self._decl_spans.get(name),
+                        help=f"every value of '{name}' must be below {lk.extent} and not negative "
+                        f"({len(bad)} value{'s are' if len(bad) > 1 else ' is'} not)",
+                    )
 
     def evaluate(
         self,
@@ -180,22 +204,28 @@ class Program:
             raise EdlError(f"the random seed must be a non-negative integer, not {seed!r}")
         memory.check(memory.input_steps(self.graph, names), spans=self._spans)
         out = {}
+        # Integers a rule looks up are drawn within the index they give (token ids below V).
+        bound: dict[str, int] = {}
+        for node in self.graph.nodes:
+            for lk in node.lookups:
+                name = node.inputs[lk.input].relation
+                bound[name] = min(bound.get(name, lk.extent), lk.extent)
         for rel in self.arguments:
             if names is None or rel.name in names:
                 rng = np.random.default_rng((seed, zlib.crc32(rel.name.encode())))
-                out[rel.name] = _random_value(rel, rng)
+                out[rel.name] = _random_value(rel, rng, bound.get(rel.name, 16))
                 if on_value is not None:
                     on_value(rel.name, out[rel.name].nbytes)
         return out
 
 
-def _random_value(rel: Relation, rng: np.random.Generator) -> np.ndarray:
+def _random_value(rel: Relation, rng: np.random.Generator, int_bound: int = 16) -> np.ndarray:
     shape = rel.shape
     kind = dtypes.kind(rel.dtype)
     if kind == "bool":
         return rng.random(shape) < 0.5
     if kind == "int":
-        return rng.integers(0, 16, size=shape).astype(dtypes.to_numpy(rel.dtype))
+        return rng.integers(0, int_bound, size=shape).astype(dtypes.to_numpy(rel.dtype))
     gen = np.float64 if rel.dtype == "f64" else np.float32  # draw f32 directly: 7B weights draw in seconds
     arr = rng.standard_normal(shape, dtype=gen)
     if rel.kind == "param" and len(shape) >= 2:

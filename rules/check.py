@@ -116,7 +116,7 @@ def _check_head(rule: ast.Rule, scope: Scope) -> None:
 def _check_rule(
     k: int, rule: ast.Rule, scope: Scope, heads: dict[str, ast.Rule], arity: dict[str, tuple[int, Span]]
 ) -> RuleInfo:
-    atoms = body_atoms(rule.body)
+    atoms = [*body_atoms(rule.body), *(lk.atom for lk in rule.lookups)]
     for atom in atoms:
         if atom.relation not in scope.decls and atom.relation not in heads:
             if atom.relation in scope.dims or atom.relation in scope.consts:
@@ -167,9 +167,10 @@ def _check_rule(
             for c in p.components:
                 if c.expr is not None:
                     affine_of(c.expr, first, scope, INDEX)
+    _check_lookups(rule, atoms, scope)
     info = RuleInfo(k, rule, tuple(atoms), tuple(first), first)
     names = _check_expr(rule.body, info, scope, cond=False)
-    for g in rule.guards:
+    for g in rule.conditions:
         if not isinstance(g, ast.Compare):
             both = isinstance(g, ast.Binary) and g.op == "and"
             raise EdlError(
@@ -182,6 +183,60 @@ def _check_rule(
         names |= _check_expr(g, info, scope, cond=True)
     _check_binding(info, names, scope)
     return info
+
+
+def _check_lookups(rule: ast.Rule, atoms: list[ast.Atom], scope: Scope) -> None:
+    """A looked-up index takes the value its relation holds: it must index some relation of
+    the body (which gives its extent), and nothing may constrain it otherwise."""
+    seen: set[str] = set()
+    for lk in rule.lookups:
+        v = lk.var
+        if v in seen:
+            raise EdlError(f"index '{v}' is looked up twice", lk.span, help="look each index up once")
+        seen.add(v)
+        if v in scope.dims or v in scope.consts or v in BUILTIN_CONSTS:
+            raise EdlError(
+                f"'{v}' is a {'dim' if v in scope.dims else 'const'}, not an index",
+                lk.var_span,
+                help="a lookup binds an index variable: 'where ids[b, s] = v' with v a new name",
+            )
+        if any(c.var == v for c in _vars_of(lk.atom)) or v in {n.ident for n in _expr_vars(lk.atom, scope)}:
+            raise EdlError(
+                f"'{lk.atom.relation}' is indexed by '{v}', the index it looks up",
+                lk.atom.span,
+                help="the relation a lookup reads must be indexed by other indices: 'where ids[b, s] = v'",
+            )
+        if any(c.var == v for c in _vars_of(rule.head)):
+            raise EdlError(
+                f"looked-up index '{v}' in the head",
+                next(c.span for c in _vars_of(rule.head) if c.var == v),
+                help=f"a rule defines every cell of its head; to write one place named by a value, "
+                f"select it in the body: 'new[t, e] = where(t == {v}, k[e], old[t, e]) where pos[] = {v}'",
+            )
+        others = [a for a in atoms if a is not lk.atom and a not in (o.atom for o in rule.lookups)]
+        plain = [c for a in others for c in _vars_of(a) if c.var == v]
+        if not plain:
+            raise EdlError(
+                f"looked-up index '{v}' indexes no relation of the rule",
+                lk.var_span,
+                help=f"use '{v}' to read a relation, e.g. 'emb[b, s, d] = table[{v}, d] where ids[b, s] = {v}'",
+            )
+        exprs = [n for a in others for n in _expr_vars(a, scope) if n.ident == v]
+        if exprs:
+            raise EdlError(
+                f"looked-up index '{v}' in an index expression",
+                exprs[0].span,
+                help="a looked-up index reads a relation at its value only; look up the shifted value instead",
+            )
+        for g in rule.conditions:
+            for n in ast.walk(g):
+                if isinstance(n, ast.Name) and n.ident == v:
+                    raise EdlError(
+                        f"a guard compares looked-up index '{v}'",
+                        n.span,
+                        help=f"guards select points by their indices before any value is read; compare "
+                        f"the value in the body instead: where({_unwrapped(g.span.text)}, ..., ...)",
+                    )
 
 
 def _check_expr(e: ast.Expr, info: RuleInfo, scope: Scope, cond: bool) -> set[str]:
@@ -264,11 +319,12 @@ def _check_binding(info: RuleInfo, named: set[str], scope: Scope) -> None:
         # when it can be (pass 4b); the compiler checks the rest once that is known.
         in_equalities = {
             n.ident
-            for g in rule.guards
+            for g in rule.conditions
             if isinstance(g, ast.Compare) and g.op == "=="
             for n in ast.walk(g)
             if isinstance(n, ast.Name)
         }
+        in_equalities |= {lk.var for lk in rule.lookups}  # one value per point: nothing to aggregate
         for v in info.vars:
             if v not in head_vars and v not in in_equalities:
                 raise aggregated_by_assignment(info, v)

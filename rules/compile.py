@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from edatalog.errors import Diagnostic
+from edatalog.errors import Diagnostic, EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Guard
 from edatalog.ir.graph import Graph, JoinAgg, Relation
@@ -97,6 +97,13 @@ def _derive(
     for lw in lowered:
         if lw.node.aggop == "=" and lw.node.agg_indices:  # an equality guard did not define it
             raise aggregated_by_assignment(lw.info, lw.node.agg_indices[0], in_equality=True)
+    if len(lowered) > 1 and any(lw.node.lookups for lw in lowered) and group[0].rule.aggop == "=":
+        lw = next(lw for lw in lowered if lw.node.lookups)
+        raise EdlError(
+            f"a rule with a lookup cannot share its head with other '=' rules for '{rel}'",
+            lw.info.rule.span,
+            help="give the looked-up part a relation of its own and combine the two in a further rule",
+        )
     dtype = lowered[0].node.dtype
     for lw in lowered[1:]:
         dtype = dtypes.promote(dtype, lw.node.dtype)
@@ -138,7 +145,7 @@ def _derive(
         axis_names,
         support.simplify(dict(zip(axis_names, shape, strict=True))),
         exact,
-        group[0].rule.aggop,
+        nodes[0].aggop,
         origin=str(head.span),
     )
     return relation, nodes

@@ -11,7 +11,7 @@ import numpy as np
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Constraint, Guard
-from edatalog.ir.graph import Access, AxisMap, Index, JoinAgg, Part
+from edatalog.ir.graph import Access, AxisMap, Index, JoinAgg, Lookup, Part
 from edatalog.ir.scalar import BINARY, COMPARISONS, Const, ExprBuilder, IndexValue, Load, Op, ScalarExpr
 from edatalog.lang import ast
 from edatalog.rules.check import RuleInfo
@@ -70,12 +70,36 @@ def lower_rule(
     dtype = _rule_dtype(rule, [rel_dtype[a.relation] for a in accesses], set(info.vars), scope, default_float)
     _check_numbers(expr, dtype, rule)
     guard = Guard.true()
-    for g in rule.guards:
+    for g in rule.conditions:
         assert isinstance(g, ast.Compare)
         guard = guard & guard_of(g, set(info.vars), scope)
     guard = guard.simplify({i.name: i.extent for i in indices})
+    lookups = []
+    for lk in rule.lookups:
+        k = load_of[id(lk.atom)]
+        kind = dtypes.kind(rel_dtype[accesses[k].relation])
+        if kind != "int":
+            raise EdlError(
+                f"'{lk.atom.relation}' is {rel_dtype[accesses[k].relation]}: a lookup needs integer values",
+                lk.atom.span,
+                help=f"declare '{lk.atom.relation}' as i64 or i32 (token ids, positions)",
+            )
+        lookups.append(Lookup(lk.var, k, ext.var[(info.index, lk.var)][0]))
+    # A looked-up index not in the head is summed over its one value: '=' is '+=' of one term,
+    # which is what a block over part of its range contributes to (a vocabulary-sharded embedding).
+    aggop = "+=" if lookups and rule.aggop == "=" else rule.aggop
     node = JoinAgg(
-        name, rule.head.relation, indices, tuple(accesses), expr, rule.aggop, axes(0), guard, dtype, str(rule.span)
+        name,
+        rule.head.relation,
+        indices,
+        tuple(accesses),
+        expr,
+        aggop,
+        axes(0),
+        guard,
+        dtype,
+        str(rule.span),
+        tuple(lookups),
     )
     return Lowered(node, info)
 

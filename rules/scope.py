@@ -156,7 +156,7 @@ def _expressions(program: ast.Program) -> list[ast.Expr]:
         elif isinstance(stmt, ast.RelationDecl):
             out.extend(stmt.shape)
         elif isinstance(stmt, ast.Rule):
-            out.extend((stmt.head, stmt.body, *stmt.guards))
+            out.extend((stmt.head, stmt.body, *stmt.conditions, *(lk.atom for lk in stmt.lookups)))
     return out
 
 

@@ -113,21 +113,29 @@ class Costs:
             self._roles[node.name] = gemm_roles(node)
         roles = self._roles[node.name]
         fused = self._fused.get(node.name)  # a rule of an attention chain: part of one flash kernel
+        gathered = [bool(node.looked_up & set(acc.indices)) for acc in accesses]
         for b in blocks:
             out, size = self._reach(node.out_axes, b.ranges)
             out_boxes.setdefault(b.device, []).append(out)
             made[b.device] = made.get(b.device, 0) + size * out_item
             nbytes = 0 if fused is not None and node.out in fused else size * out_item
+            # A looked-up index takes one value per point of the others: a block does a (masked)
+            # gather over those, whatever part of the looked-up range it has.
+            points = b.points // math.prod(b.ranges[v][1] - b.ranges[v][0] for v in node.looked_up)
             for k, acc in enumerate(accesses):
                 need, size = self._reach(acc.axes, b.ranges)
                 if fused is None or acc.relation not in fused:
-                    nbytes += size * items[k]
+                    nbytes += (min(size, points) if gathered[k] else size) * items[k]
                 have = needs[k].get(b.device)
                 needs[k][b.device] = need if have is None else box_hull(have, need)
             dev = self.topo.devices[b.device]
             if fused is None:
-                gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in b.ranges.items()}) if dev.sms else None
-                seconds = compute_seconds(b.points * fpp, nbytes, dev, self.topo, node.dtype, gemm)
+                gemm = (
+                    gemm_shape(roles, {i: hi - lo for i, (lo, hi) in b.ranges.items()})
+                    if dev.sms and not node.lookups
+                    else None
+                )
+                seconds = compute_seconds(points * fpp, nbytes, dev, self.topo, node.dtype, gemm)
             else:
                 # As the backend fuses and the timeline costs it (edatalog.backend.running): the
                 # rule's flops over the flash tiles holding a point, no bytes of the scores and

@@ -25,6 +25,9 @@ class IndexLike(Protocol):
     """A join index (:class:`edatalog.ir.graph.Index`)."""
 
     @property
+    def name(self) -> str: ...
+
+    @property
     def symbol(self) -> str: ...
 
 
@@ -70,6 +73,9 @@ class JoinAggLike(Protocol):
 
     @property
     def agg_indices(self) -> tuple[str, ...]: ...
+
+    @property
+    def looked_up(self) -> frozenset[str]: ...
 
 
 class Typed(Protocol):
@@ -153,9 +159,14 @@ def node_cost(graph: GraphLike, node: JoinAggLike) -> NodeCost:
     box = node.box
     dense = math.prod(box.values())
     points, exact = node.guard.count_bound(box)
+    # A looked-up index takes one value per point of the others: the rule's points are theirs.
+    chosen = math.prod(box[v] for v in node.looked_up)
+    points, dense = points // chosen, dense // chosen
     bytes_in = 0
     for acc in dict.fromkeys(node.inputs):  # the same access twice is read once
         cells, ok = _cells(node.guard, acc.indices, box)
+        if node.looked_up & set(acc.indices):  # a gather reads at most a cell per point
+            cells = min(cells, points)
         exact &= ok
         bytes_in += cells * dtypes.itemsize(graph.relation(acc.relation).dtype)
     cells, ok = _cells(node.guard, node.out_indices, box)
@@ -173,6 +184,8 @@ def flops_formula(node: JoinAggLike, cost: NodeCost) -> str:
     coef = flops_per_point(node)
     factors: list[str] = []
     for idx in node.indices:
+        if idx.name in node.looked_up:
+            continue  # one value per point of the others
         sym = idx.symbol
         if re.fullmatch(r"\d+", sym):
             coef *= int(sym)

@@ -191,6 +191,26 @@ class Access:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """A value-to-index join: the join index ``index`` takes, at each point, the integer value
+    that input ``input`` (an access of an integer relation, not over ``index``) holds there,
+    less ``offset``: ``emb[b,s,d] += tok_emb[v,d] where ids[b,s] = v`` reads the row each token
+    id names.  ``extent`` is the index's full range: a value outside ``0 .. extent - 1`` is an
+    error when the rule runs, never a silent wrong row.  A block of the rule over part of the
+    index's range (a vocabulary-sharded embedding) has the part's start as ``offset``; a value
+    outside the part leaves its point absent there, and another block computes it."""
+
+    index: str
+    input: int
+    extent: int
+    offset: int = 0
+
+    def render(self, node: JoinAgg) -> str:
+        order = [i.name for i in node.indices]
+        return f"{node.inputs[self.input].render(order)} = {self.index}"
+
+
+@dataclass(frozen=True)
 class JoinAgg:
     """One rule, compiled.  ``name`` is unique in the graph; ``out`` is the relation written."""
 
@@ -204,6 +224,7 @@ class JoinAgg:
     guard: Guard
     dtype: str
     origin: str = field(default="", compare=False)
+    lookups: tuple[Lookup, ...] = ()  # indices whose value an input holds (see Lookup)
 
     __hash__ = _hash_once
     __getstate__ = _state_without_hash
@@ -212,6 +233,11 @@ class JoinAgg:
     @property
     def box(self) -> dict[str, int]:
         return {i.name: i.extent for i in self.indices}
+
+    @cached_property
+    def looked_up(self) -> frozenset[str]:
+        """The indices an input's values give (one value per point of the other indices)."""
+        return frozenset(lk.index for lk in self.lookups)
 
     @cached_property
     def out_indices(self) -> tuple[str, ...]:
@@ -235,7 +261,8 @@ class JoinAgg:
         return self.expr.render(lambda k: self.inputs[k].render(order))
 
     def __str__(self) -> str:
-        where = "" if self.guard.is_true else f" where {self.guard}"
+        conds = [lk.render(self) for lk in self.lookups] + ([] if self.guard.is_true else [str(self.guard)])
+        where = f" where {', '.join(conds)}" if conds else ""
         return f"{self.head()} {self.aggop} {self.body()}{where}"
 
 
@@ -375,6 +402,21 @@ class Graph:
         _check(n.guard.vars <= set(box), f"{where}: guard names unknown indices")
         if n.aggop == "=":
             _check(not n.agg_indices, f"{where}: '=' with aggregated indices {n.agg_indices}")
+        for lk in n.lookups:
+            _check(lk.index in box, f"{where}: lookup of unknown index {lk.index}")
+            _check(lk.index not in n.out_indices, f"{where}: looked-up index {lk.index} in the head")
+            _check(0 <= lk.input < len(n.inputs), f"{where}: lookup reads input {lk.input}")
+            acc = n.inputs[lk.input]
+            _check(dtypes.kind(self.relation(acc.relation).dtype) == "int", f"{where}: lookup of a non-integer {acc}")
+            _check(lk.index not in acc.indices, f"{where}: {acc} looks up {lk.index} by itself")
+            _check(lk.index not in n.guard.vars, f"{where}: the guard names looked-up index {lk.index}")
+            _check(lk.offset >= 0 and box[lk.index] + lk.offset <= lk.extent, f"{where}: lookup range")
+            for other in n.inputs:
+                for ax in other.axes:
+                    for p in ax.parts:
+                        plain = p.index == lk.index or lk.index not in p.indices
+                        _check(plain, f"{where}: looked-up index {lk.index} in the expression {p}")
+        _check(len({lk.index for lk in n.lookups}) == len(n.lookups), f"{where}: an index looked up twice")
         n.expr.verify(len(n.inputs), list(box))
 
     # -- text -------------------------------------------------------------------------------------
@@ -429,6 +471,7 @@ IR_CLASSES: tuple[type, ...] = (
     Part,
     AxisMap,
     Access,
+    Lookup,
     JoinAgg,
     Relation,
     Graph,

@@ -128,4 +128,5 @@ def restrict(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> JoinAgg:
         out_axes=local(node.out_axes),
         expr=substitute_indices(node.expr, shift),
         guard=node.guard.substitute(shift).simplify(box),
+        lookups=tuple(dataclasses.replace(lk, offset=lk.offset + ranges[lk.index][0]) for lk in node.lookups),
     )

@@ -154,15 +154,35 @@ class OutputDecl:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """``ids[b, s] = v`` among a rule's guards: the index ``v`` takes the value ``ids`` holds
+    (a value-to-index join; ``v = ids[b, s]`` and ``ids[b, s] == v`` say the same)."""
+
+    atom: Atom
+    var: str
+    var_span: Span
+    span: Span
+
+
+@dataclass(frozen=True)
 class Rule:
     """``head aggop body [where guard, ...]``."""
 
     head: Atom
     aggop: str  # "=" "+=" "*=" "max=" "min="
     body: Expr
-    guards: tuple[Expr, ...]
+    guards: tuple[Expr | Lookup, ...]
     span: Span
     aggop_span: Span
+
+    @property
+    def lookups(self) -> tuple[Lookup, ...]:
+        return tuple(g for g in self.guards if isinstance(g, Lookup))
+
+    @property
+    def conditions(self) -> tuple[Expr, ...]:
+        """The guards that are conditions on index values (all but the lookups)."""
+        return tuple(g for g in self.guards if not isinstance(g, Lookup))
 
 
 Statement = DimDecl | ConstDecl | RelationDecl | OutputDecl | Rule

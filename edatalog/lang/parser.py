@@ -242,9 +242,17 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
 
     def rule(span: Span, t: pp.ParseResults) -> ast.Rule:
         head, (op, op_span), body, *guards = t
-        return ast.Rule(head, op, body, tuple(guards), span, op_span)
+        return ast.Rule(head, op, body, tuple(_as_lookup(g) for g in guards), span, op_span)
 
-    guards = pp.Keyword("where").suppress() - _list(expr)
+    def lookup(span: Span, t: pp.ParseResults) -> ast.Lookup:
+        a, b = t[0], t[1]
+        atom, (name, name_span) = (a, b) if isinstance(a, ast.Atom) else (b, a)
+        first, last = (atom.span, name_span) if isinstance(a, ast.Atom) else (name_span, atom.span)
+        return ast.Lookup(atom, name, name_span, first.to(last))
+
+    assign = pp.Regex(r"=(?![=])").suppress().set_name("'='")
+    lookup_item = _node((atom_ref + assign + name_tok) | (name_tok + assign + atom_ref), lookup, "a lookup")
+    guards = pp.Keyword("where").suppress() - _list(lookup_item | expr)
     rule_stmt = _node(atom_ref - aggop - expr - pp.Opt(guards), rule, "a rule")
 
     return {
@@ -255,6 +263,16 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
         "output": output,
         "rule": rule_stmt,
     }
+
+
+def _as_lookup(g: ast.Expr | ast.Lookup) -> ast.Expr | ast.Lookup:
+    """``ids[b, s] == v`` as a guard is the lookup ``ids[b, s] = v``."""
+    if isinstance(g, ast.Compare) and g.op == "==":
+        if isinstance(g.lhs, ast.Atom) and isinstance(g.rhs, ast.Name):
+            return ast.Lookup(g.lhs, g.rhs.ident, g.rhs.span, g.span)
+        if isinstance(g.rhs, ast.Atom) and isinstance(g.lhs, ast.Name):
+            return ast.Lookup(g.rhs, g.lhs.ident, g.lhs.span, g.span)
+    return g
 
 
 _PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4, "+": 5, "-": 5, "*": 6, "/": 6}
