@@ -373,13 +373,15 @@ def retyped(program: ast.Program, dtype: str) -> ast.Program:
         raise EdlError(
             f"dtype {dtype!r} is not a float type", help=f"use one of {', '.join(dtypes.FLOATS)} (re-types the floats)"
         )
-    statements = tuple(
-        dataclasses.replace(s, dtype=dtype)
-        if isinstance(s, ast.RelationDecl) and dtypes.kind(s.dtype) == "float"
-        else s
-        for s in program.statements
-    )
-    return dataclasses.replace(program, statements=statements)
+
+    def one(s: ast.Statement) -> ast.Statement:
+        if isinstance(s, ast.RelationDecl) and dtypes.kind(s.dtype) == "float":
+            return dataclasses.replace(s, dtype=dtype)
+        if isinstance(s, ast.Module):
+            return dataclasses.replace(s, statements=tuple(one(t) for t in s.statements))
+        return s
+
+    return dataclasses.replace(program, statements=tuple(one(s) for s in program.statements))
 
 
 def executable(

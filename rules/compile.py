@@ -1,6 +1,6 @@
 """The rule compiler: parsed program in, verified join-agg graph out.
 
-    scope -> check -> extents -> lower -> eliminate -> support -> verify
+    (modules) -> scope -> check -> extents -> lower -> eliminate -> support -> verify
 
 Each pass lives in its own module and raises :class:`~edatalog.errors.EdlError` for the
 mistakes it is the first to see.
@@ -20,6 +20,7 @@ from edatalog.rules.check import Checked, aggregated_by_assignment, check_rules
 from edatalog.rules.eliminate import eliminate_defined
 from edatalog.rules.extents import Extents, infer_extents
 from edatalog.rules.lower import lower_rule
+from edatalog.rules.modules import has_modules, instantiate
 from edatalog.rules.scope import build_scope
 from edatalog.rules.support import check_disjoint, effective_guard, head_support
 
@@ -29,6 +30,8 @@ def compile_program(
     dims: Mapping[str, int] | None = None,
     consts: Mapping[str, float] | None = None,
 ) -> tuple[Graph, list[Diagnostic]]:
+    if has_modules(program):
+        return instantiate(program, dims, consts, compile_program)
     scope = build_scope(program, dims, consts)
     checked = check_rules(scope)
     extents = infer_extents(checked)
@@ -60,7 +63,15 @@ def _build_graph(checked: Checked, ext: Extents, source_name: str) -> Graph:
     for name, d in scope.decls.items():
         guesses = [s.lower() if s.isidentifier() else None for s in d.symbols]
         relations[name] = Relation(
-            name, d.kind, d.shape, d.symbols, d.dtype, _axis_names(guesses), Guard.true(), origin=str(d.span)
+            name,
+            d.kind,
+            d.shape,
+            d.symbols,
+            d.dtype,
+            _axis_names(guesses),
+            Guard.true(),
+            origin=str(d.span),
+            sources=tuple(text for text, _ in d.decl.sources),
         )
     rel_dtype = {n: r.dtype for n, r in relations.items()}
     default_float = _default_float(checked)

@@ -135,6 +135,7 @@ def build_scope(
                     )
                 scope.outputs.append((name, span))
         else:
+            assert isinstance(stmt, ast.Rule), "modules are instantiated before scoping"
             scope.rules.append(stmt)
 
     dim_values = _check_overrides("dim", dims or {}, dim_exprs, _first_decl(program, ast.DimDecl))

@@ -224,7 +224,7 @@ class JoinAgg:
     guard: Guard
     dtype: str
     origin: str = field(default="", compare=False)
-    lookups: tuple[Lookup, ...] = ()  # indices whose value an input holds (see Lookup)
+    lookups: tuple[Lookup, ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})  # see Lookup
 
     __hash__ = _hash_once
     __getstate__ = _state_without_hash
@@ -280,6 +280,9 @@ class Relation:
     support_exact: bool = True
     aggop: str | None = None  # how several rules for it combine; None for inputs and params
     origin: str = field(default="", compare=False)
+    # The checkpoint names a param (or input) is loaded from, the first found (see
+    # edatalog.checkpoint); its own name is always one.
+    sources: tuple[str, ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})
 
     @property
     def rank(self) -> int:
@@ -300,6 +303,26 @@ class Relation:
 
 
 @dataclass(frozen=True)
+class Repeat:
+    """``count`` instances of one module: instance ``k``'s nodes are ``prefix.k.NAME`` for each
+    ``NAME`` of ``nodes`` (the module's own, in order), the same rules over relations renamed so,
+    instance ``k + 1`` reading instance ``k``'s result.  Planners solve one and reuse it."""
+
+    prefix: str
+    module: str
+    count: int
+    nodes: tuple[str, ...]
+    first: str  # what instance 0 reads (the chain's first argument)
+    result: str  # the last instance's result
+
+    def node(self, k: int, name: str) -> str:
+        return f"{self.prefix}.{k}.{name}"
+
+    def instance(self, k: int) -> tuple[str, ...]:
+        return tuple(self.node(k, n) for n in self.nodes)
+
+
+@dataclass(frozen=True)
 class Graph:
     """A compiled program: relations, join-agg nodes in dependency order, and outputs."""
 
@@ -309,6 +332,8 @@ class Graph:
     dims: tuple[tuple[str, int], ...] = ()
     consts: tuple[tuple[str, float], ...] = ()
     source_name: str = field(default="", compare=False)
+    # Repeated modules (layers): their nodes and names.
+    repeats: tuple[Repeat, ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})
 
     @cached_property
     def _by_name(self) -> dict[str, Relation]:
@@ -366,6 +391,11 @@ class Graph:
                 done.add(n.out)
         for o in self.outputs:
             _check(o in self._by_name, f"output {o} is not a relation")
+        every = set(node_names)
+        for rep in self.repeats:
+            _check(rep.count >= 1, f"repeat {rep.prefix}: count {rep.count}")
+            for k in range(rep.count):
+                _check(set(rep.instance(k)) <= every, f"repeat {rep.prefix}: instance {k} lacks nodes")
 
     def _verify_node(self, n: JoinAgg, done: set[str]) -> None:
         where = f"node {n.name}"
@@ -474,5 +504,6 @@ IR_CLASSES: tuple[type, ...] = (
     Lookup,
     JoinAgg,
     Relation,
+    Repeat,
     Graph,
 )

@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+OMIT_EMPTY = "omit_empty"  # field metadata: an empty tuple is left out of the JSON (its default)
 FORMAT = 2  # bump when the JSON layout changes (2: index parts are affine expressions)
 
 
@@ -21,7 +22,10 @@ def encode(obj: Any, *, with_origins: bool = True) -> Any:
         for f in dataclasses.fields(obj):
             if not with_origins and not f.compare:
                 continue
-            out[f.name] = encode(getattr(obj, f.name), with_origins=with_origins)
+            value = getattr(obj, f.name)
+            if f.metadata.get(OMIT_EMPTY) and value == ():
+                continue  # an optional part left empty (lookups, repeats): written as before it existed
+            out[f.name] = encode(value, with_origins=with_origins)
         return out
     if isinstance(obj, (tuple, list)):
         return [encode(x, with_origins=with_origins) for x in obj]

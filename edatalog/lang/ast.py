@@ -136,7 +136,9 @@ class ConstDecl:
 
 @dataclass(frozen=True)
 class RelationDecl:
-    """``input x[B, S, D] : f32`` or ``param w[F, D] : bf16``."""
+    """``input x[B, S, D] : f32`` or ``param w[F, D] : bf16``, maybe with the checkpoint names
+    it is loaded from: ``param wq[D, D] : f32 from "model.layers.{i}.self_attn.q_proj.weight"``
+    (the first a checkpoint has; ``{i}`` is the instance's number in a repeated module)."""
 
     kind: str  # "input" | "param"
     name: str
@@ -145,6 +147,7 @@ class RelationDecl:
     span: Span
     name_span: Span
     dtype_span: Span
+    sources: tuple[tuple[str, Span], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,53 @@ class Rule:
         return tuple(g for g in self.guards if not isinstance(g, Lookup))
 
 
-Statement = DimDecl | ConstDecl | RelationDecl | OutputDecl | Rule
+@dataclass(frozen=True)
+class ModuleStart:
+    """``module decoder.``: the statements up to ``end.`` define the module."""
+
+    name: str
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True)
+class ModuleEnd:
+    """``end.`` (or ``end decoder.``) closes a module."""
+
+    name: str | None
+    span: Span
+
+
+@dataclass(frozen=True)
+class Instance:
+    """``h = decoder(h0, rc) repeat L as layers``: ``count`` instances of a module, named
+    ``prefix.0 ..``, chained (instance ``k + 1`` reads instance ``k``'s first output where
+    instance 0 reads the first argument); the other arguments go to every instance; the last
+    instance's first output is the relation ``result``."""
+
+    result: str
+    result_span: Span
+    module: str
+    module_span: Span
+    args: tuple[tuple[str, Span], ...]
+    count: Expr | None
+    prefix: str | None
+    prefix_span: Span | None
+    span: Span
+
+
+@dataclass(frozen=True)
+class Module:
+    """A module: inputs (its arguments, then per-instance inputs), params, rules and outputs,
+    over the program's dims and consts."""
+
+    name: str
+    statements: tuple[Statement, ...]
+    span: Span  # the ``module`` statement
+    name_span: Span
+
+
+Statement = DimDecl | ConstDecl | RelationDecl | OutputDecl | Rule | Instance | Module
 
 
 @dataclass(frozen=True)

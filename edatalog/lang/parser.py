@@ -25,8 +25,11 @@ from edatalog.errors import EdlError, Note, Source, Span
 from edatalog.lang import ast
 
 DTYPES = ("f64", "f32", "f16", "bf16", "i64", "i32", "bool")
-DECL_KEYWORDS = ("dim", "const", "input", "param", "output")
+DECL_KEYWORDS = ("dim", "const", "input", "param", "output", "module", "end")
 KEYWORDS = frozenset((*DECL_KEYWORDS, "where", "and", "or", "not"))
+# Words with a meaning in one place only, and free to be names elsewhere: ``param w[..] : f32
+# from "name"``, ``h = block(x) repeat L as layers``.
+CONTEXTUAL = frozenset(("from", "repeat", "as"))
 
 # ---------------------------------------------------------------------------------------------
 # Step 1: statements.
@@ -223,18 +226,72 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
     dtype_name = "a dtype (" + ", ".join(DTYPES) + ")"
     dtype = _tok_span(pp.one_of(" ".join(DTYPES), as_keyword=True).set_name(dtype_name), dtype_name)
 
+    string = _tok_span(pp.QuotedString('"', unquote_results=True).set_name("a quoted name"), "a quoted name")
+
     def rel_decl(kind: str) -> pp.ParserElement:
         def build(span: Span, t: pp.ParseResults) -> ast.RelationDecl:
-            (name, name_span), *shape, (dt, dt_span) = t
-            return ast.RelationDecl(kind, name, tuple(shape), dt, span, name_span, dt_span)
+            items = list(t)
+            sources: list[tuple[tuple[str, Span], ...]] = []
+            while items and isinstance(items[-1], tuple) and items[-1][0] == "from":
+                sources.insert(0, items.pop()[1])
+            (name, name_span), *shape, (dt, dt_span) = items
+            flat = tuple(x for group in sources for x in group)
+            return ast.RelationDecl(kind, name, tuple(shape), dt, span, name_span, dt_span, flat)
 
         shape = lbrack - pp.Opt(_list(add)) - rbrack
-        return _node(pp.Keyword(kind).suppress() - name_tok - shape - colon - dtype, build, f"an {kind} declaration")
+        sources = (pp.Keyword("from").suppress() - _list(string)).add_parse_action(lambda t: [("from", tuple(t))])
+        decl = pp.Keyword(kind).suppress() - name_tok - shape - colon - dtype - pp.Opt(sources)
+        return _node(decl, build, f"an {kind} declaration")
 
+    # Output names may be an instance group's relations: ``layers.kr`` (every instance's kr).
+    dotted = _tok_span(pp.Regex(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*").set_name("a name"), "a name")
     output = _node(
-        pp.Keyword("output").suppress() - _list(name_tok),
+        pp.Keyword("output").suppress() - _list(dotted),
         lambda sp, t: ast.OutputDecl(tuple(t), sp),
         "an output declaration",
+    )
+
+    module_start = _node(
+        pp.Keyword("module").suppress() - name_tok,
+        lambda sp, t: ast.ModuleStart(t[0][0], sp, t[0][1]),
+        "a module declaration",
+    )
+    module_end = _node(
+        pp.Keyword("end").suppress() - pp.Opt(name_tok),
+        lambda sp, t: ast.ModuleEnd(t[0][0] if len(t) else None, sp),
+        "'end'",
+    )
+
+    def instance(span: Span, t: pp.ParseResults) -> ast.Instance:
+        items = list(t)
+        (result, result_span), (module, module_span) = items[0], items[1]
+        args, count, prefix = [], None, None
+        for item in items[2:]:
+            if isinstance(item, tuple) and item and item[0] == "repeat":
+                count = item[1]
+            elif isinstance(item, tuple) and item and item[0] == "as":
+                prefix = item[1]
+            else:
+                args.append(item)
+        return ast.Instance(
+            result,
+            result_span,
+            module,
+            module_span,
+            tuple(args),
+            count,
+            None if prefix is None else prefix[0],
+            None if prefix is None else prefix[1],
+            span,
+        )
+
+    repeat = (pp.Keyword("repeat").suppress() - add).add_parse_action(lambda t: [("repeat", t[0])])
+    as_name = (pp.Keyword("as").suppress() - name_tok).add_parse_action(lambda t: [("as", t[0])])
+    args = lpar - pp.Opt(_list(name_tok)) - rpar
+    instance_stmt = _node(
+        name_tok + pp.Suppress("=") + name_tok + args - pp.Opt(repeat) - pp.Opt(as_name),
+        instance,
+        "a module instance",
     )
 
     aggop_name = "an aggregation operator (=, +=, *=, max=, min=)"
@@ -261,6 +318,9 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
         "input": rel_decl("input"),
         "param": rel_decl("param"),
         "output": output,
+        "module": module_start,
+        "end": module_end,
+        "instance": instance_stmt,
         "rule": rule_stmt,
     }
 
@@ -339,6 +399,50 @@ def _grammars() -> dict[str, pp.ParserElement]:
 def parse(text: str, name: str = "<string>") -> ast.Program:
     """Parse a whole program.  Raises :class:`EdlError` on the first syntax error."""
     source = Source(name, text)
+    return ast.Program(source, _modules(_statements(source, text)))
+
+
+def _modules(flat: list[Any]) -> tuple[ast.Statement, ...]:
+    """Statements with each ``module NAME.`` .. ``end.`` run gathered into one :class:`ast.Module`."""
+    out: list[ast.Statement] = []
+    open_: ast.ModuleStart | None = None
+    body: list[ast.Statement] = []
+    for stmt in flat:
+        if isinstance(stmt, ast.ModuleStart):
+            if open_ is not None:
+                raise EdlError(
+                    f"module '{stmt.name}' inside module '{open_.name}'",
+                    stmt.span,
+                    help=f"end module '{open_.name}' with 'end.' first; modules do not nest",
+                    notes=[Note(f"module '{open_.name}' begins here", open_.span)],
+                )
+            open_, body = stmt, []
+        elif isinstance(stmt, ast.ModuleEnd):
+            if open_ is None:
+                raise EdlError("'end' without a module", stmt.span, help="'end.' closes a 'module NAME.' above it")
+            if stmt.name is not None and stmt.name != open_.name:
+                raise EdlError(
+                    f"'end {stmt.name}' closes module '{open_.name}'",
+                    stmt.span,
+                    help=f"write 'end.' or 'end {open_.name}.'",
+                    notes=[Note(f"module '{open_.name}' begins here", open_.span)],
+                )
+            out.append(ast.Module(open_.name, tuple(body), open_.span, open_.name_span))
+            open_ = None
+        elif open_ is not None:
+            body.append(stmt)
+        else:
+            out.append(stmt)
+    if open_ is not None:
+        raise EdlError(
+            f"module '{open_.name}' has no 'end'",
+            open_.span,
+            help="close it with 'end.' after its last statement",
+        )
+    return tuple(out)
+
+
+def _statements(source: Source, text: str) -> list[Any]:
     chunks = split_statements(text)
     statements = []
     for k, chunk in enumerate(chunks):
@@ -354,7 +458,7 @@ def parse(text: str, name: str = "<string>") -> ast.Program:
                     "write decimals with digits on both sides (2.0, not 2.)",
                 ) from None
             raise
-    return ast.Program(source, tuple(statements))
+    return statements
 
 
 def _dangling_decimal(text: str, prev: Chunk, chunk: Chunk) -> bool:
@@ -388,11 +492,13 @@ def parse_file(path: str) -> ast.Program:
 _LEADING_WORD = re.compile(r"(?:\s|#[^\n]*)*([A-Za-z_][A-Za-z0-9_]*)?")
 
 
-def parse_statement(source: Source, chunk: Chunk) -> ast.Statement:
+def parse_statement(source: Source, chunk: Chunk) -> Any:
     text = source.text[chunk.start : chunk.end]
     m = _LEADING_WORD.match(text)
     word = m.group(1) if m else None
     kind = word if word in DECL_KEYWORDS and not _is_rule_head(text, m) else "rule"
+    if kind == "rule" and m is not None and _INSTANCE.match(text, m.start(1) if m.group(1) else 0):
+        kind = "instance"
     token = _WHERE.set(_Where(source, chunk.start))
     try:
         result = _grammars()[kind].parse_string(text, parse_all=True)
@@ -415,8 +521,23 @@ def parse_statement(source: Source, chunk: Chunk) -> ast.Statement:
             help="end every statement with '.' followed by a space, a newline or the end of the file",
         )
     stmt = result[0]
-    assert isinstance(stmt, (ast.DimDecl, ast.ConstDecl, ast.RelationDecl, ast.OutputDecl, ast.Rule))
+    assert isinstance(stmt, _STATEMENTS)
     return stmt
+
+
+_STATEMENTS = (
+    ast.DimDecl,
+    ast.ConstDecl,
+    ast.RelationDecl,
+    ast.OutputDecl,
+    ast.Rule,
+    ast.ModuleStart,
+    ast.ModuleEnd,
+    ast.Instance,
+)
+
+# ``h = decoder(`` begins a module instance (a rule's head has brackets: ``h[b] = ...``).
+_INSTANCE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\s*=\s*[A-Za-z_][A-Za-z0-9_]*\s*\(")
 
 
 def _is_rule_head(text: str, m: re.Match[str] | None) -> bool:

@@ -53,7 +53,7 @@ from edatalog.cli import main
 from edatalog.ir import dtypes
 from edatalog.ir.graph import AGG_NAMES
 from edatalog.ir.scalar import COMPARISONS
-from edatalog.lang.parser import KEYWORDS
+from edatalog.lang.parser import CONTEXTUAL, KEYWORDS
 
 ROOT = Path(__file__).resolve().parents[2]
 LANGUAGE = ROOT / "docs" / "language.md"
@@ -446,7 +446,8 @@ def run_json_outline(doc: _Doc, block: Block) -> None:
 def run_ebnf(doc: _Doc, block: Block) -> None:
     terminals = set(re.findall(r'"([^"]+)"', block.text))
     words = {t for t in terminals if re.fullmatch(r"[a-z_][a-z0-9_]*", t)} - {"e"}  # e: a number's exponent
-    assert words == set(KEYWORDS) | set(dtypes.DTYPES), f"{block.id}: keywords and types {sorted(words)}"
+    want = set(KEYWORDS) | set(CONTEXTUAL) | set(dtypes.DTYPES)
+    assert words == want, f"{block.id}: keywords and types {sorted(words)}"
     aggops = {t for t in terminals if t.endswith("=") and t not in COMPARISONS}
     assert aggops == set(AGG_NAMES), f"{block.id}: aggregations {sorted(aggops)}"
     assert set(COMPARISONS) <= terminals, f"{block.id}: comparisons"
