@@ -75,6 +75,7 @@ class _Space:
     track_presence: bool = True  # False: the result's presence is known beforehand (``Known``)
     owned: frozenset[int] = frozenset()  # inputs whose ``data`` no one else holds (a converted copy)
     looked_up: dict[str, Array] = field(default_factory=dict)  # per looked-up index: its value at each point
+    within: Array | None = None  # where the looked-up values fall in the block's part (None: everywhere)
 
     def index_array(self, name: str) -> Array:
         value = self.looked_up.get(name)
@@ -88,7 +89,10 @@ class _Space:
         guard = self.node.guard
         if self.offsets and not guard.is_true:
             guard = guard.substitute({v: Affine.var(v) + lo for v, lo in self.offsets.items()})
-        return guard_mask(guard, self.order, self.box, self.xp, self.device)
+        mask = guard_mask(guard, self.order, self.box, self.xp, self.device)
+        if self.within is None:
+            return mask
+        return self.within if mask is None else self.xp.logical_and(mask, self.within)
 
     def scalar(self, value: float | int | bool) -> Array:
         return self.xp.scalar(value, self.cdt, self.device)
@@ -115,6 +119,7 @@ class _Space:
             self.track_presence,
             owned,
             {name: cut(a) for name, a in self.looked_up.items()},
+            None if self.within is None else cut(self.within),
         )
 
 
@@ -156,9 +161,10 @@ def evaluate_node(
         for p, acc in zip(present, node.inputs, strict=True)
     ]
     looked_up: dict[str, Array] = {}
+    within = None
     if node.lookups:
-        box, views, masks, looked_up = _gather(node, data, order, box, views, masks, xp, device)
-    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None, owned, looked_up)
+        box, views, masks, looked_up, within = _gather(node, data, order, box, views, masks, xp, device)
+    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None, owned, looked_up, within)
     out_vars = [v for v in order if v not in node.agg_indices]
     result = _contraction(space, out_vars) if node.agg == "sum" and node.agg_indices else None
     if native and result is not None:  # a GEMM: native_gemm saw a product of two loads, nothing absent
@@ -177,15 +183,17 @@ def _gather(
     masks: list[Array | None],
     xp: ArrayOps,
     device: Any,
-) -> tuple[dict[str, int], list[Array], list[Array | None], dict[str, Array]]:
+) -> tuple[dict[str, int], list[Array], list[Array | None], dict[str, Array], Array | None]:
     """The join space with each looked-up index resolved: at every point, the index takes the
     value its input holds there, so the inputs it indexes are read there (a gather) and its
     axis shrinks to one place.  A value outside the index's full range is an error; one outside
     this block's part of it (a block over part of the vocabulary) leaves the point absent here.
     Returns the space's box, the inputs' views and presence, and each looked-up index's value
-    at every point (relative to the block, as the rule's index values are)."""
+    at every point (relative to the block, as the rule's index values are), and where the
+    values fall in this block's part (None: everywhere), a mask like the guard's."""
     box, views, masks = dict(box), list(views), list(masks)
     values: dict[str, Array] = {}
+    within: Array | None = None  # where every looked-up value falls in this block's part
     i64 = xp.dtype("i64")
     for lk in node.lookups:
         acc = node.inputs[lk.input]
@@ -210,14 +218,12 @@ def _gather(
                 continue
             views[j] = xp.take_along(views[j], where, axis)
             mask = masks[j]
-            if mask is not None:
-                mask = xp.take_along(mask, where, axis)
-            if inside is not None:
-                mask = inside if mask is None else xp.logical_and(mask, inside)
-            masks[j] = mask
+            masks[j] = None if mask is None else xp.take_along(mask, where, axis)
+        if inside is not None:  # the point's own presence, whether or not an input is gathered
+            within = inside if within is None else xp.logical_and(within, inside)
         box[lk.index] = 1
         values[lk.index] = value
-    return box, views, masks, values
+    return box, views, masks, values, within
 
 
 def native_gemm(node: JoinAgg, present: Sequence[Array | None], xp: ArrayOps, device: Any) -> bool:

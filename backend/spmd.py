@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -129,20 +129,22 @@ class SpmdExecutable:
             if isinstance(op, ir.Load) and op.relation in params and op.relation in names:
                 self.blocks[op.buf] = self._block(TorchOps().asarray(params[op.relation]), op)
 
-    def load_file(self, path: str) -> None:
-        """Keep this rank's blocks of the params, reading only those slices of a safetensors file."""
-        from safetensors import safe_open
-
+    def load_slices(self, read: Callable[[str, tuple[slice, ...]], Any]) -> None:
+        """Keep this rank's blocks of the params, reading only those slices: ``read(param,
+        slices)`` gives them (a checkpoint's tensors, by slice)."""
         names = {r.name for r in self.graph.relations if r.kind == "param"}
         self.blocks = {}
-        with safe_open(path, framework="pt", device="cpu") as fh:
-            for op in self.program.ops:
-                if isinstance(op, ir.Load) and op.relation in names:
-                    self.blocks[op.buf] = self._block(fh.get_slice(op.relation), op)
+        for op in self.program.ops:
+            if isinstance(op, ir.Load) and op.relation in names:
+                ranges = tuple(slice(a[0][0], a[-1][1]) for a in op.region.axes)  # loads are boxes
+                self.blocks[op.buf] = self._block(read(op.relation, ranges), op, whole=False)
 
-    def _block(self, source: Any, op: ir.Load) -> Any:
-        ranges = tuple(slice(a[0][0], a[-1][1]) for a in op.region.axes)  # loads are boxes
-        return self.xp.asarray(source[ranges], self.xp.dtype(op.dtype), self.device).contiguous()
+    def _block(self, source: Any, op: ir.Load, whole: bool = True) -> Any:
+        """The load's block of ``source`` (the whole param, or with ``whole`` False the block
+        already), in its dtype on this rank's device."""
+        if whole:
+            source = source[tuple(slice(a[0][0], a[-1][1]) for a in op.region.axes)]  # loads are boxes
+        return self.xp.asarray(source, self.xp.dtype(op.dtype), self.device).contiguous()
 
     # -- running ----------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ print(prog.graph)
 
 from edatalog.api import Program, compile, compile_string, executable
 from edatalog.errors import Diagnostic, EdlError, EdlWarning
+from edatalog.generate import Generation, generate
 from edatalog.plans import Plan, load_plan
 from edatalog.plans import make_plan as plan
 from edatalog.solver.topology import Topology
@@ -17,12 +18,14 @@ __all__ = [
     "Diagnostic",
     "EdlError",
     "EdlWarning",
+    "Generation",
     "Plan",
     "Program",
     "Topology",
     "compile",
     "compile_string",
     "executable",
+    "generate",
     "load_plan",
     "plan",
     "topology",

@@ -188,6 +188,19 @@ class Program:
         ``exe.load(params)`` once, then ``exe(inputs)``; see :mod:`edatalog.executable`."""
         return Executable(self.graph, self._prepare, plan, backend, device)
 
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+        """The program's params from a safetensors checkpoint (a file, or a model's directory of
+        one file or of shards with their index), each found by the checkpoint names it declares
+        (see :mod:`edatalog.checkpoint`), as numpy arrays for :meth:`run`.  A name, shape, dtype
+        or layer count that does not match is an error listing every difference."""
+        from edatalog.checkpoint import Checkpoint
+
+        ckpt = Checkpoint(path)
+        tensors = ckpt.read_all(self.graph)
+        return {
+            name: _from_torch(t, self.graph.relation(name), self._decl_spans.get(name)) for name, t in tensors.items()
+        }
+
     def random_inputs(
         self,
         seed: int = 0,
@@ -330,10 +343,16 @@ def _convert(value: Any, rel: Relation, span: Span | None) -> np.ndarray:
 
 
 def _finish(
-    program: ast.Program, dims: Mapping[str, int] | None, consts: Mapping[str, float] | None, dtype: str | None
+    program: ast.Program,
+    dims: Mapping[str, int] | None,
+    consts: Mapping[str, float] | None,
+    dtype: str | None,
+    outputs: Sequence[str] | None = None,
 ) -> Program:
     if dtype is not None:
         program = retyped(program, dtype)
+    if outputs is not None:
+        program = with_outputs(program, outputs)
     graph, diagnostics = compile_program(program, dims, consts)
     for d in diagnostics:
         warnings.warn(d.render(), EdlWarning, stacklevel=3)
@@ -346,11 +365,14 @@ def compile(  # noqa: A001 - the natural name; shadows the builtin only inside t
     dims: Mapping[str, int] | None = None,
     consts: Mapping[str, float] | None = None,
     dtype: str | None = None,
+    outputs: Sequence[str] | None = None,
 ) -> Program:
     """Compile the ``.edl`` file at ``path``.  ``dims`` and ``consts`` override declared values
     (derived dims such as ``E = D / H`` follow); ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``,
-    ``"f64"``) re-types every float input and param, and so every float rule."""
-    return _finish(parse_file(os.fspath(path)), dims, consts, dtype)
+    ``"f64"``) re-types every float input and param, and so every float rule; ``outputs``
+    replaces the program's outputs (``("logits", "layers.kr")``: the logits and every layer's
+    keys, as a prefill for generation wants)."""
+    return _finish(parse_file(os.fspath(path)), dims, consts, dtype, outputs)
 
 
 def compile_string(
@@ -360,9 +382,19 @@ def compile_string(
     dims: Mapping[str, int] | None = None,
     consts: Mapping[str, float] | None = None,
     dtype: str | None = None,
+    outputs: Sequence[str] | None = None,
 ) -> Program:
     """Compile program text; ``name`` is used in error locations; the rest as :func:`compile`."""
-    return _finish(parse(text, name), dims, consts, dtype)
+    return _finish(parse(text, name), dims, consts, dtype, outputs)
+
+
+def with_outputs(program: ast.Program, outputs: Sequence[str]) -> ast.Program:
+    """``program`` with ``outputs`` as its outputs, in place of its own output statements."""
+    if isinstance(outputs, str) or not outputs:
+        raise EdlError("outputs= takes a non-empty list of relation names", help="e.g. outputs=['logits']")
+    at = program.source.span(0, 0)
+    statements = tuple(s for s in program.statements if not isinstance(s, ast.OutputDecl))
+    return dataclasses.replace(program, statements=(*statements, ast.OutputDecl(tuple((n, at) for n in outputs), at)))
 
 
 def retyped(program: ast.Program, dtype: str) -> ast.Program:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from edatalog.backend.runtime import Executable as Runnable
 from edatalog.backend.runtime import check_plan, runtime
 from edatalog.backend.torch_runtime import OpTime, Outputs
+from edatalog.checkpoint import Checkpoint
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
 from edatalog.plans import Plan
@@ -72,21 +72,20 @@ class Executable:
         return dict(peak)
 
     def load(self, params: Mapping[str, Any] | str | os.PathLike[str]) -> None:
-        """Load every param: whole arrays or torch tensors by name, or a safetensors file whose
-        tensors are named like the params."""
+        """Load every param: whole arrays or torch tensors by name, or a safetensors checkpoint
+        (a file, or a model's directory: one file, or shards with their index) whose tensors the
+        params name (their declared checkpoint names, else their own: see
+        :mod:`edatalog.checkpoint`).  From a checkpoint, each rank of a plan reads only its
+        slices."""
         if isinstance(params, str | os.PathLike):
-            path = Path(params)
-            shapes = _safetensors_shapes(path, self._params)
-            for name, shape in shapes.items():
-                want = self.graph.relation(name).shape
-                if shape != want:
-                    raise EdlError(f"{path}: '{name}' has shape {shape}, but the program declares {want}")
-            load_file = getattr(self._impl, "load_file", None)
-            if load_file is not None:  # an SPMD rank reads only its slices
-                load_file(str(path))
+            ckpt = Checkpoint(params)
+            names = ckpt.names_for(self.graph)
+            load_slices = getattr(self._impl, "load_slices", None)
+            if load_slices is not None:  # an SPMD rank reads only its slices
+                load_slices(lambda rel, slices: ckpt.read(names[rel], slices))
                 self._loaded = True
                 return
-            params = _read_safetensors(path, self._params)
+            params = {rel: ckpt.read(name) for rel, name in names.items()}
         values = self._prepare(params, ("param",), self._keep_torch)
         self._impl.load(values)
         self._loaded = True
@@ -103,32 +102,3 @@ class Executable:
             )
         values = self._prepare(inputs, ("input",), self._keep_torch)
         return self._impl(values, gather_outputs=gather, record=record)
-
-
-def _safetensors_shapes(path: Path, names: list[str]) -> dict[str, tuple[int, ...]]:
-    """The shapes of the params in a safetensors file, from its header (no tensor is read);
-    an error naming the params it lacks."""
-    if not path.exists():
-        raise EdlError(f"no such file: {path}", help="pass the path of a .safetensors file, or a dict of arrays")
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            keys = set(fh.keys())
-            missing = [n for n in names if n not in keys]
-            if missing:
-                raise EdlError(
-                    f"{path} lacks the params {', '.join(missing)}",
-                    help=f"it holds {', '.join(sorted(keys)[:10])}{', ...' if len(keys) > 10 else ''}",
-                )
-            return {n: tuple(fh.get_slice(n).get_shape()) for n in names}
-    except SafetensorError as exc:
-        raise EdlError(f"{path} is not a safetensors file: {exc}") from None
-
-
-def _read_safetensors(path: Path, names: list[str]) -> dict[str, Any]:
-    """The params in a safetensors file, whole (never unpickled: it holds raw tensors)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as fh:
-        return {n: fh.get_tensor(n) for n in names}

@@ -168,6 +168,8 @@ def _check_rule(
                 if c.expr is not None:
                     affine_of(c.expr, first, scope, INDEX)
     _check_lookups(rule, atoms, scope)
+    for lk in rule.lookups:
+        first.setdefault(lk.var, lk.var_span)
     info = RuleInfo(k, rule, tuple(atoms), tuple(first), first)
     names = _check_expr(rule.body, info, scope, cond=False)
     for g in rule.conditions:
@@ -215,11 +217,12 @@ def _check_lookups(rule: ast.Rule, atoms: list[ast.Atom], scope: Scope) -> None:
             )
         others = [a for a in atoms if a is not lk.atom and a not in (o.atom for o in rule.lookups)]
         plain = [c for a in others for c in _vars_of(a) if c.var == v]
-        if not plain:
+        if not plain and lk.extent is None:
             raise EdlError(
-                f"looked-up index '{v}' indexes no relation of the rule",
+                f"looked-up index '{v}' indexes no relation of the rule, so its range is unknown",
                 lk.var_span,
-                help=f"use '{v}' to read a relation, e.g. 'emb[b, s, d] = table[{v}, d] where ids[b, s] = {v}'",
+                help=f"use it to read a relation ('emb[b, s, d] = table[{v}, d] where ids[b, s] = {v}'), "
+                f"or give its range: 'where pos[] = {v}:T'",
             )
         exprs = [n for a in others for n in _expr_vars(a, scope) if n.ident == v]
         if exprs:

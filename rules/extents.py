@@ -165,6 +165,12 @@ def infer_extents(checked: Checked) -> Extents:
                     s.union(keys[0], axis, what, at=pos.span, help=head)
                 else:
                     s.products.append(_Product(axis, tuple(keys), pos.span, atom, k))
+        for lk in info.rule.lookups:  # ``pos[] = p:T``
+            if lk.extent is not None:
+                value = eval_dim(lk.extent, scope, f"the range of '{lk.var}'")
+                origin = Origin(f"the range {lk.var}:{lk.extent.span.text}", lk.extent.span)
+                sym = s.symbols.simplify(dim_symbol(lk.extent))
+                s.assign(("var", info.index, lk.var), value, sym, origin, f"index '{lk.var}'", at=lk.span)
     while True:
         _propagate(s)
         if not _split_declared(s) and not _default_head_literals(s, checked):

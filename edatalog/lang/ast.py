@@ -114,12 +114,14 @@ Expr = Num | Name | Call | Unary | Binary | Compare | Atom
 
 @dataclass(frozen=True)
 class Binding:
-    """``name = expr`` inside a ``dim`` or ``const`` declaration."""
+    """``name = expr`` inside a ``dim`` or ``const`` declaration, maybe with the key of a model
+    configuration that sets it: ``dim L = 32 from "num_hidden_layers"``."""
 
     name: str
     expr: Expr
     span: Span
     name_span: Span
+    sources: tuple[tuple[str, Span], ...] = ()  # configuration keys (``a.b``: key b of a), the first found
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class Lookup:
     var: str
     var_span: Span
     span: Span
+    extent: Expr | None = None  # ``pos[] = p:T``: the index's range, where no relation gives it
 
 
 @dataclass(frozen=True)

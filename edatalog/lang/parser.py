@@ -211,12 +211,16 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
     add = expr
 
     # Statements.
+    string = _tok_span(pp.QuotedString('"', unquote_results=True).set_name("a quoted name"), "a quoted name")
+
     def bindings(kw: str, make: Callable[..., Any]) -> pp.ParserElement:
         def binding(span: Span, t: pp.ParseResults) -> ast.Binding:
             name, name_span = t[0]
-            return ast.Binding(name, t[1], span, name_span)
+            return ast.Binding(name, t[1], span, name_span, tuple(t[2:]))
 
-        item = _node(name_tok - pp.Suppress("=").set_name("'='") - expr, binding, f"a {kw} binding")
+        # ``, "key"`` continues the keys, ``, NAME =`` the bindings: no error stop after the comma.
+        keyed = pp.Opt(pp.Keyword("from").suppress() - string + pp.ZeroOrMore(pp.Suppress(",") + string))
+        item = _node(name_tok - pp.Suppress("=").set_name("'='") - expr + keyed, binding, f"a {kw} binding")
         return _node(
             pp.Keyword(kw).suppress() - _list(item),
             lambda sp, t: make(tuple(t), sp),
@@ -225,8 +229,6 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
 
     dtype_name = "a dtype (" + ", ".join(DTYPES) + ")"
     dtype = _tok_span(pp.one_of(" ".join(DTYPES), as_keyword=True).set_name(dtype_name), dtype_name)
-
-    string = _tok_span(pp.QuotedString('"', unquote_results=True).set_name("a quoted name"), "a quoted name")
 
     def rel_decl(kind: str) -> pp.ParserElement:
         def build(span: Span, t: pp.ParseResults) -> ast.RelationDecl:
@@ -302,13 +304,16 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
         return ast.Rule(head, op, body, tuple(_as_lookup(g) for g in guards), span, op_span)
 
     def lookup(span: Span, t: pp.ParseResults) -> ast.Lookup:
-        a, b = t[0], t[1]
-        atom, (name, name_span) = (a, b) if isinstance(a, ast.Atom) else (b, a)
-        first, last = (atom.span, name_span) if isinstance(a, ast.Atom) else (name_span, atom.span)
-        return ast.Lookup(atom, name, name_span, first.to(last))
+        atom = next(x for x in t if isinstance(x, ast.Atom))
+        name, name_span = next(x for x in t if isinstance(x, tuple) and x[0] != ":")
+        extent = next((x[1] for x in t if isinstance(x, tuple) and x[0] == ":"), None)
+        last = extent.span if extent is not None else name_span
+        first, end = (atom.span, last) if isinstance(t[0], ast.Atom) else (name_span, atom.span)
+        return ast.Lookup(atom, name, name_span, first.to(end), extent)
 
     assign = pp.Regex(r"=(?![=])").suppress().set_name("'='")
-    lookup_item = _node((atom_ref + assign + name_tok) | (name_tok + assign + atom_ref), lookup, "a lookup")
+    ranged = name_tok + pp.Opt((colon + extent).add_parse_action(lambda t: [(":", t[0])]))
+    lookup_item = _node((atom_ref + assign + ranged) | (ranged + assign + atom_ref), lookup, "a lookup")
     guards = pp.Keyword("where").suppress() - _list(lookup_item | expr)
     rule_stmt = _node(atom_ref - aggop - expr - pp.Opt(guards), rule, "a rule")
 

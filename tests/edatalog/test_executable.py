@@ -102,7 +102,7 @@ def test_a_wrong_shape_in_the_file_names_the_param(tmp_path: Path) -> None:
     path = tmp_path / "transposed.safetensors"
     save_file(params, str(path))
     exe = edatalog.executable(prog, device="cpu")
-    with pytest.raises(edatalog.EdlError, match=r"'w1' has shape \(16, 24\), but the program declares \(24, 16\)"):
+    with pytest.raises(edatalog.EdlError, match=r"w1 \(w1\): shape \[16, 24\] in the checkpoint, \[24, 16\] here"):
         exe.load(path)
     with pytest.raises(edatalog.EdlError, match="not loaded"):
         exe(_inputs(prog))
@@ -116,11 +116,11 @@ def test_a_missing_param_is_an_error(tmp_path: Path) -> None:
         exe.load({k: v for k, v in params.items() if k != "b2"})
     path = tmp_path / "partial.safetensors"
     save_file({k: torch.from_numpy(v) for k, v in params.items() if k not in ("b1", "w2")}, str(path))
-    with pytest.raises(edatalog.EdlError, match="lacks the params b1, w2"):
+    with pytest.raises(edatalog.EdlError, match=r"lacks 2 of the program's 4 params:\n  b1: none of b1\n  w2: none"):
         exe.load(path)
     with pytest.raises(edatalog.EdlError, match="'w3' is not a"):
         exe.load({**params, "w3": params["w2"]})
-    with pytest.raises(edatalog.EdlError, match="no such file"):
+    with pytest.raises(edatalog.EdlError, match="no such checkpoint"):
         exe.load(tmp_path / "nowhere.safetensors")
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"not a safetensors file")
