@@ -129,17 +129,26 @@ class Checkpoint:
                 "this is the model the program describes",
             )
         wrong = []
+        dtypes_seen = set()
         for r in rels:
             t = self.tensors[found[r.name]]
             if t.shape != r.shape:
                 wrong.append(f"{r.name} ({t.name}): shape {list(t.shape)} in the checkpoint, {list(r.shape)} here")
             elif t.dtype != r.dtype:
                 wrong.append(f"{r.name} ({t.name}): {t.dtype} in the checkpoint, {r.dtype} here")
+                dtypes_seen.add(t.dtype)
+        if wrong and len(dtypes_seen) == 1 and all("shape" not in w for w in wrong):
+            (dt,) = dtypes_seen
+            raise EdlError(
+                f"the checkpoint {self.path} holds {dt} params, but the program's are "
+                f"{_dtypes_of(rels, found, self.tensors)}: {len(wrong)} differ, e.g.\n  " + "\n  ".join(wrong[:3]),
+                help=f"run the program in the checkpoint's dtype: --dtype {dt} (dtype='{dt}' when compiling)",
+            )
         if wrong:
             more = f"\n  and {len(wrong) - SHOWN} more" if len(wrong) > SHOWN else ""
             raise EdlError(
-                f"{len(wrong)} param{'s' * (len(wrong) > 1)} of the checkpoint {self.path} do not match the "
-                "program:\n  " + "\n  ".join(wrong[:SHOWN]) + more,
+                f"{len(wrong)} param{'s' * (len(wrong) > 1)} of the checkpoint {self.path} "
+                f"{'do' if len(wrong) > 1 else 'does'} not match the program:\n  " + "\n  ".join(wrong[:SHOWN]) + more,
                 help="set the dims to the model's (--dim D=..., or dims= when compiling), and its dtype "
                 "(--dtype, or dtype=)",
             )
@@ -148,6 +157,11 @@ class Checkpoint:
     def read_all(self, graph: Graph, kinds: tuple[str, ...] = ("param",)) -> dict[str, Any]:
         """Every relation of ``kinds``, whole, as torch tensors (see :meth:`names_for`)."""
         return {rel: self.read(name) for rel, name in self.names_for(graph, kinds).items()}
+
+
+def _dtypes_of(rels: list[Relation], found: dict[str, str], tensors: dict[str, Tensor]) -> str:
+    """The program's dtypes of the params whose checkpoint dtype differs."""
+    return "/".join(sorted({r.dtype for r in rels if tensors[found[r.name]].dtype != r.dtype}))
 
 
 def _check_layers(graph: Graph, ckpt: Checkpoint) -> None:
@@ -171,7 +185,8 @@ def _check_layers(graph: Graph, ckpt: Checkpoint) -> None:
             count = dict(graph.dims).get("L")
             fix = f"--dim L={max(layers) + 1} (or dims={{'L': {max(layers) + 1}}})" if count == rep.count else ""
             raise EdlError(
-                f"the checkpoint {ckpt.path} has {len(layers)} layers ({have}), but the program repeats "
+                f"the checkpoint {ckpt.path} has {len(layers)} layer{'s' * (len(layers) > 1)} ({have}), "
+                "but the program repeats "
                 f"'{rep.module}' {rep.count} times ('{rep.prefix}')",
                 help="make the layer count the checkpoint's" + (f": {fix}" if fix else ""),
             )

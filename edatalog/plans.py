@@ -22,7 +22,7 @@ from edatalog.backend.runtime import check_plan, runtime
 from edatalog.backend.timeline import Report, analyze, write_trace
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
-from edatalog.solver import auto, policy, strategies
+from edatalog.solver import auto, layers, policy, strategies
 from edatalog.solver import topology as machines
 from edatalog.solver.plan import Plan as PlanIR
 from edatalog.solver.topology import Topology
@@ -49,6 +49,7 @@ class Plan:
         self.ir, self.graph, self.topology, self.reduction = ir, graph, machine, reduction
         self.solution: auto.Solution | None = None  # how the solver found it, for solved plans
         self.refined = ""  # a baseline's refinement that was kept ("S in 2 chunks"); solved plans: solution.refined
+        self.layered: policy.Layered | None = None  # a repeated module solved once: its layer's solve
 
     def __str__(self) -> str:
         return str(self.ir)
@@ -82,6 +83,21 @@ class Plan:
             "over_memory": self.over_memory(),
             **({"refined": self.refined} if self.refined else {}),
             **(self._solver_summary() if self.solution is not None else {}),
+            **(self._layers_summary() if self.layered is not None else {}),
+        }
+
+    def _layers_summary(self) -> dict[str, Any]:
+        lay = self.layered
+        assert lay is not None
+        return {
+            "layers": {
+                "count": lay.count,
+                "stages": lay.stages,
+                "layer_ms": lay.layer_ms,  # one layer's predicted time, solved on its own
+                "outer_ms": lay.outer_ms,  # the rest of the program's, solved on its own
+                "layers_times_count_ms": lay.layer_ms * lay.count,
+                "layer_origin": lay.layer.origin,
+            }
         }
 
     def _solver_summary(self) -> dict[str, Any]:
@@ -166,6 +182,7 @@ def make_plan(
     space: str = "join",
     on_progress: Callable[[auto.Progress], None] | None = None,
     refine: bool = False,
+    stages: int | None = None,
 ) -> Plan:
     """Plan ``prog`` on a machine.  ``auto`` (the default) asks the solver for the fastest plan
     within ``time_limit`` seconds that fits every device's memory (``memory`` overrides the
@@ -173,7 +190,9 @@ def make_plan(
     strategies are the hand-written baselines (replicate, data, megatron, megatron-sp, random);
     with ``refine``, a baseline gets the refinements auto plans get (pipelined in chunks along
     a dim, guarded splits balanced; ``Plan.refined`` says which was kept), within
-    ``time_limit``.  Auto plans are always refined."""
+    ``time_limit``.  Auto plans are always refined.  A program with a repeated module (its
+    layers) is solved one layer at a time (:func:`edatalog.solver.policy.solve_layers`), with
+    ``stages`` pipeline stages (None: the fewest that fit, from 1)."""
     machine = machines.resolve(topology)
     if memory is not None:
         machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
@@ -191,7 +210,45 @@ def make_plan(
             plan = kept.facade
             plan.refined = plan_refined
         return plan
+    if stages is not None and (stages < 1 or machine.n % stages):
+        raise EdlError(
+            f"{stages} pipeline stages do not divide the {machine.n} devices of {machine.name}",
+            help="choose a number of stages that divides the device count",
+        )
+    if layers.repeated(prog.graph) is not None:
+        return _layered(prog.graph, machine, reduction, time_limit, seed, space, on_progress, stages)
+    if stages not in (None, 1):
+        raise EdlError("pipeline stages split a repeated module's layers; this program has none")
     return _solved(prog.graph, machine, reduction, time_limit, seed, space, on_progress)
+
+
+def _layered(
+    graph: Graph,
+    machine: Topology,
+    reduction: str,
+    time_limit: float,
+    seed: int,
+    space: str,
+    on_progress: Callable[[auto.Progress], None] | None,
+    stages: int | None,
+) -> Plan:
+    """A plan of a program whose repeated module is solved once (see
+    :func:`edatalog.solver.policy.solve_layers`), each solve checked in its own timeline."""
+
+    def checker_for(g: Graph, m: Topology) -> Callable[[PlanIR], _Checked]:
+        return _checker(g, m, reduction)
+
+    made: dict[int, Plan] = {}  # the composed plans checked, kept: synthesizing L layers takes a while
+
+    def fits(ir: PlanIR) -> bool:
+        made[id(ir)] = Plan(ir, graph, machine, reduction)
+        return not made[id(ir)].over_memory()
+
+    lay = policy.solve_layers(graph, machine, checker_for, fits, time_limit, seed, space, on_progress, stages)
+    plan = made.get(id(lay.plan)) or Plan(lay.plan, graph, machine, reduction)
+    plan.layered = lay
+    plan.solution = lay.layer
+    return plan
 
 
 class _Checked:

@@ -20,6 +20,7 @@ from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
 from edatalog.solver import auto, refine
 from edatalog.solver.blocks import guarded_dims
+from edatalog.solver.costs import least_bytes
 from edatalog.solver.plan import Plan
 from edatalog.solver.topology import Topology
 
@@ -274,3 +275,70 @@ def _refined(graph: Graph, plans: list[C], check: Checker[C], clock: _Clock) -> 
 
 def _join(*parts: str) -> str:
     return ", ".join(p for p in parts if p)
+
+
+LAYER_SHARE = 0.75  # of a layered solve's time, for the layer (the rest of the program is small)
+STAGES_TRIED = (1, 2, 4, 8)  # pipeline stages tried in turn until a plan fits, when none is asked
+
+
+@dataclasses.dataclass
+class Layered:
+    """A plan composed from one solved layer (see :mod:`edatalog.solver.layers`): the whole
+    graph's plan, the layer's solution and the rest's, and the stages."""
+
+    plan: Plan
+    layer: auto.Solution
+    outer: auto.Solution | None
+    stages: int
+    layer_ms: float  # the layer's predicted time, as solved alone
+    outer_ms: float
+    count: int
+
+
+def solve_layers(
+    graph: Graph,
+    machine: Topology,
+    checker_for: Callable[[Graph, Topology], Checker[C]],
+    fits: Callable[[Plan], bool],
+    time_limit: float,
+    seed: int = 0,
+    space: str = "join",
+    on_progress: Callable[[auto.Progress], None] | None = None,
+    stages: int | None = None,
+) -> Layered:
+    """A plan of ``graph``, whose repeated module is solved once: the layer (instance 0) on one
+    pipeline stage's devices, under its share of each device's memory (the devices of a stage
+    hold ``L / stages`` layers), and the rest of the program on every device; composed, every
+    instance takes the layer's plan.  With ``stages`` None, 1 stage, then more while the composed
+    plan does not fit (``fits``: the exact check of the whole)."""
+    from edatalog.solver import layers
+
+    rep = layers.repeated(graph)
+    assert rep is not None, "a graph with a repeated module"
+    start = time.monotonic()
+    limit = min(d.memory for d in machine.devices)
+    layer_g, outer_g = layers.layer_graph(graph, rep), layers.outer_graph(graph, rep)
+    outer_bytes = least_bytes(outer_g, machine.n)[0] if outer_g is not None else 0
+    tried = [stages] if stages is not None else [s for s in STAGES_TRIED if machine.n % s == 0 and s <= rep.count]
+    last: Layered | None = None
+    for k, s in enumerate(tried):
+        left = time_limit - (time.monotonic() - start)
+        share = left / (len(tried) - k) if stages is None and k < len(tried) - 1 else left
+        devices = layers.stage_devices(machine.n, s)[0]
+        per_layer = max(1, (limit - outer_bytes) * s // rep.count)
+        stage = machine.subset(devices).with_memory(per_layer)
+        layer_checked, layer_sol = solve(
+            layer_g, stage, checker_for(layer_g, stage), share * LAYER_SHARE, seed, space, on_progress
+        )
+        outer_plan, outer_sol, outer_ms = None, None, 0.0
+        if outer_g is not None:
+            outer_checked, outer_sol = solve(
+                outer_g, machine, checker_for(outer_g, machine), max(0.5, share * (1 - LAYER_SHARE)), seed, space
+            )
+            outer_plan, outer_ms = outer_checked.plan, outer_checked.seconds * 1e3
+        plan = layers.compose(graph, rep, layer_checked.plan, outer_plan, machine.n, machine.name, "auto", s)
+        last = Layered(plan, layer_sol, outer_sol, s, layer_checked.seconds * 1e3, outer_ms, rep.count)
+        if stages is not None or fits(plan):
+            return last
+    assert last is not None
+    return last

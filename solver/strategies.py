@@ -21,10 +21,10 @@ so the baselines move only activations.
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from edatalog.errors import EdlError, did_you_mean
-from edatalog.ir.graph import Graph
+from edatalog.ir.graph import Access, Graph
 from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.topology import Topology
@@ -213,17 +213,25 @@ def random_plan(graph: Graph, topology: Topology, seed: int) -> Plan:
 # -- placing inputs and params ----------------------------------------------------------------------
 
 
-def place_by_consumers(graph: Graph, tiles: Mapping[str, Tile], relation: str, n: int) -> Tile:
+def place_by_consumers(
+    graph: Graph,
+    tiles: Mapping[str, Tile],
+    relation: str,
+    n: int,
+    readers: Mapping[str, Sequence[tuple[str, Access]]] | None = None,
+) -> Tile:
     """Where an input or param should live so that no block has to fetch it: its axes are cut at
     every boundary of what the consumer blocks read, and each piece lives on every device whose
-    blocks read it (device 0 for what nobody reads)."""
+    blocks read it (device 0 for what nobody reads).  ``readers`` (:func:`readers_of`) saves a
+    walk over every rule per relation."""
     rel = graph.relation(relation)
     needs: list[tuple[Region, tuple[int, ...]]] = []
-    for node in graph.nodes:
-        for acc in node.inputs:
-            if acc.relation == relation:
-                for block in tiles[node.name].blocks():
-                    needs.append((Region.through(acc.axes, block.ranges), block.devices))
+    reading = readers[relation] if readers is not None and relation in readers else None
+    if reading is None:
+        reading = [(node.name, acc) for node in graph.nodes for acc in node.inputs if acc.relation == relation]
+    for name, acc in reading:
+        for block in tiles[name].blocks():
+            needs.append((Region.through(acc.axes, block.ranges), block.devices))
     cuts = []
     for k, extent in enumerate(rel.shape):
         bounds = {0, extent}
@@ -237,3 +245,12 @@ def place_by_consumers(graph: Graph, tiles: Mapping[str, Tile], relation: str, n
         holders = sorted({d for region, ds in needs if not region.intersect(piece).empty for d in ds})
         devices.append(tuple(holders) if holders else (0,))
     return Tile(tuple(cuts), tuple(devices))
+
+
+def readers_of(graph: Graph) -> dict[str, list[tuple[str, Access]]]:
+    """Per relation, the rules that read it and how (for :func:`place_by_consumers`)."""
+    out: dict[str, list[tuple[str, Access]]] = {}
+    for node in graph.nodes:
+        for acc in node.inputs:
+            out.setdefault(acc.relation, []).append((node.name, acc))
+    return out

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -132,6 +133,17 @@ class Topology:
             raise EdlError(f"memory per device must be positive, not {nbytes}")
         devices = tuple(dataclasses.replace(d, memory=nbytes) for d in self.devices)
         return dataclasses.replace(self, devices=devices)
+
+    def subset(self, devices: Sequence[int]) -> Topology:
+        """These devices alone (one pipeline stage's), numbered from 0 in this order."""
+        picked = tuple(dataclasses.replace(self.devices[d], index=k) for k, d in enumerate(devices))
+        nodes = {d.node for d in picked}
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}[{devices[0]}..{devices[-1]}]",
+            devices=picked,
+            inter=self.inter if len(nodes) > 1 else None,
+        )
 
     def link(self, a: int, b: int) -> Link:
         if self.devices[a].node == self.devices[b].node or self.inter is None:

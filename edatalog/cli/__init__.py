@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from edatalog import __version__
 from edatalog.backend.runtime import RUNTIMES
-from edatalog.cli import calibrate, plans, programs, show
+from edatalog.cli import calibrate, generate, plans, programs, show
 from edatalog.cli.common import command_began, positive_int, seed
 from edatalog.errors import EdlError
 from edatalog.ir.dtypes import FLOATS
@@ -157,6 +157,17 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="how partial results are combined (default: from the topology)",
     )
+    pl.add_argument(
+        "--stages",
+        type=positive_int,
+        metavar="K",
+        help="auto, a program with repeated layers: split them into K pipeline stages (default: the fewest that fit)",
+    )
+    pl.add_argument(
+        "--outputs",
+        metavar="NAMES",
+        help="plan the program with these outputs instead of its own, comma-separated (layers.kr: every layer's kr)",
+    )
     pl.add_argument("-o", "--output", metavar="PATH", help="save the plan (with its machine and program) to PATH")
     pl.add_argument("--trace", metavar="PATH", help="write the predicted timeline as Chrome trace JSON")
 
@@ -191,6 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("-o", "--output", metavar="PATH", required=True, help="the picture to write (.png, .svg or .pdf)")
 
     calibrate.add_parser(sub, _RAW)
+    generate.add_parser(sub, _RAW)
     return p
 
 
@@ -203,6 +215,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "explain": plans.cmd_explain,
     "show": show.cmd_show,
     "calibrate": calibrate.cmd_calibrate,
+    "generate": generate.cmd_generate,
 }
 
 

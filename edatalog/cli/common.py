@@ -88,8 +88,13 @@ def compile_args(args: argparse.Namespace) -> Any:
 
     with warnings.catch_warnings():  # the CLI prints warnings itself, as diagnostics
         warnings.simplefilter("ignore")
+        outputs = getattr(args, "outputs", None)
         return compile_program(
-            args.file, dims=overrides(args.dim, "dim"), consts=overrides(args.const, "const"), dtype=args.dtype
+            args.file,
+            dims=overrides(args.dim, "dim"),
+            consts=overrides(args.const, "const"),
+            dtype=args.dtype,
+            outputs=[n.strip() for n in outputs.split(",") if n.strip()] if outputs else None,
         )
 
 

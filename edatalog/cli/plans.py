@@ -113,6 +113,11 @@ def _check_plan_args(args: argparse.Namespace) -> None:
             f"--time-limit must be a positive number of seconds, not {args.time_limit:g}",
             help="give the solver time to search, e.g. --time-limit 10 (the default)",
         )
+    if args.stages is not None and args.strategy != "auto":
+        raise EdlError(
+            "--stages splits the layers the solver plans; it goes with --strategy auto",
+            help="drop --strategy, or --stages",
+        )
     if args.memory is not None and machines.quantity(args.memory, "B", "--memory") <= 0:
         raise EdlError(
             f"--memory must be positive: it is the memory of each device, not {args.memory!r}",
@@ -159,6 +164,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 time_limit=limit,
                 space=args.space,
                 on_progress=show,
+                stages=args.stages,
             )
     else:
         plan = make_plan(
