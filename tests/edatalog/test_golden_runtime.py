@@ -31,22 +31,22 @@ def _failure(path: Path, tmp: Path) -> str:
     first = text.splitlines()[0]
     prog = edatalog.compile_string(text, name=path.relative_to(ROOT).as_posix())
     kind, _, spec = first.removeprefix("#").partition(":")
-    with pytest.raises(edatalog.EdlError) as caught:
-        if kind.strip() == "inputs":
-            name, _, value = spec.partition("=")
-            values = prog.random_inputs(0)
-            values[name.strip()] = json.loads(value)
+    if kind.strip() == "inputs":
+        name, _, value = spec.partition("=")
+        values = prog.random_inputs(0)
+        values[name.strip()] = json.loads(value)
+        with pytest.raises(edatalog.EdlError) as caught:
             prog.run(values)
-        elif kind.strip() == "checkpoint":
-            tensors = {}
-            for item in spec.split(";"):
-                name, dtype, shape = item.split()
-                dims = [int(n) for n in shape.split(",")]
-                tensors[name] = torch.zeros(dims, dtype=TORCH_DTYPES[dtype])
-            save_file(tensors, str(tmp / "model.safetensors"))
+    elif kind.strip() == "checkpoint":
+        tensors = {}
+        for item in spec.split(";"):
+            name, dtype, shape = item.split()
+            tensors[name] = torch.zeros([int(n) for n in shape.split(",")], dtype=TORCH_DTYPES[dtype])
+        save_file(tensors, str(tmp / "model.safetensors"))
+        with pytest.raises(edatalog.EdlError) as caught:
             prog.load_checkpoint(tmp)
-        else:
-            raise AssertionError(f"{path.name}: the first line says what to do ('# inputs:' or '# checkpoint:')")
+    else:
+        raise AssertionError(f"{path.name}: the first line says what to do ('# inputs:' or '# checkpoint:')")
     return str(caught.value).replace(str(tmp), "<checkpoint>")
 
 
