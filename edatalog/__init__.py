@@ -8,7 +8,7 @@ print(prog.graph)
 
 from edatalog.api import Program, compile, compile_string, executable
 from edatalog.errors import Diagnostic, EdlError, EdlWarning
-from edatalog.generate import Generation, generate
+from edatalog.generation import Generation, generate
 from edatalog.plans import Plan, load_plan
 from edatalog.plans import make_plan as plan
 from edatalog.solver.topology import Topology

@@ -63,7 +63,7 @@ def _ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from edatalog.generate import generate
+    from edatalog.generation import generate
 
     if args.nproc is not None and args.nproc < 1:
         raise EdlError(f"--nproc must be at least 1, not {args.nproc}")

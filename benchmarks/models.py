@@ -1,0 +1,125 @@
+"""Whole models: planning time against one block's, and generation against transformers.
+
+Two parts, each printed as a table:
+
+1. Planning (predicted times; wall time measured): ``programs/llama_block.edl`` alone, then
+   ``programs/llama.edl`` with all its layers, both LLaMA-7B at S = 2048 in bf16 on ``a100x8``.
+   The model's repeated layers are solved once; the table gives both plan calls' wall time,
+   their ratio, and the model's predicted time beside one layer's times L.
+2. Generation (measured on this machine's CPU): greedy decoding of --new tokens after a prompt,
+   a small random LLaMA saved by transformers, edatalog (torch runtime, one process) against
+   ``LlamaForCausalLM.generate``, in one run: tokens per second of each and the ratio; the
+   token ids must agree.
+
+    .venv/bin/python benchmarks/models.py                 # both parts
+    .venv/bin/python benchmarks/models.py --part plan --time-limit 10
+    .venv/bin/python benchmarks/models.py --part generate --new 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import edatalog
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK, MODEL = ROOT / "programs" / "llama_block.edl", ROOT / "programs" / "llama.edl"
+GPU_MEMORY = 80e9
+LAYERS_7B = 32
+
+
+def plan_part(time_limit: float, layers: int) -> list[list[str]]:
+    dims = {"S": 2048}
+    block = edatalog.compile(BLOCK, dims=dims, dtype="bf16")
+    start = time.monotonic()
+    b = edatalog.plan(block, topology="a100x8", memory=int(GPU_MEMORY * 0.9 / LAYERS_7B), time_limit=time_limit)
+    block_s = time.monotonic() - start
+    model = edatalog.compile(MODEL, dims={**dims, "L": layers}, dtype="bf16")
+    start = time.monotonic()
+    m = edatalog.plan(model, topology="a100x8", memory=int(GPU_MEMORY * 0.9), time_limit=time_limit)
+    planned = time.monotonic() - start
+    m_ms = m.report.seconds * 1e3  # the whole model's timeline (its programs synthesized)
+    checked = time.monotonic() - start
+    lay = m.layered
+    assert lay is not None
+    return [
+        ["llama_block.edl (7B, S=2048)", str(len(block.graph.nodes)), f"{block_s:.1f}", "", f"{b.report.seconds * 1e3:.3f}", "", ""],
+        [
+            f"llama.edl (7B, S=2048, L={layers})",
+            str(len(model.graph.nodes)),
+            f"{planned:.1f}",
+            f"{planned / block_s:.2f}",
+            f"{m_ms:.3f}",
+            f"{lay.layer_ms:.3f} x {layers} = {lay.layer_ms * layers:.3f}",
+            f"{lay.stages} (report {checked - planned:.1f}s)",
+        ],
+    ]
+
+
+def generate_part(new: int) -> list[list[str]]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    settings: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 256,
+    }
+    model: Any = cast(Any, LlamaForCausalLM)(LlamaConfig(**settings)).eval()
+    prompt = list(range(1, 33))
+    with tempfile.TemporaryDirectory() as where:
+        model.save_pretrained(where)
+        edatalog.generate(MODEL, where, prompt, 2)  # warm up: first calls prepare kernels
+        gen = edatalog.generate(MODEL, where, prompt, new)
+        with torch.no_grad():
+            model.generate(torch.tensor([prompt]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+            start = time.perf_counter()
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            hf_s = time.perf_counter() - start
+    hf_ids = ids[0, len(prompt) :].tolist()
+    hf_tps = new / hf_s
+    same = "yes" if hf_ids == gen.ids else "NO"
+    return [
+        ["transformers generate", f"{hf_tps:.1f}", "1.00", ""],
+        ["edatalog generate (torch)", f"{gen.tokens_per_second:.1f}", f"{gen.tokens_per_second / hf_tps:.2f}", same],
+    ]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--part", choices=("all", "plan", "generate"), default="all")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds per plan call (default 10)")
+    p.add_argument("--layers", type=int, default=LAYERS_7B, help="layers of the planned model (default 32)")
+    p.add_argument("--new", type=int, default=32, help="tokens to generate (default 32)")
+    args = p.parse_args(argv)
+    if args.part in ("all", "plan"):
+        rows = plan_part(args.time_limit, args.layers)
+        print("planning: wall time measured, milliseconds predicted (a100x8, bf16)")
+        print(_table(["program", "rules", "plan s", "/block", "pred ms", "one layer x L (pred ms)", "stages"], rows))
+        print()
+    if args.part in ("all", "generate"):
+        rows = generate_part(args.new)
+        print(f"generation: {args.new} new tokens after 32, measured on this machine (CPU, f32)")
+        print(_table(["", "tokens/s", "/transformers", "same ids"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
