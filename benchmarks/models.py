@@ -48,7 +48,15 @@ def plan_part(time_limit: float, layers: int) -> list[list[str]]:
     lay = m.layered
     assert lay is not None
     return [
-        ["llama_block.edl (7B, S=2048)", str(len(block.graph.nodes)), f"{block_s:.1f}", "", f"{b.report.seconds * 1e3:.3f}", "", ""],
+        [
+            "llama_block.edl (7B, S=2048)",
+            str(len(block.graph.nodes)),
+            f"{block_s:.1f}",
+            "",
+            f"{b.report.seconds * 1e3:.3f}",
+            "",
+            "",
+        ],
         [
             f"llama.edl (7B, S=2048, L={layers})",
             str(len(model.graph.nodes)),
