@@ -188,6 +188,9 @@ def _recording_reads() -> Iterator[list[tuple[str, Ranges | None]]]:
         def get_shape(self) -> list[int]:
             return list(self.inner.get_shape())
 
+        def get_dtype(self) -> str:
+            return str(self.inner.get_dtype())
+
         def __getitem__(self, key: Any) -> Any:
             keys = key if isinstance(key, tuple) else (key,)
             shape = self.get_shape()
