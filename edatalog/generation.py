@@ -181,14 +181,14 @@ class Programs:
 
 
 def programs(req: Request) -> Programs:
-    import edatalog
+    from edatalog.api import compile as compile_program
     from edatalog.checkpoint import configured
     from edatalog.lang.parser import parse_file
 
     s, t = len(req.prompt), len(req.prompt) + req.max_new
     dims_p, consts_p = configured(parse_file(req.program), req.weights)
     dims_d, consts_d = configured(parse_file(req.decode), req.weights)
-    decode = edatalog.compile(
+    decode = compile_program(
         req.decode,
         dims={**dims_d, **req.dims, "B": 1, "T": t},
         consts={**consts_d, **req.consts},
@@ -210,9 +210,9 @@ def prefill_program(
 ) -> Any:
     """The model program with its logits and caches as outputs: what a generation's prefill
     runs (``edl plan --outputs`` makes a plan for it)."""
-    import edatalog
+    from edatalog.api import compile as compile_program
 
-    return edatalog.compile(path, dims=dims, consts=consts, dtype=dtype, outputs=outputs)
+    return compile_program(path, dims=dims, consts=consts, dtype=dtype, outputs=outputs)
 
 
 def _cache_names(decode: Any) -> list[tuple[str, str]]:
@@ -251,11 +251,11 @@ def _caches(decode: Any) -> tuple[tuple[str, str, str], ...]:
 
 
 def _generate(req: Request, device: Any = None) -> Generation:
-    import edatalog
+    from edatalog.plans import load_plan
 
     progs = programs(req)
-    prefill_plan = edatalog.load_plan(req.prefill_plan, progs.prefill) if req.prefill_plan else None
-    decode_plan = edatalog.load_plan(req.decode_plan, progs.decode) if req.decode_plan else None
+    prefill_plan = load_plan(req.prefill_plan, progs.prefill) if req.prefill_plan else None
+    decode_plan = load_plan(req.decode_plan, progs.decode) if req.decode_plan else None
     if req.backend == "reference" and prefill_plan is not None:
         raise EdlError("plans run on the torch backend", help="use --backend torch with --plan")
     backend = req.backend if prefill_plan is None else "torch"
@@ -308,14 +308,14 @@ def _numpy(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 def _planned(req: Request, nproc: int, topology: str, time_limit: float, tmp: Path) -> Request:
     """``req`` with both programs planned for ``nproc`` devices, unless it has plans."""
-    import edatalog
+    from edatalog.plans import make_plan
 
     if req.prefill_plan is not None:
         return req
     progs = programs(req)
     paths = []
     for name, prog in (("prefill", progs.prefill), ("decode", progs.decode)):
-        plan = edatalog.plan(prog, topology=topology, time_limit=time_limit)
+        plan = make_plan(prog, topology=topology, time_limit=time_limit)
         if plan.ir.n_devices != nproc:
             raise EdlError(f"the topology {topology} has {plan.ir.n_devices} devices, not {nproc}")
         path = tmp / f"{name}.plan.json"
