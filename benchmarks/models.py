@@ -110,13 +110,17 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--part", choices=("all", "plan", "generate"), default="all")
     p.add_argument("--time-limit", type=float, default=10.0, help="seconds per plan call (default 10)")
     p.add_argument("--layers", type=int, default=LAYERS_7B, help="layers of the planned model (default 32)")
     p.add_argument("--new", type=int, default=32, help="tokens to generate (default 32)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.part in ("all", "plan"):
         rows = plan_part(args.time_limit, args.layers)
         print("planning: wall time measured, milliseconds predicted (a100x8, bf16)")
