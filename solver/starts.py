@@ -42,7 +42,7 @@ def simple(graph: Graph, model: Model, hand: list[Start]) -> list[Start]:
     """A greedy pass, one dim split everywhere, and ``hand`` (the baselines' picks)."""
     dims = [dim for dim, _ in graph.dims]
     along = [(f"{dim} split everywhere", c) for dim, c in zip(dims, _along_each_dim(graph, model), strict=True)]
-    return [("greedy", greedy(graph, model)), *along, *hand]
+    return [("greedy", _greedy(graph, model)), *along, *hand]
 
 
 def two_level(
@@ -150,9 +150,8 @@ def _along_each_dim(graph: Graph, model: Model) -> list[dict[str, int]]:
     return out
 
 
-def greedy(graph: Graph, model: Model, allowed: Mapping[str, set[int]] | None = None) -> dict[str, int]:
-    """Each node in order takes the candidate cheapest given what came before it (among
-    ``allowed[node]`` when given: the mesh-style picks, say)."""
+def _greedy(graph: Graph, model: Model) -> dict[str, int]:
+    """Each node in order takes the candidate cheapest given what came before it."""
     choice: dict[str, int] = {}
     costs = model.costs
     for node in graph.nodes:
@@ -168,6 +167,5 @@ def greedy(graph: Graph, model: Model, allowed: Mapping[str, set[int]] | None = 
 
         together = model.tied.get(node.out, False)
         tied = next((choice[p.name] for p in graph.producers(node.out) if p.name in choice), None) if together else None
-        picks = sorted(allowed[node.name]) if allowed is not None else range(len(model.options[node.name]))
-        choice[node.name] = tied if tied is not None else min(picks, key=price)
+        choice[node.name] = tied if tied is not None else min(range(len(model.options[node.name])), key=price)
     return choice
