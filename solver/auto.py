@@ -38,8 +38,8 @@ from edatalog.ir.printer import human
 from edatalog.solver import starts
 from edatalog.solver.blocks import Box, Layout, candidates, dim_order
 from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
-from edatalog.solver.plan import NodePlan, Placement, Plan, Tile
-from edatalog.solver.strategies import place_by_consumers
+from edatalog.solver.plan import Plan, Tile
+from edatalog.solver.strategies import plan_of
 from edatalog.solver.topology import Topology
 
 SPACES = ("join", "mesh")
@@ -774,17 +774,6 @@ class Neighbours:
 
 
 def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:
-    tiles: dict[str, Tile] = {name: options[name][i].layout.tile for name, i in choice.items()}
-    nodes = tuple(
-        NodePlan(node.name, tiles[node.name], options[node.name][choice[node.name]].cand.reduce_axis)
-        for node in graph.nodes
-    )
-    inputs = tuple(
-        Placement(r.name, place_by_consumers(graph, tiles, r.name, topo.n))
-        for r in graph.relations
-        if r.kind != "derived"
-    )
-    every = tuple(range(topo.n))
-    outputs = tuple(Placement(o, Tile.whole(graph.relation(o).box, every)) for o in graph.outputs)
-    strategy = "auto" if space == "join" else "mesh"
-    return Plan(graph.fingerprint(), topo.n, topo.name, strategy, nodes, inputs, outputs)
+    tiles = {name: options[name][i].layout.tile for name, i in choice.items()}
+    axes = {name: options[name][i].cand.reduce_axis for name, i in choice.items()}
+    return plan_of(graph, topo, "auto" if space == "join" else "mesh", tiles, reduce_axes=axes)

@@ -21,12 +21,13 @@ about ``L`` times the layer's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph, Repeat
-from edatalog.solver.plan import NodePlan, Placement, Plan, Tile
-from edatalog.solver.strategies import place_by_consumers, readers_of
+from edatalog.solver.plan import Plan, Tile
+from edatalog.solver.strategies import plan_of
+from edatalog.solver.topology import Topology
 
 
 def repeated(graph: Graph) -> Repeat | None:
@@ -90,49 +91,22 @@ def _moved(tile: Tile, devices: Sequence[int]) -> Tile:
     return dataclasses.replace(tile, devices=tuple(tuple(devices[d] for d in ds) for ds in tile.devices))
 
 
-def compose(
-    graph: Graph,
-    rep: Repeat,
-    layer: Plan,
-    outer: Plan | None,
-    n: int,
-    topology: str,
-    strategy: str,
-    stages: int = 1,
-) -> Plan:
-    """The plan of the whole graph: every instance of ``rep`` tiled as ``layer`` (a plan of
-    :func:`layer_graph` on one stage's devices), on its stage's devices; the other rules as
-    ``outer`` (a plan of :func:`outer_graph` on all ``n``); inputs and params placed where
-    their readers are; outputs gathered onto every device."""
-    groups = stage_devices(n, stages)
+def compose(graph: Graph, rep: Repeat, layer: Plan, outer: Plan | None, machine: Topology, stages: int = 1) -> Plan:
+    """The plan of the whole graph on ``machine``: every instance of ``rep`` tiled as ``layer``
+    (a plan of :func:`layer_graph` on one stage's devices), on its stage's devices; the other
+    rules as ``outer`` (a plan of :func:`outer_graph` on every device); inputs and params placed
+    where their readers are; outputs gathered onto every device."""
+    groups = stage_devices(machine.n, stages)
     local = {p.node.split(".", 2)[2]: p for p in layer.nodes}  # layers.0.q -> q
-    tiles: dict[str, NodePlan] = {}
+    tiles: dict[str, Tile] = {}
+    axes: dict[str, int | None] = {}
     for k in range(rep.count):
         devices = groups[stage_of(k, rep.count, stages)]
         for name in rep.nodes:
-            p = local[name]
-            tiles[rep.node(k, name)] = NodePlan(rep.node(k, name), _moved(p.tile, devices), p.reduce_axis)
-    if outer is not None:
-        for p in outer.nodes:
-            tiles[p.node] = p
+            tiles[rep.node(k, name)] = _moved(local[name].tile, devices)
+            axes[rep.node(k, name)] = local[name].reduce_axis
+    for p in outer.nodes if outer is not None else ():
+        tiles[p.node], axes[p.node] = p.tile, p.reduce_axis
     missing = [node.name for node in graph.nodes if node.name not in tiles]
     assert not missing, f"no tile for {missing[:3]}"
-    nodes = tuple(tiles[node.name] for node in graph.nodes)
-    return finish(graph, nodes, n, topology, strategy)
-
-
-def finish(graph: Graph, nodes: tuple[NodePlan, ...], n: int, topology: str, strategy: str) -> Plan:
-    """A plan of these node tiles, its inputs and params placed where their readers are and its
-    outputs gathered onto every device."""
-    by_node: Mapping[str, Tile] = {p.node: p.tile for p in nodes}
-    readers = readers_of(graph)
-    inputs = tuple(
-        Placement(r.name, place_by_consumers(graph, by_node, r.name, n, readers))
-        for r in graph.relations
-        if r.kind != "derived"
-    )
-    every = tuple(range(n))
-    outputs = tuple(Placement(o, Tile.whole(graph.relation(o).box, every)) for o in graph.outputs)
-    plan = Plan(graph.fingerprint(), n, topology, strategy, nodes, inputs, outputs)
-    plan.verify(graph)
-    return plan
+    return plan_of(graph, machine, "auto", tiles, reduce_axes=axes)

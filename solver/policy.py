@@ -336,7 +336,7 @@ def solve_layers(
                 outer_g, machine, checker_for(outer_g, machine), max(0.5, share * (1 - LAYER_SHARE)), seed, space
             )
             outer_plan, outer_ms = outer_checked.plan, outer_checked.seconds * 1e3
-        plan = layers.compose(graph, rep, layer_checked.plan, outer_plan, machine.n, machine.name, "auto", s)
+        plan = layers.compose(graph, rep, layer_checked.plan, outer_plan, machine, s)
         last = Layered(plan, layer_sol, outer_sol, s, layer_checked.seconds * 1e3, outer_ms, rep.count)
         if stages is not None or fits(plan):
             return last

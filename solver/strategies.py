@@ -36,14 +36,14 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
     n = topology.n
     if strategy == "replicate":
         tiles = {node.name: Tile.whole(node.box, [0]) for node in graph.nodes}
-        return _finish(graph, topology, strategy, tiles, outputs=False)
+        return plan_of(graph, topology, strategy, tiles, outputs=False)
     if strategy == "data":
-        return _finish(graph, topology, strategy, _data_tiles(graph, n), outputs=False)
+        return plan_of(graph, topology, strategy, _data_tiles(graph, n), outputs=False)
     if strategy == "megatron":
-        return _finish(graph, topology, strategy, megatron_tiles(graph, n), outputs=True)
+        return plan_of(graph, topology, strategy, megatron_tiles(graph, n), outputs=True)
     if strategy == "megatron-sp":
         tiles, reduce_axes = sequence_parallel(graph, megatron_tiles(graph, n), n)
-        return _finish(graph, topology, strategy, tiles, outputs=False, reduce_axes=reduce_axes)
+        return plan_of(graph, topology, strategy, tiles, outputs=False, reduce_axes=reduce_axes)
     if strategy == "random":
         return random_plan(graph, topology, seed)
     close = did_you_mean(strategy, STRATEGIES)
@@ -51,18 +51,21 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
     raise EdlError(f"unknown strategy '{strategy}'", help=f"{close} {known}" if close else known)
 
 
-def _finish(
+def plan_of(
     graph: Graph,
     topology: Topology,
     strategy: str,
     tiles: Mapping[str, Tile],
-    outputs: bool,
-    reduce_axes: Mapping[str, int] | None = None,
+    outputs: bool = True,
+    reduce_axes: Mapping[str, int | None] | None = None,
 ) -> Plan:
+    """The plan of these node tiles: inputs and params placed where their readers are
+    (:func:`place_by_consumers`), and with ``outputs``, the outputs gathered onto every device."""
     axes = reduce_axes or {}
     nodes = tuple(NodePlan(node.name, tiles[node.name], axes.get(node.name)) for node in graph.nodes)
+    readers = readers_of(graph)
     inputs = tuple(
-        Placement(r.name, place_by_consumers(graph, tiles, r.name, topology.n))
+        Placement(r.name, place_by_consumers(graph, tiles, r.name, topology.n, readers))
         for r in graph.relations
         if r.kind != "derived"
     )
