@@ -258,10 +258,9 @@ def _generate(req: Request, device: Any = None) -> Generation:
     decode_plan = load_plan(req.decode_plan, progs.decode) if req.decode_plan else None
     if req.backend == "reference" and prefill_plan is not None:
         raise EdlError("plans run on the torch backend", help="use --backend torch with --plan")
-    backend = req.backend if prefill_plan is None else "torch"
     where = device if device is not None else req.device
-    prefill = progs.prefill.executable(prefill_plan, backend=backend, device=where)
-    step = progs.decode.executable(decode_plan, backend=backend, device=where)
+    prefill = progs.prefill.executable(prefill_plan, backend=req.backend, device=where)
+    step = progs.decode.executable(decode_plan, backend=req.backend, device=where)
     prefill.load(req.weights)
     step.load(req.weights)
     return decode_loop(req, progs, lambda v: _numpy(prefill(v)), lambda v: _numpy(step(v)))
