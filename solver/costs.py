@@ -19,7 +19,7 @@ from functools import cached_property
 import numpy as np
 
 from edatalog.ir import dtypes
-from edatalog.ir.attention import attention_chains
+from edatalog.ir.attention import attention_chains, key_index
 from edatalog.ir.cost import GemmRoles, flops_per_point, gemm_roles, gemm_shape
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
@@ -88,10 +88,12 @@ class Costs:
         # probabilities, sums), which never leave the fused kernel, and the chain's first rule.
         self._fused: dict[str, frozenset[str]] = {}
         self._first: dict[str, str] = {}
+        self._key: dict[str, str] = {}  # per rule of a chain: its key index
         for chain in attention_chains(graph):
             inner = frozenset(graph.node(n).out for n in chain.nodes[:-1])
             for name in chain.nodes:
                 self._fused[name], self._first[name] = inner, chain.scores
+                self._key[name] = key_index(graph, chain, name)
         self._tiles: dict[tuple[object, ...], int] = {}
 
     def itemsize(self, relation: str) -> int:
@@ -112,7 +114,14 @@ class Costs:
         if node.name not in self._roles:
             self._roles[node.name] = gemm_roles(node)
         roles = self._roles[node.name]
-        fused = self._fused.get(node.name)  # a rule of an attention chain: part of one flash kernel
+        # A rule of an attention chain is part of one flash kernel, unless the candidate splits
+        # its key index (the backend fuses only blocks that hold every key of their queries).
+        fused = self._fused.get(node.name)
+        if fused is not None:
+            k = [i.name for i in node.indices].index(self._key[node.name])
+            cand = layout.cand
+            if cand.parts[k] > 1 or (cand.chunk > 1 and k in cand.chunked):  # the keys cut: no flash kernel
+                fused = None
         gathered = [bool(node.looked_up & set(acc.indices)) for acc in accesses]
         for b in blocks:
             out, size = self._reach(node.out_axes, b.ranges)

@@ -151,7 +151,9 @@ def _along_each_dim(graph: Graph, model: Model) -> list[dict[str, int]]:
 
 
 def _greedy(graph: Graph, model: Model) -> dict[str, int]:
-    """Each node in order takes the candidate cheapest given what came before it."""
+    """Each node in order takes the candidate cheapest given what came before it; of equally
+    cheap ones (small rules all cost the kernel floor) the one with the fewest copies of each
+    block: replicated work is never cheaper, only sometimes no dearer."""
     choice: dict[str, int] = {}
     costs = model.costs
     for node in graph.nodes:
@@ -167,5 +169,12 @@ def _greedy(graph: Graph, model: Model) -> dict[str, int]:
 
         together = model.tied.get(node.out, False)
         tied = next((choice[p.name] for p in graph.producers(node.out) if p.name in choice), None) if together else None
-        choice[node.name] = tied if tied is not None else min(range(len(model.options[node.name])), key=price)
+        if tied is None:
+            opts = model.options[node.name]
+
+            def rank(k: int, opts: Sequence[Option] = opts) -> tuple[float, int]:
+                return price(k), opts[k].cand.replicas
+
+            tied = min(range(len(opts)), key=rank)
+        choice[node.name] = tied
     return choice

@@ -231,3 +231,15 @@ def _lined_up(sc: JoinAgg, q_pos: int, k_pos: int, o: JoinAgg, p_pos: int, v_pos
     p_idx = _plain(o.inputs[p_pos]) or []
     v_idx = _plain(o.inputs[v_pos]) or []
     return bool(p_idx) and p_idx[-1] == t and t in v_idx and p_idx[-2] not in v_idx
+
+
+def key_index(graph: Graph, chain: Chain, rule: str) -> str:
+    """The key index (``t``) of one rule of ``chain``, as that rule names it: the last head
+    index of the scores and the probabilities, the index the maxima, the sums and the output
+    sum over.  A block that splits it cannot be one flash kernel."""
+    node = graph.node(rule)
+    if rule in (chain.scores, chain.probs):
+        last = node.out_axes[-1].parts[0].index
+        assert last is not None
+        return last
+    return node.agg_indices[0]
