@@ -710,9 +710,10 @@ class _Run:
 class Neighbours:
     """Plans next to a plan, for a search in the exact timeline (the caller's: the solver never
     runs it): the estimate adds up what the timeline overlaps, so the plan it ranks first is not
-    always the fastest there, while its ranking of a plan's close variants is good.  Given a
-    plan and a neighbourhood of nodes, :meth:`propose` asks Z3 for the plan that differs from
-    it only there, in at least one node, and that the estimate puts within ``slack`` of it."""
+    always the fastest there, while its ranking of a plan's close variants is good.  Two kinds
+    of neighbour: :meth:`moves`, every plan one pick away, ranked by the estimate; and
+    :meth:`propose`, Z3's best plan that differs from a plan only in one neighbourhood of
+    nodes, within ``slack`` of it by the estimate."""
 
     def __init__(
         self, graph: Graph, topo: Topology, model: Model, options: dict[str, list[Option]], space: str, seed: int
@@ -741,36 +742,92 @@ class Neighbours:
                     spent[node.name] += sum(w for need_lit, w in m.pairs.get(h, []) if need_lit == lit)
         return sorted(m.neighbourhoods(), key=lambda hood: -sum(spent[n] for n in hood))
 
+    def moves(self, choice: dict[str, int], slack: float) -> list[dict[str, int]]:
+        """Every plan that differs from ``choice`` in one node's pick (and the picks tied to it),
+        that the estimate puts at most ``slack`` times ``choice``'s and within the memory limit
+        (by the estimate, with :data:`MEMORY_SLACK`: the timeline's check is exact), the
+        cheapest by the estimate first.  No Z3: the estimate of a choice is a sum over its
+        picks.  These are the search's cheapest moves in the timeline; a pick the estimate
+        rates the same (where a rotary table is computed, how a norm is replicated) can still
+        change what the timeline overlaps."""
+        m = self.model
+        cap = m.cost(choice) * slack
+        memory = m.memory_limit * MEMORY_SLACK
+        ranked: list[tuple[int, int, dict[str, int]]] = []
+        for group in self._groups():
+            for i in range(len(m.options[group[0]])):
+                if i == choice[group[0]]:
+                    continue
+                new = dict(choice)
+                new.update(dict.fromkeys(group, i))
+                cost = m.cost(new)
+                if cost <= cap and m.memory(new) <= memory:
+                    ranked.append((cost, len(ranked), new))
+        ranked.sort(key=lambda t: (t[0], t[1]))
+        return [new for *_, new in ranked]
+
+    def _groups(self) -> list[tuple[str, ...]]:
+        """The nodes whose picks move together: the producers of one relation that the model
+        ties (:meth:`Model._tie_producers`), else each node alone."""
+        tied: dict[str, tuple[str, ...]] = {}
+        for rel, same in self.model.tied.items():
+            if same:
+                names = tuple(p.name for p in self.graph.producers(rel))
+                tied.update(dict.fromkeys(names, names))
+        groups = [tied.get(name, (name,)) for name in self.model.x]
+        return [g for k, g in enumerate(groups) if g not in groups[:k]]
+
     def plan(self, choice: dict[str, int]) -> Plan:
         return _plan(self.graph, self.topo, self.options, choice, self.space)
 
     def propose(self, choice: dict[str, int], hood: set[str], slack: float, seconds: float) -> dict[str, int] | None:
-        """A plan that differs from ``choice`` in ``hood`` only, and there in at least one node,
-        that fits and that the estimate puts at most ``slack`` times ``choice``'s; None when
-        there is none or Z3 finds none in ``seconds``."""
+        """The plan the estimate puts fastest among those that differ from ``choice`` in ``hood``
+        only, and there in at least one node, that fit, that the estimate puts at most ``slack``
+        times ``choice``'s, and that were never proposed before (the caller checks each once);
+        None when there is none or Z3 finds none in ``seconds``.  Z3 is asked again under a
+        tighter bound while time is left: the first plan it finds is an arbitrary one, the
+        estimate's best in a neighbourhood its closest rival there."""
+        until = time.monotonic() + seconds
+        s = self._ensure()
+        x = self.model.x
+        weights, lits = self.model.objective
+        differ = " ".join(f"(not {x[n][choice[n]]})" for n in sorted(hood))
+        fixed = [self._xs[n][i] for n, i in choice.items() if n not in hood]
+        cap = int(self.model.cost(choice) * slack)
+        best: dict[str, int] | None = None
+        s.push()
+        try:
+            s.from_string(f"(assert (or {differ}))")
+            while (left := until - time.monotonic()) > 0:
+                s.push()
+                s.from_string(f"(assert ((_ pble {cap} {weights}) {lits}))")
+                s.set("timeout", max(1, int(left * 1000)))
+                found = s.check(*fixed) == z3.sat
+                if found:
+                    m = s.model()
+                    best = {
+                        name: next(i for i, v in enumerate(vs) if z3.is_true(m.eval(v, model_completion=True)))
+                        for name, vs in self._xs.items()
+                    }
+                s.pop()
+                if not found:
+                    break
+                assert best is not None
+                cap = self.model.cost(best) - 1
+        finally:
+            s.pop()
+        if best is not None:  # never proposed again
+            s.from_string(f"(assert (not (and {' '.join(x[n][i] for n, i in sorted(best.items()))})))")
+        return best
+
+    def _ensure(self) -> z3.Solver:
         if self._solver is None:
             ctx = z3.Context()
             self._solver = z3.Solver(ctx=ctx)
             self._solver.set("random_seed", self.seed)
             self._solver.from_string(self.model.decls + "".join(f"(assert {a})" for a in self.model.asserts))
             self._xs = {name: [z3.Bool(v, ctx) for v in lits] for name, lits in self.model.x.items()}
-        s, x = self._solver, self.model.x
-        weights, lits = self.model.objective
-        differ = " ".join(f"(not {x[n][choice[n]]})" for n in sorted(hood))
-        cap = int(self.model.cost(choice) * slack)
-        s.push()
-        try:
-            s.from_string(f"(assert (or {differ}))(assert ((_ pble {cap} {weights}) {lits}))")
-            s.set("timeout", max(1, int(seconds * 1000)))
-            if s.check(*(self._xs[n][i] for n, i in choice.items() if n not in hood)) != z3.sat:
-                return None
-            m = s.model()
-            return {
-                name: next(i for i, v in enumerate(vs) if z3.is_true(m.eval(v, model_completion=True)))
-                for name, vs in self._xs.items()
-            }
-        finally:
-            s.pop()
+        return self._solver
 
 
 def _plan(graph: Graph, topo: Topology, options: dict[str, list[Option]], choice: dict[str, int], space: str) -> Plan:

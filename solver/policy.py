@@ -182,12 +182,15 @@ def solve(
 
 
 def _in_timeline(best: C, checked: list[C], solution: auto.Solution, check: Checker[C], clock: _Clock) -> C:
-    """``best`` improved by a search in the timeline: large-neighbourhood search whose moves
-    Z3 proposes (:class:`edatalog.solver.auto.Neighbours`: the plan that differs from the best
-    in one neighbourhood, which the estimate puts within :data:`SLACK` of it) and the timeline
-    judges, kept when faster and within memory, for :data:`TIMELINE_SHARE` of the time left;
-    until every neighbourhood in a row has nothing faster.  Starts from the fastest checked
-    plan that is picks of the solver's (not a baseline as built)."""
+    """``best`` improved by a search in the timeline, for :data:`TIMELINE_SHARE` of the time
+    left: first-improvement local search whose moves the solver's model supplies
+    (:class:`edatalog.solver.auto.Neighbours`) and the timeline judges, a move kept when faster
+    and within memory.  First the one-pick moves, cheapest by the estimate first (no Z3, one
+    check each: the moves the estimate rates alike are where the timeline, which overlaps what
+    the estimate adds up, tells plans apart); once they are spent, the plan Z3 proposes for
+    each neighbourhood in turn (the estimate's best there within :data:`SLACK`), until every
+    neighbourhood in a row has nothing faster.  Starts from the fastest checked plan that is
+    picks of the solver's (not a baseline as built)."""
     neighbours = solution.neighbours
     assert neighbours is not None
     ranked = sorted((c for c in checked if c.fits), key=lambda c: c.seconds)
@@ -197,14 +200,20 @@ def _in_timeline(best: C, checked: list[C], solution: auto.Solution, check: Chec
     current, picks = checked[at], solution.picks[at]
     assert picks is not None
     hoods = neighbours.hoods(picks)
+    queue = neighbours.moves(picks, SLACK)
     until = time.monotonic() + TIMELINE_SHARE * clock.left()
     seen = {tuple(sorted(picks.items()))}
     moves, quiet, k = 0, 0, 0
-    while quiet < len(hoods) and (left := until - time.monotonic()) > 0:
-        hood = hoods[k % len(hoods)]
-        k += 1
-        quiet += 1
-        choice = neighbours.propose(picks, hood, SLACK, min(left, PROPOSE_SECONDS))
+    while (left := until - time.monotonic()) > 0:
+        if queue:
+            choice: dict[str, int] | None = queue.pop(0)
+        elif quiet < len(hoods):
+            hood = hoods[k % len(hoods)]
+            k += 1
+            quiet += 1
+            choice = neighbours.propose(picks, hood, SLACK, min(left, PROPOSE_SECONDS))
+        else:
+            break
         if choice is None or (key := tuple(sorted(choice.items()))) in seen:
             continue
         seen.add(key)
@@ -213,6 +222,7 @@ def _in_timeline(best: C, checked: list[C], solution: auto.Solution, check: Chec
             break
         if c.fits and c.seconds < current.seconds * (1 - IMPROVE):
             current, picks, quiet = c, choice, 0
+            queue = neighbours.moves(picks, SLACK)
             moves += 1
     if moves and current.seconds < best.seconds:
         solution.origin = f"search: {moves} move{'s' * (moves > 1)} in the timeline from {solution.origins[at]}"

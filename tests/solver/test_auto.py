@@ -493,3 +493,49 @@ def test_a_neighbour_differs_only_in_its_neighbourhood_and_stays_within_the_slac
         assert neighbours.model.cost(other) <= 1.5 * neighbours.model.cost(choice)
         _assert_runs_exactly(prog, edatalog.Plan(neighbours.plan(other), prog.graph, preset("a100x4")))
     assert proposed
+
+
+def test_a_one_pick_move_changes_one_node_and_the_nodes_tied_to_it() -> None:
+    """The cheapest moves of the search in the timeline: each changes one node's pick (with the
+    producers tied to it, which must pick alike: the rotary halves), fits by the estimate, stays
+    within the slack, and they come cheapest by the estimate first; they run the reference
+    exactly."""
+    prog = _llama(SMALL)
+    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2)
+    neighbours = solution.neighbours
+    assert neighbours is not None and solution.picks[0] is not None
+    choice, model = solution.picks[0], neighbours.model
+    tied = [tuple(p.name for p in prog.graph.producers(rel)) for rel, same in model.tied.items() if same]
+    assert tied, "the rotary halves are tied"
+    moves = neighbours.moves(choice, 1.3)
+    assert moves
+    costs = [model.cost(m) for m in moves]
+    assert costs == sorted(costs)
+    assert max(costs) <= 1.3 * model.cost(choice)
+    for m in moves:
+        changed = {n for n in choice if m[n] != choice[n]}
+        group = next((g for g in tied if changed & set(g)), None)
+        assert changed == set(group) if group else len(changed) == 1
+        assert model.memory(m) <= model.memory_limit * auto.MEMORY_SLACK
+    for m in moves[:3]:
+        _assert_runs_exactly(prog, edatalog.Plan(neighbours.plan(m), prog.graph, preset("a100x4")))
+
+
+def test_a_neighbourhood_proposes_its_best_first_and_nothing_twice() -> None:
+    """Z3 proposes the plan the estimate puts fastest in a neighbourhood (the closest rival of
+    the plan there), then, asked again, the next: never a plan it proposed before."""
+    prog = _llama(SMALL)
+    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2)
+    neighbours = solution.neighbours
+    assert neighbours is not None and solution.picks[0] is not None
+    choice, model = solution.picks[0], neighbours.model
+    asked = 0
+    for hood in neighbours.hoods(choice)[:4]:
+        first = neighbours.propose(choice, hood, 1.5, 5.0)
+        second = neighbours.propose(choice, hood, 1.5, 5.0)
+        if first is None or second is None:
+            continue
+        asked += 1
+        assert first != second
+        assert model.cost(first) <= model.cost(second)
+    assert asked
