@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
@@ -225,7 +224,7 @@ class NumpyOps(ArrayOps):
 
     def limits(self, dtype: Any) -> tuple[float | int | bool, float | int | bool]:
         dtype = np.dtype(dtype)
-        if dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16):
+        if dtype.kind == "f" or dtypes.from_numpy(dtype) == "bf16":
             return -math.inf, math.inf
         if dtype.kind == "b":
             return False, True
@@ -379,7 +378,7 @@ class TorchOps(ArrayOps):
             a = np.asarray(x, order="C")  # not ascontiguousarray: it makes a 0-d array 1-d
             if not a.flags.writeable:  # torch warns on (and may not write) read-only memory
                 a = a.copy()
-            if a.dtype == np.dtype(ml_dtypes.bfloat16):  # torch cannot read ml_dtypes' bf16
+            if dtypes.from_numpy(a.dtype) == "bf16":  # torch cannot read ml_dtypes' bf16
                 x = t.from_numpy(a.view(np.int16)).view(t.bfloat16)
             else:
                 x = t.from_numpy(a)
@@ -399,7 +398,7 @@ class TorchOps(ArrayOps):
         t = torch_module()
         a = a.detach().cpu().contiguous()
         if a.dtype == t.bfloat16:
-            return a.view(t.int16).numpy().view(ml_dtypes.bfloat16).copy()
+            return a.view(t.int16).numpy().view(dtypes.to_numpy("bf16")).copy()
         return a.numpy().copy()
 
     def cast(self, a: Array, dtype: Any) -> Any:
