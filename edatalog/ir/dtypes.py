@@ -17,7 +17,7 @@ DTYPES = ("f64", "f32", "f16", "bf16", "i64", "i32", "bool")
 FLOATS = ("f64", "f32", "f16", "bf16")
 INTS = ("i64", "i32")
 
-_NUMPY = {
+_NUMPY: dict[str, np.dtype] = {
     "f64": np.dtype(np.float64),
     "f32": np.dtype(np.float32),
     "f16": np.dtype(np.float16),
