@@ -150,6 +150,9 @@ class Options:
     # The runtime probe's join-agg graph, as JSON (see calibrate_probe): its time per kernel op
     # becomes kernel_floor.  None: the floor is torch's dispatch of a 1-element add.
     probe: str | None = field(default=None, repr=False)
+    # The general-path probe's graph, as JSON (calibrate_probe.general_source): its time per byte
+    # beyond the roofline becomes device.general_bandwidth.  None: not measured (0, not modeled).
+    general_probe: str | None = field(default=None, repr=False)
 
     def resolved(self) -> Options:
         """Checked, with the thread count filled in; a bad option is an :class:`EdlError`."""
@@ -376,7 +379,11 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
         return {"kernel_floor": dispatch, "torch_dispatch": dispatch, "probe_kernels": 0}
     run, kernels = calibrate_probe.runner(opts.probe, dev)
     per_run = _seconds_per_call(run, sync, sizes)
-    return {"kernel_floor": per_run / kernels, "torch_dispatch": dispatch, "probe_kernels": kernels}
+    out: dict[str, Any] = {"kernel_floor": per_run / kernels, "torch_dispatch": dispatch, "probe_kernels": kernels}
+    if opts.general_probe is not None:
+        general, costs = calibrate_probe.general_runner(opts.general_probe, dev)
+        out["general"] = {"seconds": _seconds_per_call(general, sync, sizes), "kernels": costs}
+    return out
 
 
 # -- links between ranks ----------------------------------------------------------------------------
@@ -768,10 +775,38 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     kind = devices[0]["kind"]
     name = f"calibrated-{opts.device}x{opts.nproc}"
     library = Library.NCCL if opts.device == "cuda" else Library.GLOO
-    machine = tuple(Device(i, 0, kind, memory, flops, bandwidth) for i in range(opts.nproc))
+    general = _general_bandwidth(devices, floor, flops, bandwidth)
+    if general is not None:
+        measured["general"] = general
+        measured["how"]["general_bandwidth"] = (
+            f"causal scores and their row maxima over {calibrate_probe.GENERAL_S} x {calibrate_probe.GENERAL_S} run "
+            "by edatalog's torch runtime: the maxima's bytes / (seconds - the roofline's)"
+        )
+    rate = general["bandwidth"] if general is not None else 0.0
+    machine = tuple(Device(i, 0, kind, memory, flops, bandwidth, general_bandwidth=rate) for i in range(opts.nproc))
     topo = Topology(name, machine, intra, None, 1.0, floor, library)
     topo.verify()
     return Calibration(topo, measured)
+
+
+def _general_bandwidth(
+    devices: list[dict[str, Any]], floor: float, flops: float, bandwidth: float
+) -> dict[str, Any] | None:
+    """The general path's rate from the slowest rank's probe: the probe's time less what the
+    roofline gives each of its kernels (``max(floor, flops / rate, bytes / bandwidth)``), over
+    the general kernels' bytes, so that the cost model, adding ``bytes / general_bandwidth`` to
+    those, prices the probe at its measured time; None without a probe, 0 when the probe ran
+    within its roofline (nothing to add)."""
+    probes = [d["general"] for d in devices if "general" in d]
+    if not probes:
+        return None
+    seconds = max(p["seconds"] for p in probes)
+    kernels = probes[0]["kernels"]
+    roof = sum(max(floor, f / flops, b / bandwidth) for f, b, _ in kernels)
+    nbytes = sum(b for _, b, general in kernels if general)
+    beyond = seconds - roof
+    rate = _sig(nbytes / beyond) if beyond > 0 else 0.0
+    return {"seconds": _sig(seconds), "roofline_seconds": _sig(roof), "bytes": nbytes, "bandwidth": rate}
 
 
 def _beyond(seconds: float, latency: float) -> float:
@@ -808,6 +843,11 @@ def _toml(cal: Calibration) -> str:
         (f"memory = {d.memory}", f"bytes: {m['how']['memory']}"),
         (f"flops = {_value(d.flops)}", f"FLOP/s: {m['how']['flops']}"),
         (f"bandwidth = {_value(d.bandwidth)}", f"B/s: {m['how']['bandwidth']}"),
+        *(
+            [(f"general_bandwidth = {_value(d.general_bandwidth)}", f"B/s: {m['how']['general_bandwidth']}")]
+            if "general_bandwidth" in m["how"]
+            else []
+        ),
         ("", ""),
         ("[links.intra]", ""),
         (f"name = {_value(t.intra.name)}", "torch.distributed's backend" if several else ""),

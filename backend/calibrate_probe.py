@@ -55,6 +55,41 @@ def source(rules: int = RULES, dtype: str = "f32") -> str:
     return "\n".join(lines) + "\n"
 
 
+GENERAL_S = 512  # the general probe's sequence: a causal maximum over S x S scores
+
+
+def general_source(seq: int = GENERAL_S, dtype: str = "f32") -> str:
+    """The general-path probe: causal scores and their row maxima, as attention's rules run when
+    a plan cuts them apart (no prepared torch call covers a maximum, and the maximum reads
+    scores only partly present, as the guard left them)."""
+    lines = [
+        "# edl calibrate's general-path probe: causal scores and their row maxima.",
+        f"dim S = {seq}.",
+        f"input x[S, S] : {dtype}.",
+        "output m.",
+        "a[s, t] = x[s, t] * 0.5 where t <= s.",
+        "m[s] max= a[s, t].",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+Cost = tuple[int, int, bool]  # a kernel's flops, bytes and whether it takes the general path
+
+
+def general_runner(graph_json: str, device: Any) -> tuple[Callable[[], None], list[Cost]]:
+    """A call that runs the general probe once on ``device``, and its kernels' costs as the
+    cost model counts them (``OpCost``): calibration prices the others by the roofline and
+    gives the rest of the time to the general ones' bytes."""
+    run, _ = runner(graph_json, device)
+    graph = Graph.from_json(graph_json)
+    topology = preset("cpux1")
+    schedule = synthesize(graph, build(graph, topology, "replicate"), topology)
+    costs = [schedule.costs[(d, k)] for d, k, op in schedule.programs.ops() if isinstance(op, ir.Kernel)]
+    if not any(c.general for c in costs):
+        raise EdlError("the general-path probe has no kernel on the general path to time")
+    return run, [(c.flops, c.nbytes, c.general) for c in costs]
+
+
 def describe(kernels: int) -> str:
     """Where the floor comes from, for the machine file."""
     return f"a one-cell rule run by edatalog's torch runtime (a chain of {kernels}, per kernel op)"

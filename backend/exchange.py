@@ -17,6 +17,7 @@ another forever.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Mapping
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edatalog.backend.prepared import general_path
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
@@ -33,6 +35,7 @@ from edatalog.ir.intervals import atoms
 from edatalog.ir.program import OpCost
 from edatalog.ir.program import Programs as ProgramsIR
 from edatalog.ir.regions import Region
+from edatalog.ir.rewrite import restrict
 from edatalog.solver.blocks import tighten
 from edatalog.solver.plan import Plan, Tile
 from edatalog.solver.topology import Topology
@@ -442,6 +445,17 @@ def _partials(tasks: list[Task]) -> set[int]:
     return partial
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _general_block(graph: str, node: JoinAgg, ranges: tuple[tuple[str, int, int], ...]) -> bool:
+    """:func:`general_path` of one block, kept: every check of a plan lowers the same blocks.
+    Keyed by the graph's fingerprint too, so that equal rules of different graphs never mix."""
+    return general_path(restrict(node, {name: (lo, hi) for name, lo, hi in ranges}))
+
+
+def _general(graph: Graph, node: JoinAgg, ranges: tuple[tuple[str, int, int], ...]) -> bool:
+    return _general_block(graph.fingerprint, node, ranges)
+
+
 def _lower(
     graph: Graph, tasks: list[Task], outputs: dict[str, list[Entry]], n: int
 ) -> tuple[ProgramsIR, dict[tuple[int, int], OpCost]]:
@@ -468,7 +482,8 @@ def _lower(
             kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id], full[t.id])
             roles = None if node.lookups else gemm_roles(node)  # a gather is no GEMM
             gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in t.ranges.items()})
-            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm)))
+            general = _general(graph, node, ranges)
+            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm, general)))
         elif isinstance(t, Send):
             dtype[t.id], full[t.id] = dtype[t.source], full[t.source]
             cost = OpCost(0, t.nbytes)

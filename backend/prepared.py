@@ -110,6 +110,33 @@ class Prepared:
         raise NotImplementedError
 
 
+def general_path(block: JoinAgg) -> bool:
+    """Whether the torch runtime evaluates ``block`` (a rule's block, as ``restrict`` makes it)
+    on the general path whatever its inputs' layouts: it looks values up, or aggregates other
+    than a sum of a product of two loads under no guard the block's box leaves, or is an
+    elementwise block too large for one pass.  The timeline prices that path apart (see
+    ``Device.general_bandwidth``): it materializes masks and passes over the block's arrays
+    several times, where a prepared block makes one torch call."""
+    if block.lookups:
+        return True
+    node = prepare(block)
+    if node.agg_indices:
+        return _product_loads(node) is None
+    return math.prod(node.box.values()) > CHUNK_POINTS
+
+
+def _product_loads(node: JoinAgg) -> list[Load] | None:
+    """The two loads whose product a prepared contraction sums (``out += c * a * b``, no guard),
+    or None when ``node`` (prepared) is no such sum."""
+    if node.agg != "sum" or not node.guard.is_true:
+        return None
+    form = product_form(node)
+    if form is None or len(form.factors) != 2 or any(power != 1 for _, power in form.factors):
+        return None
+    loads = [n for k, _ in form.factors if isinstance(n := node.expr.nodes[k], Load)]
+    return loads if len(loads) == 2 else None
+
+
 def prepare_block(
     block: JoinAgg, layouts: Sequence[Layout], xp: ArrayOps, device: Any, known: Known | None
 ) -> Prepared | None:
@@ -129,13 +156,8 @@ class _Contraction(Prepared):
 
     @staticmethod
     def build(node: JoinAgg, layouts: Sequence[Layout], xp: ArrayOps, device: Any, known: Known) -> Prepared | None:
-        if node.agg != "sum" or not node.guard.is_true:
-            return None
-        form = product_form(node)
-        if form is None or len(form.factors) != 2 or any(power != 1 for _, power in form.factors):
-            return None
-        loads = [n for k, _ in form.factors if isinstance(n := node.expr.nodes[k], Load)]
-        if len(loads) != 2:
+        loads = _product_loads(node)
+        if loads is None:
             return None
         native = native_gemm(node, [None] * len(layouts), xp, device)
         if native and any(dtype != xp.dtype(node.dtype) for _, dtype, _ in layouts):

@@ -217,7 +217,9 @@ def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[tuple[Any
     device = key[0]
     cost = s.costs[key]
     if isinstance(op, ir.Kernel | ir.Combine | ir.Fused):
-        seconds = compute_seconds(cost.flops, cost.nbytes, topo.devices[device], topo, cost.dtype, cost.gemm)
+        seconds = compute_seconds(
+            cost.flops, cost.nbytes, topo.devices[device], topo, cost.dtype, cost.gemm, general=cost.general
+        )
         return seconds, [(("compute", device), seconds)]
     if isinstance(op, ir.Recv):
         link = topo.link(op.peer, device)

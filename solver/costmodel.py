@@ -6,7 +6,9 @@ chosen by the cost they are then measured with.
   and at least the topology's kernel floor.  The peak is the device's for the dtype the kernel
   computes in (an A100 multiplies bf16 at 312 TFLOP/s, f32 at 19.5).  ``shape`` is 1 except for
   a GEMM on a device with SMs, where it is the share of the work its tiles and waves do that is
-  useful (:func:`gemm_shape_efficiency`).
+  useful (:func:`gemm_shape_efficiency`).  A kernel the runtime evaluates on its general path
+  (masks, several passes over its arrays) takes bytes / the device's general bandwidth more,
+  where ``edl calibrate`` measured one.
 - A point-to-point transfer takes latency + bytes / the link's pair bandwidth, and holds each
   end's port for latency + bytes / the port's bandwidth: one pair cannot fill an NVLink port,
   several at once can.  On a link with ``interference`` f, each end's compute engine loses f
@@ -65,16 +67,21 @@ def compute_seconds(
     dtype: str,
     gemm: GemmShape | None = None,
     floor: bool = True,
+    general: bool = False,
 ) -> float:
     """Roofline time of one kernel computing in ``dtype`` on ``device`` (a GEMM of ``gemm``'s
     shape when given), at least the kernel floor unless ``floor`` is False (a part of a fused
-    kernel, whose floor another part pays)."""
+    kernel, whose floor another part pays).  A ``general`` kernel (one the runtime evaluates
+    on its general path) takes ``nbytes / device.general_bandwidth`` more, where measured."""
     if flops == 0 and nbytes == 0:
         return 0.0
     eff = topo.efficiency
     shape = 1.0 if gemm is None else gemm_shape_efficiency(gemm, device.sms)
     least = topo.kernel_floor if floor else 0.0
-    return max(least, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
+    roof = max(least, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
+    if general and device.general_bandwidth > 0:
+        return roof + nbytes / device.general_bandwidth
+    return roof
 
 
 def transfer_seconds(nbytes: int, link: Link) -> float:

@@ -60,6 +60,11 @@ class Device:
     # Streaming multiprocessors: a GEMM runs in waves of one output tile per SM, so a GEMM whose
     # tiles leave the last wave part empty wastes the rest (0: no such quantization, e.g. CPUs).
     sms: int = 0
+    # Bytes/s at which the runtime's general evaluator (blocks no prepared torch call covers:
+    # guarded sums cut by their guard, maxima, gathers) passes over a block's arrays, on top of
+    # the roofline: it builds masks and makes several passes.  Measured by ``edl calibrate``;
+    # 0: not modeled (the presets: no GPU measured it).
+    general_bandwidth: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """The peak FLOP/s of kernels computing in ``dtype``."""
@@ -174,6 +179,7 @@ class Topology:
                 "flops": d0.flops_spec(),
                 "bandwidth": d0.bandwidth,
                 **({"sms": d0.sms} if d0.sms else {}),
+                **({"general_bandwidth": d0.general_bandwidth} if d0.general_bandwidth else {}),
             },
             "links": {
                 "intra": self.intra.to_dict(),
@@ -316,6 +322,7 @@ def load(path: str) -> Topology:
     flops = "312TFLOPS"               # or per dtype: { default = "312TFLOPS", f32 = "19.5TFLOPS" }
     bandwidth = "2TB/s"
     sms = 108                         # optional: SMs, for GEMM wave quantization (0: none)
+    general_bandwidth = "1GB/s"       # optional: the runtime's general evaluator (0: not modeled)
     [links.intra]
     name = "nvlink"
     bandwidth = "230GB/s"             # per device and direction, all transfers together; collectives
@@ -344,7 +351,7 @@ def load(path: str) -> Topology:
 
 _KEYS = {
     "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "library", "measured"},
-    "device": {"kind", "memory", "flops", "bandwidth", "sms"},
+    "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth"},
     "links": {"intra", "inter"},
     "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "interference"},
 }
@@ -403,6 +410,8 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     sms = dev.get("sms", 0)
     if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
         raise EdlError(f"topology: device sms must be a whole number of SMs (0: none), not {sms!r}")
+    general = quantity(dev.get("general_bandwidth", 0), "B/s", "device general_bandwidth")
+    general = _positive(general, "device general_bandwidth", allow_zero=True)
     try:
         library = Library(str(data.get("library", "nccl")).lower())
     except ValueError:
@@ -448,7 +457,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     floor = _positive(quantity(data.get("kernel_floor", "5us"), "s", "kernel_floor"), "kernel_floor", allow_zero=True)
     devices: list[Device] = []
     for node, count in enumerate(nodes):
-        devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks, sms) for _ in range(count))
+        devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks, sms, general) for _ in range(count))
     topo = Topology(str(data.get("name", default_name)), tuple(devices), intra, inter, efficiency, floor, library)
     topo.verify()
     return topo

@@ -24,6 +24,10 @@ It starts --nproc ranks as the runtime runs them (one process each, gloo on CPU,
   kernel floor  the least a kernel op costs in edatalog's torch runtime: a chain of one-cell
                 rules run by its interpreter, timed per kernel op (torch's own dispatch of a
                 1-element add, far less, is recorded as torch_dispatch)
+  general       the runtime's general evaluator (blocks no single torch call covers: a maximum
+                or a guarded sum cut by its guard, as attention runs when a plan cuts it
+                apart): causal scores and their row maxima timed; the maxima's bytes over
+                the time beyond the roofline's become device.general_bandwidth
   links         latency (half a 4-byte ping-pong) and bandwidth (every rank sending and
                 receiving at once) between ranks; all_reduce and reduce_scatter bus bandwidth;
                 interference: matmuls timed alone and while that exchange runs, the share of
@@ -85,6 +89,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         quick=args.quick,
         dtype=args.dtype,
         probe=probe_graph(),
+        general_probe=general_probe_graph(),
     ).resolved()
     with Progress() as progress:
         task = progress.task("calibrating", 1)
@@ -121,6 +126,14 @@ def probe_graph() -> str:
     return compile_string(source(), name="<calibration probe>").graph.to_json()
 
 
+def general_probe_graph() -> str:
+    """The general-path probe (:func:`edatalog.backend.calibrate_probe.general_source`), compiled."""
+    from edatalog.api import compile_string
+    from edatalog.backend.calibrate_probe import general_source
+
+    return compile_string(general_source(), name="<general-path probe>").graph.to_json()
+
+
 def _print(result: Any, output: str | None) -> None:
     from edatalog.backend.calibrate import rate, seconds, size
 
@@ -150,6 +163,13 @@ def _print(result: Any, output: str | None) -> None:
     floor_note = "a one-cell rule run by edatalog's torch runtime"  # this command always passes the probe
     rows.append(["kernel floor", seconds(t.kernel_floor), f"{floor_note} {into}kernel_floor"])
     rows.append(["torch dispatch", seconds(m["torch_dispatch"]), "a 1-element add: torch alone"])
+    if "general" in m:
+        g = m["general"]
+        note = (
+            f"causal row maxima: {seconds(g['seconds'])}, {seconds(g['roofline_seconds'])} by the roofline, "
+            f"{size(g['bytes'])} on the general path {into}device.general_bandwidth"
+        )
+        rows.append(["general path", rate(g["bandwidth"], "B/s"), note])
     if "p2p" in m:
         p2p = m["p2p"]
         for k, (nbytes, value) in enumerate(p2p["one_way"].items()):
@@ -174,6 +194,7 @@ def _print(result: Any, output: str | None) -> None:
     print(
         f"  per device: {rate(d.flops, 'FLOP/s')} ({m['dtype']} matmul, median), {rate(d.bandwidth, 'B/s')} memory, "
         f"kernel floor {seconds(t.kernel_floor)}, memory {size(d.memory)}"
+        + (f", general path {rate(d.general_bandwidth, 'B/s')}" if d.general_bandwidth else "")
     )
     if t.n > 1:
         link = f"{rate(t.intra.bandwidth, 'B/s')} per direction, {seconds(t.intra.latency)} latency"

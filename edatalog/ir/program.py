@@ -462,6 +462,7 @@ class OpCost:
     nbytes: int
     dtype: str = "f32"
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM kernel, for its tiles
+    general: bool = False  # a kernel the runtime evaluates on its general path (masks, passes)
 
 
 REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective folds with

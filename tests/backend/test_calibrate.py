@@ -19,7 +19,7 @@ import edatalog
 from edatalog.backend import calibrate as cal
 from edatalog.backend import calibrate_probe
 from edatalog.cli import main
-from edatalog.cli.calibrate import probe_graph
+from edatalog.cli.calibrate import general_probe_graph, probe_graph
 from edatalog.errors import EdlError
 from edatalog.solver.topology import from_dict
 
@@ -274,3 +274,28 @@ def test_topology_files_accept_a_measured_table(tmp_path: Path) -> None:
     with pytest.raises(EdlError, match="unknown key 'measure'") as info:
         from_dict({"measure": {}})
     assert "measured" in str(info.value)
+
+
+def test_the_general_bandwidth_is_the_probes_time_beyond_its_roofline() -> None:
+    """From made-up probe times: the probe (causal scores, then their row maxima on the general
+    path) took 1.2 ms; its kernels cost, by the roofline on 1e10 FLOP/s and 1e10 B/s with a
+    3 µs floor, max(3 µs, 1e6 / 1e10) = 100 µs and max(3 µs, 1.1e6 / 1e10) = 110 µs; the rest,
+    1.2 - 0.21 = 0.99 ms, is the maxima's 1.1 MB on the general path: 1.1e6 / 0.99e-3 B/s."""
+    rank = _rank(1e10, 1e10, 3e-6, {})
+    rank["device"]["general"] = {"seconds": 1.2e-3, "kernels": [[512, 1_000_000, False], [512, 1_100_000, True]]}
+    result = cal.summarize(cal.Options(nproc=1, quick=True).resolved(), {0: rank})
+    assert result.topology.devices[0].general_bandwidth == pytest.approx(1.1e6 / (1.2e-3 - 210e-6), rel=1e-3)
+    assert result.measured["general"]["roofline_seconds"] == pytest.approx(210e-6, rel=1e-3)
+    # Loaded back from the machine file's dict, the field is kept.
+    assert from_dict(json.loads(json.dumps(result.to_dict()))).devices[0].general_bandwidth > 0
+
+
+def test_the_general_probe_runs_on_the_general_path() -> None:
+    """The command line's general probe compiles, its maxima take the runtime's general path,
+    and measuring it gives a time and its kernels' costs."""
+    import torch
+
+    opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graph(), general_probe=general_probe_graph())
+    probed = cal.measure_floor(opts.resolved(), cal.QUICK, torch.device("cpu"), lambda: None)
+    assert _finite_positive(probed["general"]["seconds"])
+    assert [general for *_, general in probed["general"]["kernels"]] == [False, True]

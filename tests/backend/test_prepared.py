@@ -28,9 +28,11 @@ from edatalog.backend.prepared import _Contraction, _Elementwise, layout_of, pre
 from edatalog.backend.reference import evaluate
 from edatalog.backend.torch_runtime import TorchExecutable
 from edatalog.errors import EdlWarning
+from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.regions import Region
 from edatalog.ir.rewrite import restrict
+from edatalog.solver import auto
 from tests.strategies import GeneratedProgram, example_settings, programs
 
 CPU = torch.device("cpu")
@@ -293,3 +295,30 @@ def test_an_output_that_reads_no_input_is_made_on_every_call() -> None:
     again = exe({"x": torch.zeros(4)})
     torch.testing.assert_close(again["t"], torch.tensor([0.0, 2.0, 4.0, 6.0]))
     torch.testing.assert_close(again["y"], torch.tensor([0.0, 2.0, 4.0, 6.0]))
+
+
+def test_the_cost_model_knows_which_blocks_take_the_general_path() -> None:
+    """The timeline prices general-path blocks apart (``OpCost.general``, from ``general_path``
+    of the block): on a plan that cuts attention apart (Megatron, its scores chunked along the
+    keys, so no fused kernel), each kernel's flag is what the torch runtime then did,
+    block for block: prepared, or the general evaluation."""
+    prog = _llama()
+    machine = edatalog.topology("cpux2")
+    setup = auto._Setup(prog.graph, machine, machine.devices[0].memory, "join")
+    choice = dict(setup.starts)["megatron"]
+    t = [i.name for i in prog.graph.node("sc").indices].index("t")
+    choice["sc"] = next(k for k, o in enumerate(setup.options["sc"]) if o.cand.chunk > 1 and t in o.cand.chunked)
+    plan = edatalog.Plan(auto._plan(prog.graph, machine, setup.options, choice, "join"), prog.graph, machine)
+    values = prog.random_inputs(seed=0)
+    exe = edatalog.executable(prog, plan, backend="torch", device="cpu,cpu")
+    exe.load({k: v for k, v in values.items() if k != "x"})
+    exe({"x": values["x"]})
+    ran = {key: fast is None for (key, _, _), fast in _kernels(exe).prepared.items()}
+    priced = {
+        (op.node, op.ranges): plan.schedule.costs[(d, k)].general
+        for d, k, op in plan.schedule.programs.ops()
+        if isinstance(op, ir.Kernel)
+    }
+    assert ran and {key: priced[key] for key in ran} == ran
+    assert {name for (name, _), general in ran.items() if general} >= {"mx", "l", "o"}
+    assert not all(ran.values())  # the rest prepared

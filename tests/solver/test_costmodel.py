@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -129,3 +130,19 @@ def test_the_estimate_costs_attention_as_one_flash_kernel() -> None:
     assert pairs * 4096 * flops_per_point(graph.node("sc")) == 106_300_440_576
     assert whole("sc") == pytest.approx(106_300_440_576 / (0.7 * 312e12))
     assert whole("m") == pytest.approx(pairs * 32 * 1 / (0.7 * 312e12))
+
+
+def test_a_general_path_kernel_pays_its_bytes_at_the_general_bandwidth() -> None:
+    """A kernel the runtime evaluates on its general path costs the roofline plus its bytes at
+    the device's general bandwidth: 8 MB read and written by a maximum on a device of 20 GB/s
+    memory and 1 GB/s general path (efficiency 1, floor 20 µs) takes max(20 µs, 8e6 / 20e9) +
+    8e6 / 1e9 = 0.4 + 8 ms.  Where the general bandwidth is 0 (the presets) it costs the
+    roofline alone; a kernel on the prepared path always does."""
+    topo = preset("cpux1")
+    cpu = dataclasses.replace(topo.devices[0], bandwidth=20e9, general_bandwidth=1e9)
+    topo = dataclasses.replace(topo, devices=(cpu,), efficiency=1.0, kernel_floor=20e-6)
+    nbytes = 8_000_000
+    assert compute_seconds(0, nbytes, cpu, topo, "f32", general=True) == pytest.approx(8e6 / 20e9 + 8e6 / 1e9)
+    assert compute_seconds(0, nbytes, cpu, topo, "f32") == pytest.approx(8e6 / 20e9)
+    unmodeled = dataclasses.replace(cpu, general_bandwidth=0.0)
+    assert compute_seconds(0, nbytes, unmodeled, topo, "f32", general=True) == pytest.approx(8e6 / 20e9)

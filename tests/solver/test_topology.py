@@ -184,3 +184,17 @@ def test_flops_per_dtype_in_a_machine_file(tmp_path: Path) -> None:
     path.write_text('[device]\nflops = { default = "1TFLOPS", fp8 = "2TFLOPS" }\n')
     with pytest.raises(EdlError, match="unknown key 'fp8'"):
         load(str(path))
+
+
+def test_the_general_bandwidth_in_a_machine_file(tmp_path: Path) -> None:
+    """``[device] general_bandwidth``: optional (0, not modeled, on every preset), read and
+    written back, never negative."""
+    assert all(d.general_bandwidth == 0 for d in preset("a100x8").devices)
+    path = tmp_path / "box.toml"
+    path.write_text('[device]\ngeneral_bandwidth = "1.5GB/s"\n')
+    topo = load(str(path))
+    assert {d.general_bandwidth for d in topo.devices} == {1.5e9}
+    assert from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
+    path.write_text("[device]\ngeneral_bandwidth = -1\n")
+    with pytest.raises(EdlError, match="general_bandwidth must be non-negative"):
+        load(str(path))
