@@ -35,6 +35,7 @@ import math
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any
 
 import edatalog
 from edatalog import EdlError
+from edatalog.ir.program import Kernel
 from edatalog.solver import auto
 
 PROGRAM = Path(__file__).resolve().parent.parent / "programs" / "llama_block.edl"
@@ -90,6 +92,7 @@ class Result:
     wall_seconds: float = 0.0  # the whole edatalog.plan call and its simulation
     solver: dict[str, Any] = field(default_factory=dict)
     how: str = ""  # where the plan came from: the solver's own or another shortlisted plan, refinements
+    general: dict[str, int] = field(default_factory=dict)  # rule -> kernels on the general path (_general_kernels)
     error: str | None = None
 
 
@@ -162,6 +165,7 @@ def run_strategy(prog: edatalog.Program, case: Case, strategy: str, time_limit: 
         result.bytes_moved = int(report.bytes_moved)
         result.peak_memory = int(max(report.peak_memory.values()))
         result.fits = not plan.over_memory()
+        result.general = _general_kernels(report)
         if plan.solution is not None:
             sol = plan.solution
             result.solve_seconds = sol.seconds
@@ -186,6 +190,16 @@ def run_strategy(prog: edatalog.Program, case: Case, strategy: str, time_limit: 
         result.error = f"crash: {type(exc).__name__}: {exc}"
     result.wall_seconds = time.monotonic() - start
     return result
+
+
+def _general_kernels(report: Any) -> dict[str, int]:
+    """The kernels of the schedule as it runs (attention fused where it can be) that the
+    runtime evaluates on its general path (attention's rules cut apart, elementwise blocks too
+    large for one pass), which the presets do not price (no GPU measured their
+    ``general_bandwidth``): a plan with many is predicted too fast.  Per rule, how many."""
+    s = report.schedule
+    names = [op.node for d, k, op in s.programs.ops() if s.costs[(d, k)].general and isinstance(op, Kernel)]
+    return dict(sorted(Counter(names).items()))
 
 
 def ratio(a: Result, b: Result) -> float | None:
@@ -237,6 +251,7 @@ def summarize(cases: list[Case], results: dict[str, dict[str, Result]]) -> dict[
         "join_beats_mesh": join_beats_mesh,
         "found_by_search": by_search,
         "found_by_search_llama": [c for c in by_search if c in llama],
+        "auto_general_kernels": {c.name: results[c.name]["auto"].general for c in cases},
     }
 
 
@@ -319,6 +334,15 @@ def render(cases: list[Case], results: dict[str, dict[str, Result]], summary: di
     )
     beats = summary["join_beats_mesh"]
     lines.append(f"join-space plan strictly faster than the mesh-only plan on: {', '.join(beats) or 'none'}")
+    general = [
+        f"{c} ({', '.join(f'{rule} x{k}' for rule, k in rules.items())})"
+        for c, rules in summary["auto_general_kernels"].items()
+        if rules
+    ]
+    lines.append(
+        "auto plans with kernels on the runtime's general path (not priced on these GPUs): "
+        + (", ".join(general) or "none")
+    )
     return "\n".join(lines)
 
 
