@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from edatalog.backend.arrays import TorchOps
-from edatalog.backend.exchange import synthesize
+from edatalog.backend.exchange import Schedule, synthesize
 from edatalog.backend.fusion import fuse_programs
 from edatalog.backend.interpreter import Device, Kernels, Mailbox, run_devices, slicer
 from edatalog.errors import EdlError
@@ -80,10 +80,7 @@ def general_runner(graph_json: str, device: Any) -> tuple[Callable[[], None], li
     """A call that runs the general probe once on ``device``, and its kernels' costs as the
     cost model counts them (``OpCost``): calibration prices the others by the roofline and
     gives the rest of the time to the general ones' bytes."""
-    run, _ = runner(graph_json, device)
-    graph = Graph.from_json(graph_json)
-    topology = preset("cpux1")
-    schedule = synthesize(graph, build(graph, topology, "replicate"), topology)
+    run, schedule = _runner(graph_json, device)
     costs = [schedule.costs[(d, k)] for d, k, op in schedule.programs.ops() if isinstance(op, ir.Kernel)]
     if not any(c.general for c in costs):
         raise EdlError("the general-path probe has no kernel on the general path to time")
@@ -98,15 +95,22 @@ def describe(kernels: int) -> str:
 def runner(graph_json: str, device: Any) -> tuple[Callable[[], None], int]:
     """A call that runs the probe's program once on the torch ``device`` (as the torch runtime
     runs a plan's program on one device), and how many kernel ops each call runs."""
+    run, schedule = _runner(graph_json, device)
+    kernels = sum(isinstance(op, ir.Kernel) for _, _, op in schedule.programs.ops())
+    if kernels == 0:
+        raise EdlError("the calibration probe has no kernel to time")
+    return run, kernels
+
+
+def _runner(graph_json: str, device: Any) -> tuple[Callable[[], None], Schedule]:
+    """A call that runs a probe's program once on ``device``, and the schedule it runs (planned
+    on one device, synthesized as any plan is)."""
     try:
         graph = Graph.from_json(graph_json)
     except ValueError as exc:
         raise EdlError(f"the calibration probe is not a join-agg graph: {exc}") from None
     topology = preset("cpux1")  # one device: the plan's name for it; nothing is priced here
     schedule = synthesize(graph, build(graph, topology, "replicate"), topology)
-    kernels = sum(isinstance(op, ir.Kernel) for _, _, op in schedule.programs.ops())
-    if kernels == 0:
-        raise EdlError("the calibration probe has no kernel to time")
     programs = fuse_programs(schedule.programs, graph)  # the programs as the runtimes run them
     xp = TorchOps(device)
     values = {r.name: xp.full(r.shape, 1, xp.dtype(r.dtype), device) for r in graph.relations if r.kind != "derived"}
@@ -117,4 +121,4 @@ def runner(graph_json: str, device: Any) -> tuple[Callable[[], None], int]:
         devices = [Device(p, graph, cache, load, xp, device) for p in programs.devices]
         run_devices(devices, Mailbox())
 
-    return run, kernels
+    return run, schedule

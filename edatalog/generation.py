@@ -30,7 +30,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +163,7 @@ def _with_plans(req: Request, plan: Any, decode_plan: Any) -> Request:
         )
     if plan is None:
         return req
-    return Request(**{**vars(req), "prefill_plan": os.fspath(plan), "decode_plan": os.fspath(decode_plan)})
+    return replace(req, prefill_plan=os.fspath(plan), decode_plan=os.fspath(decode_plan))
 
 
 # -- the programs -------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def _planned(req: Request, nproc: int, topology: str, time_limit: float, tmp: Pa
         path = tmp / f"{name}.plan.json"
         plan.save(path)
         paths.append(str(path))
-    return Request(**{**vars(req), "prefill_plan": paths[0], "decode_plan": paths[1]})
+    return replace(req, prefill_plan=paths[0], decode_plan=paths[1])
 
 
 def _rank(req: Request) -> Generation:
