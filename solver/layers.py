@@ -97,7 +97,8 @@ def compose(graph: Graph, rep: Repeat, layer: Plan, outer: Plan | None, machine:
     rules as ``outer`` (a plan of :func:`outer_graph` on every device); inputs and params placed
     where their readers are; outputs gathered onto every device."""
     groups = stage_devices(machine.n, stages)
-    local = {p.node.split(".", 2)[2]: p for p in layer.nodes}  # layers.0.q -> q
+    placed = {p.node: p for p in layer.nodes}
+    local = {name: placed[rep.node(0, name)] for name in rep.nodes}  # q -> layers.0.q's
     tiles: dict[str, Tile] = {}
     axes: dict[str, int | None] = {}
     for k in range(rep.count):
