@@ -197,7 +197,7 @@ def _general_kernels(report: Any) -> dict[str, int]:
     runtime evaluates on its general path (attention's rules cut apart, elementwise blocks too
     large for one pass), which the presets do not price (no GPU measured their
     ``general_bandwidth``): a plan with many is predicted too fast.  Per rule, how many."""
-    s = report.schedule
+    s = report.lowered
     names = [op.node for d, k, op in s.programs.ops() if s.costs[(d, k)].general and isinstance(op, Kernel)]
     return dict(sorted(Counter(names).items()))
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend import memory
-from edatalog.backend.reference import Value, evaluate
+from edatalog.backend.kernels import memory
+from edatalog.backend.kernels.reference import Value, evaluate
+from edatalog.backend.lowering.lowered import Lowered
 from edatalog.errors import Diagnostic, EdlError, EdlWarning, Note, Span, did_you_mean
 from edatalog.executable import Executable
 from edatalog.ir import dtypes
@@ -166,7 +167,7 @@ class Program:
         """The outputs (absent cells read as 0), as numpy arrays, or torch tensors on the torch
         backend.  :meth:`evaluate` gives every relation with its presence mask instead.
 
-        ``backend`` is one of ``edatalog.backend.runtime.RUNTIMES``: ``"reference"`` (the
+        ``backend`` is one of ``edatalog.backend.running.runtime.RUNTIMES``: ``"reference"`` (the
         default without a plan) evaluates whole tensors on numpy; ``"sim"`` (the default with
         one) simulates the plan's device programs; ``"torch"`` runs on torch ``device`` (one, or
         one per device of the plan).  The same as ``self.executable(plan, backend, device)``,
@@ -182,11 +183,19 @@ class Program:
         return exe({k: v for k, v in checked.items() if k not in params})
 
     def executable(
-        self, plan: Plan | None = None, *, backend: str = "torch", device: str | Sequence[str] | None = None
+        self,
+        plan: Plan | Lowered | None = None,
+        *,
+        backend: str = "torch",
+        device: str | Sequence[str] | None = None,
+        collectives: str | None = None,
     ) -> Executable:
         """This program (with ``plan``, or on one device) ready to run on ``backend`` many times:
-        ``exe.load(params)`` once, then ``exe(inputs)``; see :mod:`edatalog.executable`."""
-        return Executable(self.graph, self._prepare, plan, backend, device)
+        ``exe.load(params)`` once, then ``exe(inputs)``; see :mod:`edatalog.executable`.
+        ``collectives`` (``"auto"``, ``"on"``, ``"off"``) says which exchanges of the plan run as
+        collective calls (auto: those the plan's machine runs faster so); a plan already lowered
+        (``plan.lowering(...)``) runs as it is."""
+        return Executable(self.graph, self._prepare, plan, backend, device, collectives)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         """The program's params from a safetensors checkpoint (a file, or a model's directory of
@@ -296,7 +305,7 @@ def _from_torch(tensor: Any, rel: Relation, span: Span | None) -> np.ndarray:
 def _torch_value(tensor: Any, rel: Relation, span: Span | None) -> Any:
     """A torch tensor checked like an array (:func:`_convert`) and cast to the declared type, on
     its own device: no trip through numpy."""
-    from edatalog.backend.arrays import TorchOps
+    from edatalog.backend.kernels.arrays import TorchOps
 
     if tuple(tensor.shape) != rel.shape:
         raise EdlError(
@@ -417,11 +426,16 @@ def retyped(program: ast.Program, dtype: str) -> ast.Program:
 
 
 def executable(
-    prog: Program, plan: Plan | None = None, *, backend: str = "torch", device: str | Sequence[str] | None = None
+    prog: Program,
+    plan: Plan | Lowered | None = None,
+    *,
+    backend: str = "torch",
+    device: str | Sequence[str] | None = None,
+    collectives: str | None = None,
 ) -> Executable:
     """``prog`` (with ``plan``, or on one device) ready to run on ``backend``:
     ``exe = edatalog.executable(prog, plan)``, ``exe.load(params)``, ``out = exe(inputs)``."""
-    return prog.executable(plan, backend=backend, device=device)
+    return prog.executable(plan, backend=backend, device=device, collectives=collectives)
 
 
 __all__ = ["EdlError", "EdlWarning", "Note", "Program", "compile", "compile_string", "executable"]

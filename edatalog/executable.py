@@ -13,13 +13,15 @@ the rest reading as absent).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from edatalog.backend.runtime import Executable as Runnable
-from edatalog.backend.runtime import check_plan, runtime
-from edatalog.backend.torch_runtime import OpTime, Outputs
+from edatalog.backend.lowering.lowered import Collectives, Lowered
+from edatalog.backend.running.runtime import Executable as Runnable
+from edatalog.backend.running.runtime import check_plan, runtime
+from edatalog.backend.running.torch_runtime import OpTime, Outputs
 from edatalog.checkpoint import Checkpoint
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
@@ -35,23 +37,31 @@ class Executable:
         self,
         graph: Graph,
         prepare: Prepare,
-        plan: Plan | None,
+        plan: Plan | Lowered | None,
         backend: str,
         device: str | Sequence[str] | None,
+        collectives: str | None = None,
     ) -> None:
         rt = runtime(backend)
         check_plan(rt, plan is not None)
         if plan is not None and plan.graph.fingerprint() != graph.fingerprint():
             raise EdlError("this plan was made for another program", help="make a plan for this program")
-        self.graph, self.plan, self.runtime = graph, plan, rt
+        self.graph, self.runtime = graph, rt
+        self.plan = plan if isinstance(plan, Plan) else None
         self._prepare = prepare
         self._keep_torch = rt.arrays == "torch"
-        self._impl: Runnable = rt.build(graph, plan.schedule if plan is not None else None, device)
+        self.lowered = _lowered(plan, collectives)
+        self._impl: Runnable = rt.build(graph, self.lowered, device)
         self._params = [r.name for r in graph.relations if r.kind == "param"]
         self._loaded = not self._params
 
     def __repr__(self) -> str:
-        where = f"plan '{self.plan.ir.strategy}' on {self.plan.ir.n_devices} devices" if self.plan else "no plan"
+        if self.plan is not None:
+            where = f"plan '{self.plan.ir.strategy}' on {self.plan.ir.n_devices} devices"
+        elif self.lowered is not None:
+            where = f"a lowered plan on {self.lowered.n_devices} devices"
+        else:
+            where = "no plan"
         return f"<edatalog.Executable {self.runtime.name}, {where}>"
 
     @property
@@ -102,3 +112,21 @@ class Executable:
             )
         values = self._prepare(inputs, ("input",), self._keep_torch)
         return self._impl(values, gather_outputs=gather, record=record)
+
+
+def _lowered(plan: Plan | Lowered | None, collectives: str | None) -> Lowered | None:
+    """What the runtime runs: a lowered plan as given, or the plan lowered with ``collectives``
+    (``"auto"``, ``"on"`` or ``"off"``; None: as the plan's options say)."""
+    if collectives is not None and collectives not in {c.value for c in Collectives}:
+        raise EdlError(f"unknown collectives choice '{collectives}'", help="collectives are 'auto', 'on' or 'off'")
+    if isinstance(plan, Lowered):
+        if collectives is not None and Collectives(collectives) is not plan.options.collectives:
+            raise EdlError(
+                "this plan is already lowered with other collectives", help="lower it again, or drop collectives"
+            )
+        return plan
+    if plan is None:
+        return None
+    if collectives is None:
+        return plan.lowered  # as the plan is reported
+    return plan.lowering(dataclasses.replace(plan.options, collectives=Collectives(collectives)))

@@ -104,7 +104,7 @@ def generate(
     req = _with_plans(req, plan, decode_plan)
     if nproc is None:
         return _generate(req)
-    from edatalog.backend.launch import spawn
+    from edatalog.backend.running.launch import spawn
 
     if backend != "torch":
         raise EdlError("--nproc runs on the torch backend", help="drop --backend reference, or --nproc")
@@ -297,7 +297,7 @@ def decode_loop(
 
 
 def _numpy(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    from edatalog.backend.arrays import TORCH
+    from edatalog.backend.kernels.arrays import TORCH
 
     out = {}
     for k, v in values.items():
@@ -327,7 +327,7 @@ def _rank(req: Request) -> Generation:
     """One rank of a generation job: its devices' programs, the same tokens as every rank."""
     import torch
 
-    from edatalog.backend.spmd import init_group
+    from edatalog.backend.running.spmd import init_group
 
     torch.set_num_threads(1)  # ranks share this machine's cores
     device = init_group(req.device)

@@ -17,9 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edatalog.backend.exchange import REDUCTIONS, Schedule, synthesize
-from edatalog.backend.runtime import check_plan, runtime
-from edatalog.backend.timeline import Report, analyze, write_trace
+from edatalog.backend.lowering.exchange import REDUCTIONS, Schedule, synthesize
+from edatalog.backend.lowering.lowered import Collectives, Lowered, Options, lower
+from edatalog.backend.predicting.timeline import Report, analyze, write_trace
+from edatalog.backend.running.runtime import check_plan, runtime
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
 from edatalog.solver import auto, layers, policy, strategies
@@ -40,16 +41,20 @@ class Plan:
     """A plan for one program on one machine.  ``str(plan)`` shows every tile; ``summary()`` the
     predicted cost; ``save()`` writes a self-contained JSON file (plan, machine and program)."""
 
-    def __init__(self, ir: PlanIR, graph: Graph, machine: Topology, reduction: str = "auto") -> None:
+    def __init__(
+        self, ir: PlanIR, graph: Graph, machine: Topology, reduction: str = "auto", options: Options | None = None
+    ) -> None:
         if reduction not in REDUCTIONS:
             raise EdlError(f"unknown reduction '{reduction}'", help=f"reductions: {', '.join(REDUCTIONS)}")
         ir.verify(graph)
         if machine.n < ir.n_devices:
             raise EdlError(f"the plan uses {ir.n_devices} devices but {machine.name} has {machine.n}")
         self.ir, self.graph, self.topology, self.reduction = ir, graph, machine, reduction
+        self.options = options if options is not None else Options()  # how it is lowered, reported and run
         self.solution: auto.Solution | None = None  # how the solver found it, for solved plans
         self.refined = ""  # a baseline's refinement that was kept ("S in 2 chunks"); solved plans: solution.refined
         self.layered: policy.Layered | None = None  # a repeated module solved once: its layer's solve
+        self._lowered: dict[Options, Lowered] = {}
 
     def __str__(self) -> str:
         return str(self.ir)
@@ -62,10 +67,22 @@ class Plan:
         """The synthesized per-device programs (tasks: loads, computes, sends, combines)."""
         return synthesize(self.graph, self.ir, self.topology, self.reduction)
 
+    @property
+    def lowered(self) -> Lowered:
+        """The plan lowered with its options (by default: attention fused, collectives where the
+        machine's library runs them faster): the device programs as every runtime runs them."""
+        return self.lowering(self.options)
+
+    def lowering(self, options: Options) -> Lowered:
+        """The plan lowered with ``options`` (made once per options)."""
+        if options not in self._lowered:
+            self._lowered[options] = lower(self.schedule, options)
+        return self._lowered[options]
+
     @cached_property
     def report(self) -> Report:
-        """Time, traffic and memory of the schedule under the machine's cost model."""
-        return analyze(self.schedule)
+        """Time, traffic and memory of the lowered plan under the machine's cost model."""
+        return analyze(self.lowered)
 
     def summary(self) -> dict[str, Any]:
         r = self.report
@@ -146,7 +163,7 @@ class Plan:
             raise EdlError(f"missing values for {', '.join(missing)}", help="pass every input and param")
         rt = runtime(backend)
         check_plan(rt, True)
-        exe = rt.build(self.graph, self.schedule, None)
+        exe = rt.build(self.graph, self.lowered, None)
         params = {r.name for r in self.graph.relations if r.kind == "param"}
         exe.load({k: v for k, v in values.items() if k in params})
         return exe({k: v for k, v in values.items() if k not in params}).values
@@ -183,6 +200,7 @@ def make_plan(
     on_progress: Callable[[auto.Progress], None] | None = None,
     refine: bool = False,
     stages: int | None = None,
+    collectives: str = "auto",
 ) -> Plan:
     """Plan ``prog`` on a machine.  ``auto`` (the default) asks the solver for the fastest plan
     within ``time_limit`` seconds that fits every device's memory (``memory`` overrides the
@@ -192,7 +210,10 @@ def make_plan(
     a dim, guarded splits balanced; ``Plan.refined`` says which was kept), within
     ``time_limit``.  Auto plans are always refined.  A program with a repeated module (its
     layers) is solved one layer at a time (:func:`edatalog.solver.policy.solve_layers`), with
-    ``stages`` pipeline stages (None: the fewest that fit, from 1)."""
+    ``stages`` pipeline stages (None: the fewest that fit, from 1).  ``collectives`` (``"auto"``,
+    ``"on"``, ``"off"``) says which exchanges run as collective calls, in the plan's predictions
+    and its runs (auto: those the machine's library runs faster so)."""
+    options = _options(collectives)
     machine = machines.resolve(topology)
     if memory is not None:
         machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
@@ -203,9 +224,9 @@ def make_plan(
     if strategy != "auto":
         if space != "join":
             raise EdlError("--space chooses the solver's search space; it goes with --strategy auto")
-        plan = Plan(strategies.build(prog.graph, machine, strategy, seed=seed), prog.graph, machine, reduction)
+        plan = Plan(strategies.build(prog.graph, machine, strategy, seed=seed), prog.graph, machine, reduction, options)
         if refine:
-            check = _checker(prog.graph, machine, reduction)
+            check = _checker(prog.graph, machine, reduction, options)
             kept, plan_refined = policy.refine_baseline(prog.graph, _Checked(plan), check, time_limit)
             plan = kept.facade
             plan.refined = plan_refined
@@ -216,16 +237,17 @@ def make_plan(
             help="choose a number of stages that divides the device count",
         )
     if layers.repeated(prog.graph) is not None:
-        return _layered(prog.graph, machine, reduction, time_limit, seed, space, on_progress, stages)
+        return _layered(prog.graph, machine, reduction, options, time_limit, seed, space, on_progress, stages)
     if stages not in (None, 1):
         raise EdlError("pipeline stages split a repeated module's layers; this program has none")
-    return _solved(prog.graph, machine, reduction, time_limit, seed, space, on_progress)
+    return _solved(prog.graph, machine, reduction, options, time_limit, seed, space, on_progress)
 
 
 def _layered(
     graph: Graph,
     machine: Topology,
     reduction: str,
+    options: Options,
     time_limit: float,
     seed: int,
     space: str,
@@ -236,16 +258,16 @@ def _layered(
     :func:`edatalog.solver.policy.solve_layers`), each solve checked in its own timeline."""
 
     def checker_for(g: Graph, m: Topology) -> Callable[[PlanIR], _Checked]:
-        return _checker(g, m, reduction)
+        return _checker(g, m, reduction, options)
 
     made: dict[int, Plan] = {}  # the composed plans checked, kept: synthesizing L layers takes a while
 
     def fits(ir: PlanIR) -> bool:
-        made[id(ir)] = Plan(ir, graph, machine, reduction)
+        made[id(ir)] = Plan(ir, graph, machine, reduction, options)
         return not made[id(ir)].over_memory()
 
     lay = policy.solve_layers(graph, machine, checker_for, fits, time_limit, seed, space, on_progress, stages)
-    plan = made.get(id(lay.plan)) or Plan(lay.plan, graph, machine, reduction)
+    plan = made.get(id(lay.plan)) or Plan(lay.plan, graph, machine, reduction, options)
     plan.layered = lay
     plan.solution = lay.layer
     return plan
@@ -272,11 +294,11 @@ class _Checked:
         return max(self.facade.report.peak_memory.values())
 
 
-def _checker(graph: Graph, machine: Topology, reduction: str) -> Callable[[PlanIR], _Checked]:
+def _checker(graph: Graph, machine: Topology, reduction: str, options: Options) -> Callable[[PlanIR], _Checked]:
     """The planning policy's exact check of a plan on ``machine``: the backend's timeline."""
 
     def check(ir: PlanIR) -> _Checked:
-        return _Checked(Plan(ir, graph, machine, reduction))
+        return _Checked(Plan(ir, graph, machine, reduction, options))
 
     return check
 
@@ -285,6 +307,7 @@ def _solved(
     graph: Graph,
     machine: Topology,
     reduction: str,
+    options: Options,
     time_limit: float,
     seed: int,
     space: str,
@@ -292,11 +315,18 @@ def _solved(
 ) -> Plan:
     """The plan :func:`edatalog.solver.policy.solve` keeps (solve, check the shortlist, re-solve,
     refine, under one deadline), each plan checked in the backend's timeline."""
-    check = _checker(graph, machine, reduction)
+    check = _checker(graph, machine, reduction, options)
     checked, solution = policy.solve(graph, machine, check, time_limit, seed, space, on_progress)
     plan = checked.facade
     plan.solution = solution
     return plan
+
+
+def _options(collectives: str) -> Options:
+    choices = [c.value for c in Collectives]
+    if collectives not in choices:
+        raise EdlError(f"unknown collectives choice '{collectives}'", help=f"choose one of {', '.join(choices)}")
+    return Options(Collectives(collectives))
 
 
 # The top-level fields of a plan file (:meth:`Plan.to_json`), and what each holds.

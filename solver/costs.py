@@ -146,7 +146,7 @@ class Costs:
                 )
                 seconds = compute_seconds(points * fpp, nbytes, dev, self.topo, node.dtype, gemm)
             else:
-                # As the backend fuses and the timeline costs it (edatalog.backend.running): the
+                # As the backend fuses and the timeline costs it (edatalog.backend.lowering.lowered): the
                 # rule's flops over the flash tiles holding a point, no bytes of the scores and
                 # the other intermediates, and one kernel floor, the scores rule's.
                 points = self._tiled(node, b.ranges)

@@ -41,7 +41,7 @@ class Library(StrEnum):
         """The exchanges it runs faster as one collective than as direct messages: every kind on
         NCCL; on gloo only the all-reduce (2 CPU ranks, measured side by side: its all_reduce
         beat direct messages, its reduce_scatter and all_gather did not; see
-        :mod:`edatalog.backend.collectives`)."""
+        :mod:`edatalog.backend.lowering.collectives`)."""
         if self is Library.NCCL:
             return frozenset(CollectiveKind)
         return frozenset({CollectiveKind.ALL_REDUCE})

@@ -46,6 +46,33 @@ def test_stages_import_only_earlier_stages(stage: str) -> None:
                 assert ok, f"{path.relative_to(ROOT)} imports {name}"
 
 
+# The backend's own stages, in the order data flows through them, and what each may import of the
+# backend: how one block is computed (kernels), plan to device programs (lowering), what they will
+# cost (predicting), running them (running), measuring the machine by running probes (calibrating).
+BACKEND_STAGES = {
+    "kernels": {"kernels"},
+    "lowering": {"kernels", "lowering"},
+    "predicting": {"lowering", "predicting"},
+    "running": {"kernels", "lowering", "running"},
+    "calibrating": {"kernels", "lowering", "predicting", "running", "calibrating"},
+}
+
+
+def test_backend_folders_show_its_flow() -> None:
+    """Every module of the backend lives in one of its stages, and imports only earlier ones."""
+    loose = sorted(p.name for p in (ROOT / "backend").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"backend modules outside a stage folder: {loose}"
+    assert {p.name for p in (ROOT / "backend").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
+        BACKEND_STAGES
+    )
+    for stage, allowed in BACKEND_STAGES.items():
+        for path in sorted((ROOT / "backend" / stage).rglob("*.py")):
+            for name in _imports(path):
+                if name.startswith("edatalog.backend."):
+                    used = name.split(".")[2]
+                    assert used in allowed, f"{path.relative_to(ROOT)} ({stage}) imports {name}"
+
+
 def test_no_bare_stage_imports() -> None:
     for path in sorted(ROOT.glob("**/*.py")):
         if ".venv" in path.parts:

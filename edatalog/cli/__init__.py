@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from edatalog import __version__
-from edatalog.backend.runtime import RUNTIMES
+from edatalog.backend.running.runtime import RUNTIMES
 from edatalog.cli import calibrate, generate, plans, programs, show
 from edatalog.cli.common import command_began, positive_int, seed
 from edatalog.errors import EdlError
@@ -96,8 +96,9 @@ def _parser() -> argparse.ArgumentParser:
         "--collectives",
         choices=("auto", "on", "off"),
         default="auto",
-        help="torch --nproc: run exchanges that are all-reduces, reduce-scatters or all-gathers as one "
-        "torch.distributed collective (auto: every kind on NCCL, all-reduces only on gloo; sets EDL_COLLECTIVES)",
+        help="torch, with --plan: run exchanges that are all-reduces, reduce-scatters or all-gathers as one "
+        "collective call (auto: the kinds the plan's machine runs faster so: every kind on NCCL, all-reduces "
+        "only on gloo)",
     )
     r.add_argument("--repeat", type=positive_int, default=1, metavar="K", help="torch: time K calls (the median)")
     r.add_argument("--warmup", type=int, default=1, metavar="W", help="torch: untimed calls first (default 1)")
@@ -156,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=("auto", "direct", "hierarchical"),
         default="auto",
         help="how partial results are combined (default: from the topology)",
+    )
+    pl.add_argument(
+        "--collectives",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run exchanges that are all-reduces, reduce-scatters or all-gathers as one collective call "
+        "(auto: the kinds the machine's library runs faster so: every kind on NCCL, all-reduces only on gloo)",
     )
     pl.add_argument(
         "--stages",

@@ -78,7 +78,7 @@ def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from edatalog.backend import calibrate as cal
+    from edatalog.backend.calibrating import calibrate as cal
 
     if args.output is not None:
         cal.check_output(args.output)  # before minutes of measuring
@@ -118,24 +118,24 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def probe_graph() -> str:
-    """The runtime probe (:mod:`edatalog.backend.calibrate_probe`), compiled: the backend
+    """The runtime probe (:mod:`edatalog.backend.calibrating.probe`), compiled: the backend
     times it, but only this layer may compile ``.edl`` text."""
     from edatalog.api import compile_string
-    from edatalog.backend.calibrate_probe import source
+    from edatalog.backend.calibrating.probe import source
 
     return compile_string(source(), name="<calibration probe>").graph.to_json()
 
 
 def general_probe_graph() -> str:
-    """The general-path probe (:func:`edatalog.backend.calibrate_probe.general_source`), compiled."""
+    """The general-path probe (:func:`edatalog.backend.calibrating.probe.general_source`), compiled."""
     from edatalog.api import compile_string
-    from edatalog.backend.calibrate_probe import general_source
+    from edatalog.backend.calibrating.probe import general_source
 
     return compile_string(general_source(), name="<general-path probe>").graph.to_json()
 
 
 def _print(result: Any, output: str | None) -> None:
-    from edatalog.backend.calibrate import rate, seconds, size
+    from edatalog.backend.calibrating.calibrate import rate, seconds, size
 
     t, m = result.topology, result.measured
     d = t.devices[0]

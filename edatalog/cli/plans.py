@@ -134,7 +134,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     baseline = None
     if args.strategy == "auto":
         try:
-            baseline = make_plan(prog, args.topology, "megatron", reduction=args.reduction, memory=args.memory)
+            baseline = make_plan(
+                prog,
+                args.topology,
+                "megatron",
+                reduction=args.reduction,
+                memory=args.memory,
+                collectives=args.collectives,
+            )
             baseline.report  # noqa: B018 - timed here, before the solver's budget is set
         except EdlError:
             baseline = None  # not a transformer: nothing to compare with
@@ -165,6 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 space=args.space,
                 on_progress=show,
                 stages=args.stages,
+                collectives=args.collectives,
             )
     else:
         plan = make_plan(
@@ -177,6 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             space=args.space,
             time_limit=args.time_limit,
             refine=args.refine,
+            collectives=args.collectives,
         )
     if args.output:
         plan.save(args.output)

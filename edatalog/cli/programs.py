@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend import ops, sim
-from edatalog.backend.collectives import ENV as COLLECTIVES_ENV
-from edatalog.backend.launch import in_spmd_job
+from edatalog.backend.kernels import ops
+from edatalog.backend.running import sim
+from edatalog.backend.running.launch import in_spmd_job
 from edatalog.cli import torch_run
 from edatalog.cli.common import (
     Progress,
@@ -217,7 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if plan is not None:
             # The simulator's gathered Values (not Plan.execute's plain arrays): the table counts
             # absent cells, as it does for the reference evaluator's.
-            env = sim.run(plan.schedule, prepared)
+            env = sim.run(plan.lowered, prepared)
         else:
             task = progress.task("evaluating", sum(c.flops for c in graph.costs.values()))
             env = prog.evaluate(
@@ -243,7 +243,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if plan is not None:
         r = plan.report
         print(
-            f"\nran {sum(len(p.ops) for p in plan.schedule.programs.devices)} ops of the {plan.ir.strategy} plan "
+            f"\nran {sum(len(p.ops) for p in plan.lowered.programs.devices)} ops of the {plan.ir.strategy} plan "
             f"on {plan.ir.n_devices} simulated "
             f"devices in {seconds:.3f} s; predicted {r.seconds * 1e3:.4g} ms on {plan.topology.name}, "
             f"{human(r.bytes_moved)}B moved"
@@ -272,9 +272,8 @@ def _run_torch(args: argparse.Namespace) -> int:
         args.repeat,
         max(0, args.warmup),
         args.trace is not None,
+        args.collectives,
     )
-    if args.collectives != "auto":  # read by each rank's runtime; new ranks inherit it
-        os.environ[COLLECTIVES_ENV] = "1" if args.collectives == "on" else "0"
     prog = compile_args(args)  # errors in the program are reported here, once, not by every rank
     plan = load_plan(args.plan, prog) if args.plan else None
     if args.nproc is not None and plan is not None and args.nproc != plan.ir.n_devices:

@@ -11,6 +11,7 @@ predicted trace of ``edl plan --trace`` (one process per device), so the two rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -19,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend.launch import as_rank, in_spmd_job, spawn
-from edatalog.backend.torch_runtime import OpTime, Outputs
+import edatalog
+from edatalog.backend.lowering.lowered import Collectives, Lowered, Options
+from edatalog.backend.running.launch import as_rank, in_spmd_job, spawn
+from edatalog.backend.running.torch_runtime import OpTime, Outputs
 from edatalog.errors import EdlError
 
 
@@ -39,6 +42,8 @@ class Job:
     repeat: int
     warmup: int
     record: bool
+    collectives: str = "auto"
+    lowered: str | None = None  # the plan lowered, as JSON: made once, by the launcher or by rank 0
 
 
 @dataclass
@@ -61,7 +66,9 @@ def run(job: Job, nproc: int | None) -> Result:
     if nproc is not None:
         if job.plan is None:
             raise EdlError("--nproc runs a plan, one device per process", help="pass --plan plan.json")
-        results = spawn(nproc, rank_main, (job,))
+        _, plan = _program_and_plan(job)
+        lowered = plan.lowering(Options(Collectives(job.collectives))).to_json()
+        results = spawn(nproc, rank_main, (dataclasses.replace(job, lowered=lowered),))
         return results[0]
     if in_spmd_job():
         return as_rank(rank_main, job)
@@ -69,8 +76,6 @@ def run(job: Job, nproc: int | None) -> Result:
 
 
 def _program_and_plan(job: Job) -> tuple[Any, Any]:
-    import edatalog
-
     prog = edatalog.compile(job.file, dims=job.dims, consts=job.consts, dtype=job.dtype)
     plan = edatalog.load_plan(job.plan, prog) if job.plan is not None else None
     return prog, plan
@@ -96,7 +101,7 @@ def _split(prog: Any, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 def _in_process(job: Job) -> Result:
     prog, plan = _program_and_plan(job)
     params, inputs = _split(prog, _values(job, prog))
-    exe = prog.executable(plan, backend="torch", device=job.device)
+    exe = prog.executable(plan, backend="torch", device=job.device, collectives=job.collectives)
     exe.load(params)
     for _ in range(job.warmup):
         exe(inputs)
@@ -116,15 +121,16 @@ def rank_main(job: Job) -> Result:
     """One rank: join the group, run the job's plan, time each call between barriers."""
     import torch
 
-    from edatalog.backend.spmd import init_group
+    from edatalog.backend.running.spmd import init_group
 
     torch.set_num_threads(1)  # one thread per rank: ranks share this machine's cores
     device = init_group(job.device)
     dist = torch.distributed
-    prog, plan = _program_and_plan(job)
-    if plan is None:
+    prog = edatalog.compile(job.file, dims=job.dims, consts=job.consts, dtype=job.dtype)
+    if job.plan is None:
         raise EdlError("a torch.distributed job runs a plan, one device per rank", help="pass --plan plan.json")
-    n, world = plan.ir.n_devices, dist.get_world_size()
+    lowered = _lowered(job, prog, dist)
+    n, world = lowered.n_devices, dist.get_world_size()
     if n != world:  # else each rank would run every device's program by itself, and nothing would be split
         raise EdlError(
             f"the plan has {n} devices, but this job has {world} ranks",
@@ -132,7 +138,7 @@ def rank_main(job: Job) -> Result:
             "rank r runs device r's program",
         )
     params, inputs = _split(prog, _values(job, prog))
-    exe = prog.executable(plan, backend="torch", device=device)
+    exe = prog.executable(lowered, backend="torch", device=device)
     exe.load(params)
     for _ in range(job.warmup):
         exe(inputs, gather=False)
@@ -161,6 +167,27 @@ def rank_main(job: Job) -> Result:
     )
 
 
+def _lowered(job: Job, prog: Any, dist: Any) -> Lowered:
+    """The plan lowered once for every rank: by the launcher (``job.lowered``), or under
+    torchrun by rank 0, which sends it to the others; no rank synthesizes it again."""
+    text = job.lowered
+    if text is None:
+        assert job.plan is not None
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            plan = edatalog.load_plan(job.plan, prog)
+            box[0] = plan.lowering(Options(Collectives(job.collectives))).to_json()
+        dist.broadcast_object_list(box, src=0)
+        text = box[0]
+    lowered = Lowered.from_json(text)
+    if lowered.graph.fingerprint() != prog.graph.fingerprint():
+        raise EdlError(
+            "this rank compiled another program than the one the plan was lowered for",
+            help="give every rank the same .edl file, dims, consts and dtype",
+        )
+    return lowered
+
+
 def _synchronize(out: dict[str, Any]) -> None:
     import torch
 
@@ -169,7 +196,7 @@ def _synchronize(out: dict[str, Any]) -> None:
 
 
 def _numpy_outputs(out: Outputs) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    from edatalog.backend.arrays import TORCH
+    from edatalog.backend.kernels.arrays import TORCH
 
     arrays = {k: TORCH.to_numpy(v) for k, v in out.values.items()}
     absent = {k: 0 if p is None else int((~TORCH.to_numpy(p)).sum()) for k, p in out.present.items()}

@@ -11,7 +11,7 @@ Five rules mean exactly what ``scaled_dot_product_attention`` computes::
 :func:`attention_chains` finds such chains: what each body computes, which index each access
 holds, and that the scores, maxima, probabilities and sums are read by nothing else.  The
 backend fuses each device's blocks of a chain into one kernel
-(:mod:`edatalog.backend.fusion`); the solver costs the chain as that kernel.
+(:mod:`edatalog.backend.lowering.fusion`); the solver costs the chain as that kernel.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ buffers defined earlier on its own device (and not freed); data crosses devices 
 - :class:`Send` / :class:`Recv`: a region of a buffer to a peer, and its arrival;
 - :class:`Combine`: partials of one region folded with the relation's aggregation;
 - :class:`Fused`: kernels of one device run as one (a runtime's optimization; see
-  :mod:`edatalog.backend.fusion`);
+  :mod:`edatalog.backend.lowering.fusion`);
 - :class:`Collective`: one member's part in an all-reduce, reduce-scatter or all-gather over a
   group of devices, which the members meet at (a runtime's rewrite of sends, receives and
-  combines; see :mod:`edatalog.backend.collectives`);
+  combines; see :mod:`edatalog.backend.lowering.collectives`);
 - :class:`Free`: a buffer no later op reads; what makes memory peaks real.
 
 A buffer is *full* when every cell of its region is known, when the programs are made, to

@@ -12,7 +12,7 @@ hanging pytest, and so that the launcher's signal handlers stay out of pytest::
 
     python -c "from tests.backend.spmd_ranks import main; main()" JOB.pkl RESULT.pkl
 
-which starts the job's ranks with :func:`edatalog.backend.launch.spawn` (the entry point, pickled
+which starts the job's ranks with :func:`edatalog.backend.running.launch.spawn` (the entry point, pickled
 into the new processes, must be a module-level function: :func:`rank_main`).
 """
 
@@ -87,7 +87,7 @@ def rank_main(job: Job) -> RankResult:
     import torch
 
     import edatalog
-    from edatalog.backend.spmd import init_group
+    from edatalog.backend.running.spmd import init_group
 
     warnings.simplefilter("ignore")  # generated programs warn (unused params, ...): not under test here
     torch.set_num_threads(1)  # one thread per rank: the ranks share this machine's cores
@@ -112,8 +112,8 @@ def rank_main(job: Job) -> RankResult:
 
 def _run_case(prog: Any, case: Case) -> Got:
     import edatalog
-    from edatalog.backend.arrays import TORCH
-    from edatalog.backend.spmd import SpmdExecutable
+    from edatalog.backend.kernels.arrays import TORCH
+    from edatalog.backend.running.spmd import SpmdExecutable
     from edatalog.ir import program as ir
 
     plan = edatalog.load_plan(case.plan, prog)
@@ -228,7 +228,7 @@ def _recording_reads() -> Iterator[list[tuple[str, Ranges | None]]]:
 def main() -> None:
     """``JOB.pkl RESULT.pkl``: run the job's ranks; the result is each rank's :class:`RankResult`,
     or the text of the error the launcher raised."""
-    from edatalog.backend.launch import spawn
+    from edatalog.backend.running.launch import spawn
     from edatalog.errors import EdlError
 
     job_path, result_path = sys.argv[1:3]

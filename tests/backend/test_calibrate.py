@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import edatalog
-from edatalog.backend import calibrate as cal
-from edatalog.backend import calibrate_probe
+from edatalog.backend.calibrating import calibrate as cal
+from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.cli import main
 from edatalog.cli.calibrate import general_probe_graph, probe_graph
 from edatalog.errors import EdlError

@@ -1,4 +1,4 @@
-"""Exchanges run as collectives (:mod:`edatalog.backend.collectives`).
+"""Exchanges run as collectives (:mod:`edatalog.backend.lowering.collectives`).
 
 The pass finds, in the programs of a plan, the exchanges that are all-reduces, reduce-scatters
 and all-gathers over a group of devices, and rewrites each member's sends, receives and combines
@@ -23,17 +23,19 @@ import numpy as np
 import pytest
 
 import edatalog
-from edatalog.backend.collectives import ENV, collectives_of, mark_full, use_collectives, wanted
-from edatalog.backend.exchange import Entry, synthesize
-from edatalog.backend.fusion import fuse_programs
-from edatalog.backend.interpreter import Buffer, Device, Kernels, Mailbox, gather, slicer
-from edatalog.errors import EdlError, EdlWarning
+from edatalog.backend.lowering.collectives import collectives_of, use_collectives
+from edatalog.backend.lowering.exchange import Entry, synthesize
+from edatalog.backend.lowering.fusion import fuse_programs
+from edatalog.backend.lowering.lowered import Collectives, Options
+from edatalog.backend.lowering.presence import mark_full
+from edatalog.backend.running.interpreter import Device, Kernels, Mailbox, gather, run_devices, slicer
+from edatalog.errors import EdlWarning
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph, VerifyError
 from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.strategies import place_by_consumers
-from edatalog.solver.topology import preset
+from edatalog.solver.topology import Library, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "programs" / "llama_block.edl"
@@ -56,8 +58,10 @@ def _compile(text: str) -> edatalog.Program:
 
 
 def _rewritten(prog: edatalog.Program, plan: edatalog.Plan) -> ir.Programs:
-    programs = use_collectives(fuse_programs(plan.schedule.programs, prog.graph), prog.graph).programs
-    programs.verify()
+    """The plan lowered with every kind of collective (each pass verified as it runs)."""
+    lowered = plan.lowering(Options(Collectives.ON))
+    assert lowered.passes == ("synthesis", "fusion", "presence", "collectives")
+    programs = lowered.programs
     assert ir.Programs.from_json(programs.to_json()) == programs
     return programs
 
@@ -72,58 +76,17 @@ def _kinds(programs: ir.Programs) -> Counter[tuple[str, str, int]]:
 
 
 def _run_in_process(programs: ir.Programs, graph: Graph, values: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every device's program in turns on numpy; a collective runs once every member has come
-    to it (its sources folded with the aggregation, or its pieces put together)."""
+    """Every device's program in turns on numpy, as the simulator runs them; a collective runs
+    once every member has come to it (its sources folded with the aggregation, or its pieces
+    put together)."""
     kernels = Kernels(graph)
     devices = [Device(p, graph, kernels, slicer(values)) for p in programs.devices]
-    box = Mailbox()
-
-    def at_collective(dev: Device) -> ir.Collective | None:
-        op = None if dev.done else dev.program.ops[dev.position]
-        return op if isinstance(op, ir.Collective) else None
-
-    progress = True
-    while progress:
-        progress = False
-        for dev in devices:
-            while at_collective(dev) is None and dev.runnable(box):
-                dev.step(box)
-                progress = True
-        waiting: dict[int, list[tuple[Device, ir.Collective]]] = {}
-        for dev in devices:
-            if (op := at_collective(dev)) is not None:
-                waiting.setdefault(op.tag, []).append((dev, op))
-        for members in waiting.values():
-            if len(members) == len(members[0][1].group):
-                _meet(members)
-                progress = True
-    assert all(d.done for d in devices), "the programs wait forever"
+    run_devices(devices, Mailbox())
     out = {}
     for name in graph.outputs:
         pieces = [(p.region, devices[p.device].get(p.buf)) for p in programs.outputs if p.relation == name]
         out[name], _ = gather(graph, name, pieces)  # absent cells read 0, as the reference's
     return out
-
-
-def _meet(members: list[tuple[Device, ir.Collective]]) -> None:
-    first = members[0][1]
-    if first.kind is ir.CollectiveKind.ALL_GATHER:
-        whole: np.ndarray | None = None
-        for dev, op in members:
-            piece = op.pieces[op.group.index(dev.index)]
-            part = dev.cut(dev.get(op.source), piece)
-            whole = np.zeros(op.whole.shape, part.data.dtype) if whole is None else whole
-            whole[piece.at(op.whole)] = part.data
-        assert whole is not None
-        result = Buffer(first.whole, whole, None)
-    else:
-        parts = [dev.cut(dev.get(op.source), op.whole) for dev, op in members]
-        assert all(p.present is None for p in parts)
-        result = members[0][0].fold(parts, first.reduce, first.dtype, True)
-    for dev, op in members:
-        mine = Buffer(op.whole, result.data.copy(), None)
-        dev.store[op.buf] = mine if op.region == op.whole else dev.cut(mine, op.region)
-        dev.position += 1
 
 
 def _check_values(prog: edatalog.Program, programs: ir.Programs, seed: int = 0) -> None:
@@ -167,7 +130,7 @@ def test_the_all_reduce_replaces_the_reduce_scatter_and_the_pulls() -> None:
     reading its buffer whole, where there were two sends, two receives and a combine."""
     prog = _llama()
     plan = edatalog.plan(prog, topology="cpux2", strategy="megatron")
-    before = fuse_programs(plan.schedule.programs, prog.graph).devices[0].ops
+    before = plan.lowering(Options(Collectives.OFF)).programs.devices[0].ops
     after = _rewritten(prog, plan).devices[0].ops
     assert sum(isinstance(op, ir.Send | ir.Recv | ir.Combine) for op in before) == 10
     k = next(k for k, op in enumerate(after) if isinstance(op, ir.Collective) and op.relation == "attn")
@@ -247,9 +210,10 @@ def test_partials_that_may_lack_cells_stay_point_to_point() -> None:
     text = "dim N = 8.\ninput x[N, N] : f32.\noutput y.\ny[i, k:N] += x[i, j] where j <= i + k, j + 1 >= i + k."
     prog, plan = _split_sum(text, 2)
     programs = synthesize(prog.graph, plan, preset("cpux2")).programs
-    rewritten = use_collectives(programs, prog.graph)
+    marked = mark_full(programs, prog.graph)
+    rewritten = use_collectives(marked, prog.graph)
     assert not collectives_of(rewritten.programs)
-    assert rewritten.programs == mark_full(programs, prog.graph) and not rewritten.moved
+    assert rewritten.programs == marked and not rewritten.moved
     assert any(isinstance(op, ir.Combine) and not op.full for _, _, op in rewritten.programs.ops())
     _check_values(prog, rewritten.programs)
 
@@ -371,29 +335,28 @@ def test_verify_rejects_a_collective_on_one_member_only() -> None:
 
 
 def test_whether_to_use_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV, raising=False)
     every, reduce_only = set(ir.CollectiveKind), {ir.CollectiveKind.ALL_REDUCE}
-    assert wanted(None, "nccl") == every and wanted(None, "gloo") == reduce_only
-    assert wanted(True, "gloo") == every and not wanted(False, "nccl")
-    monkeypatch.setenv(ENV, "1")
-    assert wanted(None, "gloo") == every and not wanted(False, "gloo")
-    monkeypatch.setenv(ENV, "0")
-    assert not wanted(None, "nccl") and wanted(True, "nccl") == every
-    monkeypatch.setenv(ENV, "maybe")
-    with pytest.raises(EdlError, match="neither 0 nor 1"):
-        wanted(None, "gloo")
+    assert Collectives.AUTO.kinds(Library.NCCL) == every and Collectives.AUTO.kinds(Library.GLOO) == reduce_only
+    assert Collectives.ON.kinds(Library.GLOO) == every and not Collectives.OFF.kinds(Library.NCCL)
+    # The choice is the lowered plan's, never the environment's: the old variable changes nothing.
+    prog = _llama()
+    plan = edatalog.plan(prog, topology="cpux2", strategy="megatron")
+    monkeypatch.setenv("EDL_COLLECTIVES", "0")
+    assert plan.lowered.kinds == reduce_only and collectives_of(plan.lowered.programs)
+    assert plan.report.seconds == edatalog.plan(prog, topology="cpux2", strategy="megatron").report.seconds
 
 
 def test_only_the_kinds_asked_for_are_rewritten() -> None:
     """On gloo the runtime asks for all-reduces only: the rest stays point-to-point."""
     prog = _llama()
     plan = edatalog.plan(prog, topology="cpux2", strategy="megatron")
-    programs = fuse_programs(plan.schedule.programs, prog.graph)
+    programs = mark_full(fuse_programs(plan.schedule.programs, prog.graph), prog.graph)
     kinds = {c[0][1].kind for c in collectives_of(use_collectives(programs, prog.graph).programs).values()}
     assert kinds == {AR}
     assert not collectives_of(use_collectives(programs, prog.graph, {ir.CollectiveKind.ALL_GATHER}).programs)
-    mixed = fuse_programs(
-        edatalog.plan(prog, topology="cpux2", strategy="random", seed=1).schedule.programs, prog.graph
+    mixed = mark_full(
+        fuse_programs(edatalog.plan(prog, topology="cpux2", strategy="random", seed=1).schedule.programs, prog.graph),
+        prog.graph,
     )
     every = use_collectives(mixed, prog.graph).programs
     only = use_collectives(mixed, prog.graph, {AR}).programs
@@ -411,7 +374,7 @@ def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[dict[str, np.
     collectives this rank's program has."""
     import torch
 
-    from edatalog.backend.spmd import SpmdExecutable, init_group
+    from edatalog.backend.running.spmd import SpmdExecutable, init_group
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -423,7 +386,7 @@ def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[dict[str, np.
     out = {}
     for path in plans:
         plan = edatalog.load_plan(path, prog)
-        exe = SpmdExecutable(prog.graph, plan.schedule, "cpu", collectives=True)
+        exe = SpmdExecutable(prog.graph, plan.lowering(Options(Collectives.ON)), "cpu")
         exe.load(params)
         got = exe(inputs)
         count = sum(isinstance(op, ir.Collective) for op in exe.program.ops)
@@ -434,7 +397,7 @@ def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[dict[str, np.
 @pytest.mark.distributed
 @pytest.mark.parametrize("n", [2, 3])
 def test_spmd_ranks_run_collectives_to_the_reference(n: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from edatalog.backend.launch import spawn
+    from edatalog.backend.running.launch import spawn
 
     monkeypatch.setenv("EDL_DIST_TIMEOUT", "30")
     kvh = 6

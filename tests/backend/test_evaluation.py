@@ -19,9 +19,9 @@ from hypothesis import given
 
 import edatalog
 from edatalog import EdlError
-from edatalog.backend import joinagg, memory
-from edatalog.backend.contract import contract, peak_elements
-from edatalog.backend.joinagg import prepare
+from edatalog.backend.kernels import joinagg, memory
+from edatalog.backend.kernels.contract import contract, peak_elements
+from edatalog.backend.kernels.joinagg import prepare
 from edatalog.errors import EdlWarning
 from tests.strategies import GeneratedProgram, example_settings, programs
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import edatalog
-from edatalog.backend import sim
-from edatalog.backend.exchange import synthesize
-from edatalog.backend.timeline import analyze, chrome_trace
+from edatalog.backend.lowering.exchange import synthesize
+from edatalog.backend.lowering.lowered import AS_SYNTHESIZED, lower
+from edatalog.backend.predicting.timeline import analyze, chrome_trace
+from edatalog.backend.running import sim
 from edatalog.ir import program as ir
 from edatalog.solver.blocks import Layout
 from edatalog.solver.costmodel import transfer_seconds
@@ -35,7 +36,7 @@ def _check_sim(prog: edatalog.Program, plan: Plan, n: int, reduction: str = "aut
     topo = preset("2x4") if n == 8 and plan.topology == "2x4" else preset(f"a100x{n}")
     values = prog.prepare(prog.random_inputs(seed=n))
     expected = prog.evaluate(values)
-    got = sim.run(synthesize(prog.graph, plan, topo, reduction), values)
+    got = sim.run(lower(synthesize(prog.graph, plan, topo, reduction), AS_SYNTHESIZED), values)
     for name in prog.outputs:
         np.testing.assert_allclose(got[name].data, expected[name].data, rtol=1e-10, atol=1e-12)
 
@@ -68,7 +69,7 @@ def test_megatron_moves_exactly_two_reduce_scatter_all_gather_rounds(n: int) -> 
     x = next(p for p in plan.inputs if p.relation == "x")
     assert x.dtensor(n) == "R"  # x replicated on every device
     assert [p.dtensor(n) for p in plan.outputs] == ["R"]  # and so is y
-    report = analyze(synthesize(prog.graph, plan, topo))
+    report = analyze(lower(synthesize(prog.graph, plan, topo)))
     itemsize = 4
     # Each of the two row-parallel projections (wo, w_down) leaves partial sums of B*S*D on every
     # device: a reduce-scatter and an all-gather move (N - 1) * B*S*D each.
@@ -95,7 +96,7 @@ def test_causal_attention_skips_the_blocks_above_the_diagonal() -> None:
         tuple(Placement(r.name, place_by_consumers(g, tiles, r.name, 4)) for r in g.relations if r.kind != "derived"),
     )
     schedule = synthesize(g, plan, preset("a100x4"))
-    blocks = analyze(schedule).computed_blocks
+    blocks = analyze(lower(schedule)).computed_blocks
     assert tiles["sc"].n_blocks == 16
     assert blocks["sc"] == 10  # 4 + 3 + 2 + 1 blocks on or below the diagonal
     assert blocks["p"] == blocks["o"] == 10
@@ -124,7 +125,7 @@ def test_hierarchical_reduction_crosses_the_slow_links_less() -> None:
     node_of = {d.index: d.node for d in topo.devices}
     slow = {}
     for reduction in ("direct", "hierarchical"):
-        report = analyze(synthesize(g, plan, topo, reduction), as_runtimes_run=False)  # the exchanges as made
+        report = analyze(lower(synthesize(g, plan, topo, reduction), AS_SYNTHESIZED))  # the exchanges as made
         slow[reduction] = _slow_bytes(node_of, report.bytes_per_link)
         _check_sim(prog, plan, 8, reduction)
     size = 64 * 8  # y in bytes
@@ -160,7 +161,7 @@ def test_timeline_respects_dependencies_and_resources() -> None:
     prog = _llama("f32", B=1, S=4, D=32, H=4, KVH=4, F=16)
     plan = edatalog.plan(prog, topology="a100x4", strategy="megatron")
     times = plan.report.times
-    ops = {(d, k): op for d, k, op in plan.report.schedule.programs.ops() if not isinstance(op, ir.Free)}
+    ops = {(d, k): op for d, k, op in plan.report.lowered.programs.ops() if not isinstance(op, ir.Free)}
     maker = {op.buf: key for key, op in ops.items() if isinstance(op, ir.DEFINES)}
     send_at = {op.tag: key for key, op in ops.items() if isinstance(op, ir.Send)}
     members: dict[int, list[tuple[int, int]]] = {}
@@ -191,9 +192,9 @@ def test_reading_data_a_device_does_not_hold_is_an_error() -> None:
         dataclasses.replace(p, ops=tuple(op for op in p.ops if not isinstance(op, ir.Send | ir.Recv)))
         for p in progs.devices
     )
-    schedule = dataclasses.replace(schedule, programs=dataclasses.replace(progs, devices=devices))
+    broken = dataclasses.replace(lower(schedule, AS_SYNTHESIZED), programs=dataclasses.replace(progs, devices=devices))
     with pytest.raises(sim.SimError, match="does not hold"):
-        sim.run(schedule, prog.prepare(prog.random_inputs(0)))
+        sim.run(broken, prog.prepare(prog.random_inputs(0)))
 
 
 def test_replicate_keeps_everything_on_device_zero() -> None:
@@ -245,11 +246,11 @@ def test_reducing_along_the_readers_axis_moves_no_more_than_megatron(n: int) -> 
     b, s, d = 1, 8, 64
     prog = _llama("f32", B=b, S=s, D=d, H=8, KVH=8, F=40)
     topo = preset(f"a100x{n}")
-    megatron = analyze(synthesize(prog.graph, build(prog.graph, topo, "megatron"), topo)).bytes_moved
+    megatron = analyze(lower(synthesize(prog.graph, build(prog.graph, topo, "megatron"), topo))).bytes_moved
     along_s = _sequence_parallel_mlp_norms(prog, n, reduce_axis=1)
     longest = _sequence_parallel_mlp_norms(prog, n, reduce_axis=None)
-    assert analyze(synthesize(prog.graph, along_s, topo)).bytes_moved == megatron
-    assert analyze(synthesize(prog.graph, longest, topo)).bytes_moved > megatron
+    assert analyze(lower(synthesize(prog.graph, along_s, topo))).bytes_moved == megatron
+    assert analyze(lower(synthesize(prog.graph, longest, topo))).bytes_moved > megatron
     f64 = _llama(B=b, S=s, D=d, H=8, KVH=8, F=40)
     _check_sim(f64, _sequence_parallel_mlp_norms(f64, n, reduce_axis=1), n)
 
@@ -324,14 +325,14 @@ def _check_sends(prog: edatalog.Program, plan: Plan, n: int, halo: dict[int, tup
         assert op.region.axes == want, (op.peer, op.region)
     values = prog.prepare(prog.random_inputs(seed=n))
     expected = prog.evaluate(values)
-    got = sim.run(schedule, values)
+    got = sim.run(lower(schedule, AS_SYNTHESIZED), values)
     for name in prog.outputs:
         np.testing.assert_allclose(got[name].data, expected[name].data, rtol=1e-12, atol=1e-12)
         mine, theirs = got[name].present, expected[name].present
         assert (mine is None) == (theirs is None)
         if mine is not None and theirs is not None:
             assert np.array_equal(mine, theirs)
-    return analyze(schedule).bytes_moved
+    return analyze(lower(schedule)).bytes_moved
 
 
 @pytest.mark.parametrize(("n", "length", "width"), [(2, 10, 3), (3, 10, 3), (4, 12, 2), (4, 16, 5)])
@@ -410,5 +411,5 @@ def test_a_transfer_on_an_interfering_link_holds_back_compute_at_both_ends(inter
     tx, k = transfer_seconds(1024 * 4, topo.intra), topo.kernel_floor
     assert tx == pytest.approx(2e-3 + 4096 / 4e9)
     want = max(tx, k + interference * tx) + k
-    assert analyze(schedule).seconds == pytest.approx(want)
+    assert analyze(lower(schedule)).seconds == pytest.approx(want)
     assert want == pytest.approx({0.0: 4.001e-3, 0.2: 4.4002e-3, 1.0: 6.001e-3}[interference], rel=1e-4)

@@ -1,4 +1,4 @@
-"""Attention fusion (:mod:`edatalog.backend.fusion`): which chains are found, what fused device
+"""Attention fusion (:mod:`edatalog.backend.lowering.fusion`): which chains are found, what fused device
 programs look like, and that they compute the reference wherever they run.
 
 - :func:`attention_chains` finds the five-rule softmax-attention chain of the LLaMA block (multi-
@@ -35,8 +35,9 @@ import pytest
 import torch
 
 import edatalog
-from edatalog.backend import sim
-from edatalog.backend.fusion import KIND, fuse_programs
+from edatalog.backend.lowering.fusion import KIND, fuse_programs
+from edatalog.backend.lowering.lowered import AS_SYNTHESIZED
+from edatalog.backend.running import sim
 from edatalog.errors import EdlWarning
 from edatalog.ir import program as ir
 from edatalog.ir.attention import Chain, attention_chains
@@ -128,7 +129,7 @@ def _run_torch(prog: edatalog.Program, plan: edatalog.Plan, values: dict[str, An
 
 def _run_numpy(prog: edatalog.Program, plan: edatalog.Plan, fused: ir.Programs, values: dict[str, Any]) -> Any:
     """The fused programs in the simulator: numpy runs each fused op's inner kernels."""
-    return sim.run(dataclasses.replace(plan.schedule, programs=fused), prog.prepare(values))
+    return sim.run(dataclasses.replace(plan.lowering(AS_SYNTHESIZED), programs=fused), prog.prepare(values))
 
 
 def _assert_round_trips(programs: ir.Programs) -> None:

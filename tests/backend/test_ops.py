@@ -1,4 +1,4 @@
-"""The op and aggregation registry (:mod:`edatalog.backend.ops`): one row per op of the language
+"""The op and aggregation registry (:mod:`edatalog.backend.kernels.ops`): one row per op of the language
 and per aggregation, with a numpy and a torch implementation that agree."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from edatalog.backend import ops
-from edatalog.backend.arrays import NUMPY, TORCH, ArrayOps
+from edatalog.backend.kernels import ops
+from edatalog.backend.kernels.arrays import NUMPY, TORCH, ArrayOps
 from edatalog.ir.graph import AGG_NAMES
 from edatalog.ir.scalar import FOLD, OPS
 

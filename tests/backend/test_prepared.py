@@ -1,4 +1,4 @@
-"""Blocks prepared once per layout (backend/prepared.py) compute what the general evaluation does.
+"""Blocks prepared once per layout (backend/kernels/prepared.py) compute what the general evaluation does.
 
 The property test cuts every rule of a random program into a random block, reads its inputs from
 the reference's values (sometimes through non-contiguous layouts), and, wherever
@@ -21,12 +21,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import edatalog
-from edatalog.backend import interpreter
-from edatalog.backend.arrays import TORCH
-from edatalog.backend.joinagg import evaluate_node, known_presence
-from edatalog.backend.prepared import _Contraction, _Elementwise, layout_of, prepare_block
-from edatalog.backend.reference import evaluate
-from edatalog.backend.torch_runtime import TorchExecutable
+from edatalog.backend.kernels.arrays import TORCH
+from edatalog.backend.kernels.joinagg import evaluate_node, known_presence
+from edatalog.backend.kernels.prepared import _Contraction, _Elementwise, layout_of, prepare_block
+from edatalog.backend.kernels.reference import evaluate
+from edatalog.backend.running import interpreter
+from edatalog.backend.running.torch_runtime import TorchExecutable
 from edatalog.errors import EdlWarning
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph, JoinAgg

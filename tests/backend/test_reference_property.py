@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 
 import edatalog
-from edatalog.backend.reference import Value
+from edatalog.backend.kernels.reference import Value
 from edatalog.errors import EdlWarning
 from edatalog.ir.graph import Graph
 from tests.strategies import GeneratedProgram, example_settings, programs

@@ -14,7 +14,7 @@ blocks, sometimes placed outputs).  The synthesized schedule must
 - send exactly its region: ``nbytes == region.size * itemsize``, never to itself, never nothing;
 - never deliver a cell twice to a device from the same piece of a relation's final layout (or the
   same partial result), nor a piece the device already holds;
-- time it sanely: :func:`~edatalog.backend.timeline.analyze` gives non-negative spans, every task
+- time it sanely: :func:`~edatalog.backend.predicting.timeline.analyze` gives non-negative spans, every task
   starts after its dependencies end, a device's kernels do not overlap, traffic and flops add up,
   and peak memory is at least what stays resident.
 
@@ -40,10 +40,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import edatalog
-from edatalog.backend import sim
-from edatalog.backend.exchange import REDUCTIONS, Entry, Schedule, synthesize
-from edatalog.backend.reference import Value
-from edatalog.backend.timeline import Report, analyze
+from edatalog.backend.kernels.reference import Value
+from edatalog.backend.lowering.exchange import REDUCTIONS, Entry, Schedule, synthesize
+from edatalog.backend.lowering.lowered import AS_SYNTHESIZED, Lowered, lower
+from edatalog.backend.predicting.timeline import Report, analyze
+from edatalog.backend.running import sim
 from edatalog.errors import EdlWarning
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
@@ -115,7 +116,7 @@ def _assert_matches(name: str, got: Value, want: Value) -> None:
 # -- schedule invariants --------------------------------------------------------------------------
 
 
-def _itemsize(s: Schedule, relation: str) -> int:
+def _itemsize(s: Schedule | Lowered, relation: str) -> int:
     return dtypes.itemsize(s.graph.relation(relation).dtype)
 
 
@@ -180,10 +181,10 @@ def _check_no_double_receive(s: Schedule, relation_of: Mapping[int, str]) -> Non
 
 
 def _check_report(r: Report) -> None:
-    """The timeline of the programs it timed (``r.schedule``: as synthesized, or as the runtimes
+    """The timeline of the programs it timed (``r.lowered``: as synthesized, or as the runtimes
     run them) respects every dependency, collectives' meetings included, and runs one kernel at
     a time per device."""
-    s = r.schedule
+    s = r.lowered
     ops = {(d, k): op for d, k, op in s.programs.ops() if not isinstance(op, ir.Free)}
     assert set(r.times) == set(ops)
     maker = {op.buf: key for key, op in ops.items() if isinstance(op, ir.DEFINES)}
@@ -202,7 +203,7 @@ def _check_report(r: Report) -> None:
         for dep in waits:
             assert r.times[dep].end <= span.start + 1e-15, f"{op} starts at {span.start}, before {dep} ends"
     assert r.seconds == max((sp.end for sp in r.times.values()), default=0.0)
-    for d in range(s.plan.n_devices):
+    for d in range(s.n_devices):
         kernels = sorted(
             (r.times[key].start, r.times[key].end)
             for key, op in ops.items()
@@ -222,7 +223,7 @@ def _check_report(r: Report) -> None:
             succ = op.group[(j + 1) % len(op.group)]
             per_link[(d, succ)] = per_link.get((d, succ), 0) + moved
     assert r.bytes_per_link == per_link
-    for d in range(s.plan.n_devices):
+    for d in range(s.n_devices):
         assert r.sent[d] == sum(v for (a, _), v in per_link.items() if a == d)
         assert r.received[d] == sum(v for (_, b), v in per_link.items() if b == d)
         kernel_flops = [
@@ -275,10 +276,21 @@ def _check_outputs(s: Schedule, inputs: dict[str, np.ndarray], want: dict[str, V
             ]
             for name, entries in s.outputs.items()
         }
-        got = sim.run(dataclasses.replace(s, outputs=outputs), inputs)
+        got = sim.run(lower(_with_outputs(s, outputs), AS_SYNTHESIZED), inputs)
         assert set(got) == set(graph.outputs)
         for name in graph.outputs:
             _assert_matches(f"{name} (replica {turn})" if replicas > 1 else name, got[name], want[name])
+
+
+def _with_outputs(s: Schedule, outputs: dict[str, list[Entry]]) -> Schedule:
+    """``s`` with its outputs ending in ``outputs`` (one holder of several, say)."""
+    pieces = tuple(
+        ir.OutputPiece(name, e.region, d, b)
+        for name, entries in outputs.items()
+        for e in entries
+        for d, b in sorted(e.holders.items())
+    )
+    return dataclasses.replace(s, programs=dataclasses.replace(s.programs, outputs=pieces), outputs=outputs)
 
 
 def _check(prog: edatalog.Program, values: dict[str, np.ndarray], topology: str, reduction: str, seed: int) -> None:
@@ -287,8 +299,8 @@ def _check(prog: edatalog.Program, values: dict[str, np.ndarray], topology: str,
     plan = random_plan(graph, machine, seed)
     schedule = synthesize(graph, plan, machine, reduction)
     _check_schedule(schedule)
-    _check_report(analyze(schedule))
-    _check_report(analyze(schedule, as_runtimes_run=False))
+    _check_report(analyze(lower(schedule)))
+    _check_report(analyze(lower(schedule, AS_SYNTHESIZED)))
     inputs = prog.prepare(values)
     _check_outputs(schedule, inputs, prog.evaluate(inputs))
 
@@ -309,7 +321,7 @@ def test_any_interleaving_of_the_devices_gives_the_reference(case: Case, order: 
     schedule = synthesize(prog.graph, random_plan(prog.graph, machine, case.seed), machine, case.reduction)
     inputs = prog.prepare(case.gen.inputs)
     want = prog.evaluate(inputs)
-    got = sim.run(schedule, inputs, interleave=random.Random(order))
+    got = sim.run(lower(schedule, AS_SYNTHESIZED), inputs, interleave=random.Random(order))
     for name in prog.graph.outputs:
         _assert_matches(name, got[name], want[name])
 
@@ -346,7 +358,7 @@ def test_programs_that_wait_for_each_other_are_refused() -> None:
     prog = _compile("dim N = 2.\ninput x[N] : f64.\ny[i] = x[i].\n")
     schedule = synthesize(prog.graph, random_plan(prog.graph, preset("a100x2"), 0), preset("a100x2"))
     with pytest.raises(sim.SimError, match="wait forever"):
-        sim.run(dataclasses.replace(schedule, programs=progs), {"x": np.zeros(2)})
+        sim.run(dataclasses.replace(lower(schedule, AS_SYNTHESIZED), programs=progs), {"x": np.zeros(2)})
 
 
 def test_device_programs_round_trip_through_json() -> None:
@@ -475,8 +487,8 @@ def _run_hand(prog: edatalog.Program, plan: Plan, values: dict[str, np.ndarray])
     """Synthesize, check the schedule's invariants and its outputs against the reference."""
     schedule = synthesize(prog.graph, plan, preset(plan.topology))
     _check_schedule(schedule)
-    _check_report(analyze(schedule))
-    _check_report(analyze(schedule, as_runtimes_run=False))
+    _check_report(analyze(lower(schedule)))
+    _check_report(analyze(lower(schedule, AS_SYNTHESIZED)))
     inputs = prog.prepare(values)
     _check_outputs(schedule, inputs, prog.evaluate(inputs))
     return schedule
@@ -498,7 +510,7 @@ def test_peak_memory_counts_inputs_when_nothing_is_computed() -> None:
     prog = _compile("dim N = 2.\ninput x[N] : f64.\nr[i] = x[i] where i < i.\n")
     schedule = _run_hand(prog, _plan(prog, 1, {"r": ((0, 2), ((0,),))}), {"x": np.ones(2)})
     assert all(isinstance(op, ir.Load) for _, _, op in schedule.programs.ops())
-    assert analyze(schedule).peak_memory == {0: 16}
+    assert analyze(lower(schedule)).peak_memory == {0: 16}
 
 
 def test_overlapping_eq_pieces_do_not_hide_each_others_cells() -> None:
@@ -534,4 +546,4 @@ def test_a_device_receives_each_cell_once() -> None:
     prog = _compile("dim N = 4.\ninput x[N] : f64.\na[i] = x[i] + 1.0.\nb[i] = 2.0 * x[i].\n")
     nodes: dict[str, _Blocks] = {"a": ((0, 2, 4), ((1,), (0,))), "b": ((0, 3, 4), ((1,), (0,)))}
     schedule = _run_hand(prog, _plan(prog, 2, nodes), {"x": np.arange(4.0)})
-    assert analyze(schedule).bytes_per_link == {(0, 1): 3 * 8}
+    assert analyze(lower(schedule)).bytes_per_link == {(0, 1): 3 * 8}

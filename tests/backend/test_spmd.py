@@ -1,4 +1,4 @@
-"""The torch runtime across processes (:mod:`edatalog.backend.spmd`): rank r of a gloo group runs
+"""The torch runtime across processes (:mod:`edatalog.backend.running.spmd`): rank r of a gloo group runs
 device r's program, on 2 and 3 processes of this machine, one thread each.
 
 The bar of the runtime issue:
@@ -589,7 +589,7 @@ def test_a_hung_rank_ends_the_job_after_the_timeout(tmp_path: Path) -> None:
     and the launcher ends the job, sending SIGTERM to rank 1.  A hung rank (deadlocked, looping)
     dies of it at once; a stopped one takes it only when continued, which the test does as soon
     as the SIGTERM is pending.  (Left stopped, it would be killed 30 s later: torch 2.13's agent
-    waits that long after a failure whatever its shutdown timeout; see backend/launch.py.)"""
+    waits that long after a failure whatever its shutdown timeout; see backend/running/launch.py.)"""
     fault = _fault(tmp_path, signal.SIGSTOP, 10)
     assert fault.returncode != 0
     assert fault.seconds < 60, f"the job took {fault.seconds:.1f} s to end"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import edatalog
-from edatalog.backend.exchange import synthesize
-from edatalog.backend.running import as_run
-from edatalog.backend.timeline import analyze
+from edatalog.backend.lowering.exchange import synthesize
+from edatalog.backend.lowering.lowered import lower
+from edatalog.backend.predicting.timeline import analyze
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
 from edatalog.solver.costmodel import FLASH_TILE, collective_bytes, collective_seconds, tiled_points
@@ -43,7 +43,7 @@ def test_one_device_fills_its_port_only_by_sending_to_several_peers(pair: str) -
     plan = Plan(g.fingerprint(), 4, "test", "test", (NodePlan(node.name, tile),), (x,))
     b, p, q = 4e6, 3e9, float(pair.removesuffix("GB/s")) * 1e9
     want = 2 * b / p + b / q + 1e-3
-    assert analyze(synthesize(g, plan, topo)).seconds == pytest.approx(want)
+    assert analyze(lower(synthesize(g, plan, topo))).seconds == pytest.approx(want)
 
 
 def test_megatrons_all_reduces_are_priced_as_nccl_runs_them() -> None:
@@ -53,7 +53,7 @@ def test_megatrons_all_reduces_are_priced_as_nccl_runs_them() -> None:
     prog = _llama("bf16", B=1, S=256, D=256, H=4, KVH=4, F=512)
     topo = preset("a100x4")
     plan = edatalog.plan(prog, topology=topo, strategy="megatron")
-    s = plan.report.schedule
+    s = plan.report.lowered
     members: dict[int, list[tuple[int, int]]] = {}
     for d, k, op in s.programs.ops():
         if isinstance(op, ir.Collective):
@@ -80,7 +80,7 @@ def test_gloo_runs_reduce_scatters_by_messages() -> None:
     """gloo runs only all-reduces as one call: Megatron-SP's reduce-scatters stay messages."""
     prog = _llama("f32", B=1, S=8, D=32, H=4, KVH=4, F=16)
     plan = edatalog.plan(prog, topology="cpux2", strategy="megatron-sp")
-    ops = [op for _, _, op in plan.report.schedule.programs.ops()]
+    ops = [op for _, _, op in plan.report.lowered.programs.ops()]
     assert not any(isinstance(op, ir.Collective) for op in ops)
     assert any(isinstance(op, ir.Recv) for op in ops)
 
@@ -105,7 +105,7 @@ def test_a_fused_attention_block_costs_flash_style() -> None:
     the output's: neither the S x S scores nor the probabilities leave the chip."""
     prog = _llama("bf16", B=1, S=256, D=64, H=2, KVH=2, F=64)
     s = synthesize(prog.graph, edatalog.plan(prog, topology="a100x1", strategy="replicate").ir, preset("a100x1"))
-    run = as_run(s)
+    run = lower(s)
     fused = [(d, k, op) for d, k, op in run.programs.ops() if isinstance(op, ir.Fused)]
     assert len(fused) == 1
     d, k, op = fused[0]

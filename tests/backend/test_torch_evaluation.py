@@ -1,4 +1,4 @@
-"""The evaluator on torch tensors (:data:`edatalog.backend.arrays.TORCH`) against the numpy
+"""The evaluator on torch tensors (:data:`edatalog.backend.kernels.arrays.TORCH`) against the numpy
 reference and the brute-force oracle: random programs node by node, half precision, index
 expressions that pad, bands, the chunked path, contractions and writes into torch buffers.
 
@@ -25,11 +25,11 @@ import torch
 from hypothesis import given
 
 import edatalog
-from edatalog.backend import joinagg
-from edatalog.backend.arrays import NUMPY, TORCH, TorchOps
-from edatalog.backend.contract import contract
-from edatalog.backend.joinagg import evaluate_node
-from edatalog.backend.reference import Value, evaluate, write_cells
+from edatalog.backend.kernels import joinagg
+from edatalog.backend.kernels.arrays import NUMPY, TORCH, TorchOps
+from edatalog.backend.kernels.contract import contract
+from edatalog.backend.kernels.joinagg import evaluate_node
+from edatalog.backend.kernels.reference import Value, evaluate, write_cells
 from edatalog.errors import EdlWarning
 from edatalog.ir.graph import Graph
 from tests.strategies import GeneratedProgram, example_settings, programs

@@ -173,7 +173,7 @@ def test_run_times_only_the_work(
 ) -> None:
     """What ops load on first use (torch, for gelu) is loaded before the clock starts, so the
     FLOP/s printed are the work's.  Checked by the order of events, not by timing anything."""
-    from edatalog.backend import ops
+    from edatalog.backend.kernels import ops
     from edatalog.cli import programs
 
     events: list[str] = []
@@ -201,7 +201,7 @@ def test_run_times_only_the_work(
 def test_warm_up_loads_torch_only_for_the_ops_that_need_it() -> None:
     code = (
         "import sys\n"
-        "from edatalog.backend import ops\n"
+        "from edatalog.backend.kernels import ops\n"
         "ops.warm_up(['exp', 'silu', 'no such op'])\n"
         "assert 'torch' not in sys.modules\n"
         "ops.warm_up(['gelu'])\n"

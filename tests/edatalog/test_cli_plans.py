@@ -153,15 +153,14 @@ def test_plan_writes_the_plan_and_a_chrome_trace(capsys: pytest.CaptureFixture[s
     assert trace["otherData"]["predicted_ms"] == pytest.approx(end_us / 1e3)
 
 
-def test_hierarchical_reduction_moves_less_between_nodes(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("EDL_COLLECTIVES", "0")  # reductions by messages, not NCCL's rings
+def test_hierarchical_reduction_moves_less_between_nodes(capsys: pytest.CaptureFixture[str]) -> None:
     dims = ["--dim", "S=8", "--dim", "D=64", "--dim", "H=8", "--dim", "KVH=8", "--dim", "F=64"]
     between: dict[str, int] = {}
     for reduction in ("direct", "hierarchical", "auto"):
         code, out, _ = _run(
-            capsys, "plan", LLAMA, *dims, "-t", "2x4", "-s", "megatron", "--reduction", reduction, "--json"
+            capsys,
+            *("plan", LLAMA, *dims, "-t", "2x4", "-s", "megatron", "--reduction", reduction, "--json"),
+            *("--collectives", "off"),  # reductions by messages, not NCCL's rings
         )
         assert code == 0
         links = json.loads(out)["summary"]["bytes_per_link"]

@@ -29,8 +29,9 @@ from hypothesis import strategies as st
 
 import edatalog
 from edatalog import EdlError
-from edatalog.backend.exchange import synthesize
-from edatalog.backend.timeline import analyze
+from edatalog.backend.lowering.exchange import synthesize
+from edatalog.backend.lowering.lowered import lower
+from edatalog.backend.predicting.timeline import analyze
 from edatalog.cli import main
 from edatalog.solver import auto
 from edatalog.solver.topology import Topology, preset
@@ -194,7 +195,7 @@ def test_solved_plans_fit_a_tight_memory(topology: str) -> None:
     assert max(free.report.peak_memory.values()) > limit, "the unconstrained plan fits: the limit tests nothing"
     plan = _solved(SMALL, topology, slow=False, memory=limit)
     assert all(d.memory == limit for d in plan.topology.devices)
-    peak = analyze(synthesize(plan.graph, plan.ir, plan.topology)).peak_memory
+    peak = analyze(lower(synthesize(plan.graph, plan.ir, plan.topology))).peak_memory
     assert set(peak) == set(range(plan.topology.n))
     assert max(peak.values()) <= limit, peak
     assert plan.over_memory() == []

@@ -104,7 +104,7 @@ def test_a_group_of_one_moves_nothing() -> None:
 def test_the_estimate_costs_attention_as_one_flash_kernel() -> None:
     """Causal attention on one A100 in bf16, (B, H, S, E) = (1, 32, 4096, 128): the solver's
     estimate of each rule of the softmax chain is its part of one flash kernel, as the timeline
-    costs the fused block (edatalog.backend.running.flash_cost).
+    costs the fused block (edatalog.backend.lowering.lowered.flash_cost).
 
     Of the 32 x 32 flash tiles of 128 x 128 (s, t), the 528 on or below the diagonal hold
     points: 528 x 128^2 (s, t) pairs count, not the 4096 x 4097 / 2 the guard keeps.

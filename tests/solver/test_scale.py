@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import edatalog
-from edatalog.backend.exchange import Schedule
+from edatalog.backend.lowering.exchange import Schedule
 from edatalog.ir import program as ir
 from edatalog.ir.regions import Region
 from edatalog.plans import Plan

@@ -1,12 +1,12 @@
 """Running device programs: the one interpreter behind every runtime that executes a plan.
 
 A :class:`Device` runs one device's program (:mod:`edatalog.ir.program`) on an array namespace
-(:mod:`edatalog.backend.arrays`: numpy for the simulator, torch for the torch runtimes), keeping
+(:mod:`edatalog.backend.kernels.arrays`: numpy for the simulator, torch for the torch runtimes), keeping
 its buffers (:class:`Buffer`: a region's cells and, unless the buffer is *full*, which of them
 exist) in a store of its own.  Data crosses devices only through a :class:`Transport`: a
 :class:`Mailbox` when every device lives in this process, torch.distributed point-to-point ops
-across processes (:mod:`edatalog.backend.spmd`).  Kernels are the reference algorithm
-(:func:`edatalog.backend.joinagg.evaluate_node`) on each block, restricted once per block
+across processes (:mod:`edatalog.backend.running.spmd`).  Kernels are the reference algorithm
+(:func:`edatalog.backend.kernels.joinagg.evaluate_node`) on each block, restricted once per block
 (:class:`Kernels`) however often the programs run.
 
 An op that reads what its device does not hold is an :class:`ExecutionError`: a bug in whatever
@@ -19,12 +19,13 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from edatalog.backend import ops
-from edatalog.backend.arrays import NUMPY, Array, ArrayOps
-from edatalog.backend.fusion import KIND, AttentionKernel
-from edatalog.backend.joinagg import Known, evaluate_node, known_presence
-from edatalog.backend.prepared import Layout, Prepared, layout_of, prepare_block
-from edatalog.backend.reference import write_cells
+from edatalog.backend.kernels import ops
+from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
+from edatalog.backend.kernels.attention import AttentionKernel
+from edatalog.backend.kernels.joinagg import Known, evaluate_node, known_presence
+from edatalog.backend.kernels.prepared import Layout, Prepared, layout_of, prepare_block
+from edatalog.backend.kernels.reference import write_cells
+from edatalog.backend.lowering.fusion import KIND
 from edatalog.ir import program as ir
 from edatalog.ir.attention import Chain, attention_chains
 from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
@@ -223,10 +224,20 @@ class Device:
         return self.position >= len(self.program.ops)
 
     def runnable(self, transport: Transport) -> bool:
+        """Whether the next op can run now: not a receive whose message has not come, nor a
+        collective (its members run it together: :func:`run_devices`)."""
         if self.done:
             return False
         op = self.program.ops[self.position]
+        if isinstance(op, ir.Collective):
+            return False
         return not isinstance(op, ir.Recv) or transport.ready(self.index, op)
+
+    @property
+    def waiting_at(self) -> ir.Collective | None:
+        """The collective this device has come to, if its next op is one."""
+        op = None if self.done else self.program.ops[self.position]
+        return op if isinstance(op, ir.Collective) else None
 
     def step(self, transport: Transport) -> None:
         op = self.program.ops[self.position]
@@ -426,10 +437,13 @@ def run_devices(
     devices: Sequence[Device], transport: Transport, choose: Callable[[list[int]], int] | None = None
 ) -> None:
     """Run every device's program to its end, in turns: each device runs until it waits on a
-    receive (or, with ``choose``, the chosen one of the runnable devices runs one op)."""
+    receive or a collective (or, with ``choose``, the chosen one of the runnable devices runs one
+    op); a collective runs once every member of its group has come to it (:func:`meet`)."""
     while True:
         ready = [k for k, d in enumerate(devices) if d.runnable(transport)]
         if not ready:
+            if _meet_any(devices):
+                continue
             break
         for k in [choose(ready)] if choose is not None else ready:
             dev = devices[k]
@@ -441,6 +455,59 @@ def run_devices(
     if stuck:
         where = ", ".join(f"device {d.index} at {d.program.ops[d.position]}" for d in stuck)
         raise ExecutionError(f"devices wait forever: {where}")
+
+
+def _meet_any(devices: Sequence[Device]) -> bool:
+    """Run every collective whose members all wait at it; whether one ran."""
+    at: dict[int, list[Device]] = {}
+    for d in devices:
+        op = d.waiting_at
+        if op is not None:
+            at.setdefault(op.tag, []).append(d)
+    met = False
+    for members in at.values():
+        op = members[0].waiting_at
+        assert op is not None
+        if sorted(d.index for d in members) == list(op.group):
+            meet(members)
+            met = True
+    return met
+
+
+def meet(members: Sequence[Device]) -> None:
+    """One collective run by all its members in this process (each a :class:`Device` waiting
+    at it): every member folds the partials (or assembles the pieces) in group order, on its
+    own device, so that every member gets the same cells."""
+    ops_ = {d.index: d.waiting_at for d in members}
+    by_index = {d.index: d for d in members}
+    first = ops_[members[0].index]
+    assert first is not None
+    for d in members:
+        op = ops_[d.index]
+        assert op is not None
+        if d.on_op is not None:
+            d.on_op(d.position, op, "begin")
+        parts = []
+        for m in op.group:
+            src = by_index[m]
+            m_op = ops_[m]
+            assert m_op is not None
+            piece = src.cut(src.get(m_op.source), m_op.part(m))
+            parts.append(Buffer(piece.region, d.xp.asarray(piece.data, device=d.device), None))
+        if op.kind is ir.CollectiveKind.ALL_GATHER:
+            whole = d.xp.empty(op.whole.shape, d.xp.dtype(op.dtype), d.device)
+            for piece in parts:
+                whole[d.index_of(piece.region, op.whole)] = piece.data
+            made = Buffer(op.whole, whole, None)
+        else:
+            made = d.fold(parts, op.reduce, op.dtype, True)
+            if op.region != op.whole:
+                made = d.cut(made, op.region)
+        d.keep(op.buf, made)
+    for d in members:
+        if d.on_op is not None:
+            d.on_op(d.position, ops_[d.index], "end")  # type: ignore[arg-type]
+        d.position += 1
 
 
 def slicer(values: Mapping[str, Array], blocks: Mapping[int, Array] | None = None) -> Loader:

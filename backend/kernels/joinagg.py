@@ -3,11 +3,11 @@
 The node is first *prepared* (:func:`prepare`): the ranges its index expressions must land in
 join its guard, and bands (``u >= t, u <= t + 2``) are re-indexed by their offset, so that the
 join space holds the points that exist and hardly more.  Its inputs are then strided views over
-that space (:mod:`edatalog.backend.operands`), and one of two paths computes it:
+that space (:mod:`edatalog.backend.kernels.operands`), and one of two paths computes it:
 
 - *contraction*, for ``+=`` rules whose body is a product: each factor is evaluated over its own
   indices only, and the factors (with the guard as a 0/1 factor) are contracted pairwise in an
-  order chosen by cost (:mod:`edatalog.backend.contract`): a matmul stays a matmul, a
+  order chosen by cost (:mod:`edatalog.backend.kernels.contract`): a matmul stays a matmul, a
   convolution is an im2col-sized matmul;
 - *broadcast, mask, reduce* for everything else, in chunks along one index so that memory stays
   bounded whatever the join space's size.
@@ -15,8 +15,8 @@ that space (:mod:`edatalog.backend.operands`), and one of two paths computes it:
 Presence follows Datalog: a point contributes only where its guard holds and every cell it reads
 exists; a result cell exists where some point contributes.
 
-The same code runs on numpy (the reference, :data:`~edatalog.backend.arrays.NUMPY`) and on torch
-(:data:`~edatalog.backend.arrays.TORCH`, on the inputs' device): the namespace is an argument, so
+The same code runs on numpy (the reference, :data:`~edatalog.backend.kernels.arrays.NUMPY`) and on torch
+(:data:`~edatalog.backend.kernels.arrays.TORCH`, on the inputs' device): the namespace is an argument, so
 a torch runtime computes the reference's algorithm step for step, in the same compute dtype
 (``f16``/``bf16`` rules in ``f32``).
 """
@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend import ops
-from edatalog.backend.arrays import NUMPY, Array, ArrayOps
-from edatalog.backend.contract import contract, squeeze
-from edatalog.backend.operands import access_view, guard_mask, index_values
+from edatalog.backend.kernels import ops
+from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
+from edatalog.backend.kernels.contract import contract, squeeze
+from edatalog.backend.kernels.operands import access_view, guard_mask, index_values
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine

@@ -19,7 +19,7 @@ What goes where:
   as the cost model counts a kernel's bytes (everything it reads and writes).
 - ``kernel_floor``: the least a kernel op costs in edatalog's torch runtime: a one-cell rule run
   by its interpreter, the time per kernel op of a chain of such rules
-  (:mod:`~edatalog.backend.calibrate_probe`; the command line compiles the probe and passes it as
+  (:mod:`~edatalog.backend.calibrating.probe`; the command line compiles the probe and passes it as
   ``Options.probe``).  Without a probe it falls back to torch's dispatch of a 1-element add, which
   is recorded either way as ``[measured] torch_dispatch``, and ``[measured.how]`` says which.
 - ``links.intra.latency``: half the round trip of a 4-byte message between ranks 0 and 1.
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from edatalog.backend import calibrate_probe
+from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.errors import EdlError
 from edatalog.solver.topology import Device, Library, Link, Topology
 
@@ -369,7 +369,7 @@ def measure_device(
 
 def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None]) -> dict[str, Any]:
     """The kernel floor on ``dev``: seconds per kernel op of the runtime probe (``opts.probe``,
-    see :mod:`~edatalog.backend.calibrate_probe`), or without one torch's dispatch of a 1-element
+    see :mod:`~edatalog.backend.calibrating.probe`), or without one torch's dispatch of a 1-element
     add, which is measured either way (``torch_dispatch``).  ``probe_kernels``: the kernel ops of
     one run of the probe (0: no probe)."""
     torch = _torch()
@@ -491,7 +491,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
 
 
 def _rank_main(options: dict[str, Any], progress_path: str | None) -> dict[str, Any]:
-    """One rank of a calibration job (started by :func:`edatalog.backend.launch.spawn`): its
+    """One rank of a calibration job (started by :func:`edatalog.backend.running.launch.spawn`): its
     device's numbers and its side of the links."""
     opts = Options(**options)
     torch = _torch()
@@ -553,7 +553,7 @@ def _watch(path: Path, progress: ProgressFn, stop: threading.Event) -> None:
 
 
 def _spawned(opts: Options, progress: ProgressFn | None) -> dict[int, dict[str, Any]]:
-    from edatalog.backend.launch import spawn
+    from edatalog.backend.running.launch import spawn
 
     sizes = sizes_for(opts.device, opts.quick)
     if progress is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edatalog.backend.prepared import general_path
+from edatalog.backend.kernels.prepared import general_path
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir

@@ -8,18 +8,17 @@ device ``r``'s program; gloo on CPU, NCCL on CUDA; one node or many (``torchrun 
   safetensors file it reads only those slices.
 - **Exchanges.** Each run of consecutive sends and receives in a program is posted as one batch
   of point-to-point ops (``batch_isend_irecv``) and waited for together.  Every receive follows
-  its send in one global order (see :mod:`edatalog.backend.exchange`), so the batches cannot
+  its send in one global order (see :mod:`edatalog.backend.lowering.exchange`), so the batches cannot
   wait for each other forever.  Buffers that are not *full* send which cells exist with them.
-- **Collectives.** Exchanges that are known collectives (all-reduce, reduce-scatter, all-gather
-  over a group of ranks) can run as one torch.distributed collective on a group of their own
-  (:mod:`edatalog.backend.collectives`).  ``SpmdExecutable(..., collectives=None)`` decides by
-  ``EDL_COLLECTIVES=0/1`` when set, else every kind on NCCL and all-reduces only on gloo (where
-  the others measured slower than the direct messages); True or False decides alone.
+- **Collectives.** Exchanges that the lowering made collectives (all-reduce, reduce-scatter,
+  all-gather over a group of ranks, as the lowered plan's options asked) run as one
+  torch.distributed collective on a group of their own
+  (:mod:`edatalog.backend.running.collective_ops`).
 - **Outputs** end where the plan leaves them; a call brings each output whole to every rank
   (a broadcast from a rank holding each piece that not every rank holds), or returns this
   rank's pieces.
 - **Faults.** The group's timeout bounds every wait (:data:`TIMEOUT_SECONDS`); a rank that dies
-  is seen by the launcher, which stops the others (:mod:`edatalog.backend.launch`).
+  is seen by the launcher, which stops the others (:mod:`edatalog.backend.running.launch`).
 """
 
 from __future__ import annotations
@@ -31,13 +30,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from edatalog.backend.arrays import TorchOps, torch_module, wire_dtype
-from edatalog.backend.collectives import TorchCollectives, wanted
-from edatalog.backend.exchange import Schedule
-from edatalog.backend.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
-from edatalog.backend.launch import TIMED_OUT
-from edatalog.backend.running import runtime_programs
-from edatalog.backend.torch_runtime import OpTime, Outputs, op_label, torch_devices
+from edatalog.backend.kernels.arrays import TorchOps, torch_module, wire_dtype
+from edatalog.backend.lowering.lowered import Lowered
+from edatalog.backend.running.collective_ops import TorchCollectives
+from edatalog.backend.running.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
+from edatalog.backend.running.launch import TIMED_OUT
+from edatalog.backend.running.torch_runtime import OpTime, Outputs, op_label, torch_devices
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
@@ -48,7 +46,7 @@ TIMEOUT_SECONDS = float(os.environ.get("EDL_DIST_TIMEOUT", "45"))  # the longest
 
 def init_group(device: str | None = None) -> str:
     """Join the torch.distributed group of this job (started by torchrun or by
-    :func:`edatalog.backend.launch.spawn`), once: NCCL when the ranks use CUDA, else gloo.
+    :func:`edatalog.backend.running.launch.spawn`), once: NCCL when the ranks use CUDA, else gloo.
     Returns the torch device this rank computes on."""
     torch = torch_module()
     dist = torch.distributed
@@ -72,12 +70,10 @@ def in_group_of(n: int) -> bool:
 class SpmdExecutable:
     """This rank's program of a plan, ready to run with the other ranks of the group."""
 
-    def __init__(
-        self, graph: Graph, schedule: Schedule, device: str | None = None, collectives: bool | None = None
-    ) -> None:
+    def __init__(self, graph: Graph, lowered: Lowered, device: str | None = None) -> None:
         torch = torch_module()
         self.dist = torch.distributed
-        n = schedule.programs.n_devices
+        n = lowered.n_devices
         if not in_group_of(n):
             world = self.dist.get_world_size() if self.dist.is_initialized() else 1
             raise EdlError(
@@ -85,18 +81,16 @@ class SpmdExecutable:
                 help=f"start {n} ranks (edl run --nproc {n}, or torchrun --nproc-per-node {n})",
             )
         self.rank, self.world = self.dist.get_rank(), n
-        self.graph, self.schedule = graph, schedule
-        self.collectives = wanted(collectives, str(self.dist.get_backend()))
-        run = runtime_programs(schedule.programs, graph, schedule.outputs, self.collectives)
-        programs = run.programs
-        self.outputs = run.outputs  # where each output ends: by buffer, as the programs run
+        self.graph, self.lowered = graph, lowered
+        programs = lowered.programs
+        self.outputs = lowered.outputs  # where each output ends: by buffer, as the programs run
         self.program = programs.devices[self.rank]
         default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"
         self.device = torch_devices(device or default, 1)[0]
         self.xp = TorchOps(self.device)
         self.kernels = Kernels(graph)
         self.blocks: dict[int, Any] = {}
-        made = [op for p in (schedule.programs, programs) for _, _, op in p.ops() if isinstance(op, ir.DEFINES)]
+        made = [op for _, _, op in programs.ops() if isinstance(op, ir.DEFINES)]
         self.full = {op.buf: op.full for op in made}
         self.buffer_dtype = {op.buf: op.dtype for op in made}
         self.last_times: list[OpTime] = []
@@ -108,7 +102,7 @@ class SpmdExecutable:
 
     def _agree(self) -> None:
         """Every rank must hold the same program and plan."""
-        mine = f"{self.graph.fingerprint()}/{self.schedule.programs.fingerprint()}"
+        mine = self.lowered.fingerprint
         every: list[Any] = [None] * self.dist.get_world_size()
         self.dist.all_gather_object(every, mine)
         others = [r for r, f in enumerate(every) if f != every[0]]
@@ -235,7 +229,7 @@ class SpmdExecutable:
     def _waiting(self, what: str, peer: int | None) -> Iterator[None]:
         """A wait that the group's timeout ends becomes an error naming what this rank waited
         for (the launcher reports it); a lost connection stays torch's error (see
-        :func:`edatalog.backend.launch.as_rank`)."""
+        :func:`edatalog.backend.running.launch.as_rank`)."""
         try:
             yield
         except RuntimeError as exc:

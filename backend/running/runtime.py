@@ -1,8 +1,9 @@
 """Runtimes: what executes a compiled program, with or without a plan; one registry.
 
-Every runtime builds an :class:`Executable` from a graph and, when it runs plans, the plan's
-schedule (its device programs).  ``Program.run``, ``Plan.execute``, ``edatalog.executable``
-and the CLI's ``--backend`` all take their choices from :data:`RUNTIMES`.
+Every runtime builds an :class:`Executable` from a graph and, when it runs plans, the plan
+lowered (:class:`~edatalog.backend.lowering.lowered.Lowered`: its device programs as they run).
+``Program.run``, ``Plan.execute``, ``edatalog.executable`` and the CLI's ``--backend`` all take
+their choices from :data:`RUNTIMES`.
 
 - ``reference``: the numpy reference evaluator on whole tensors (no plan);
 - ``sim``: a plan's device programs in one process, on numpy (the simulator);
@@ -16,11 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edatalog.backend import sim
-from edatalog.backend.arrays import NUMPY
-from edatalog.backend.exchange import Schedule
-from edatalog.backend.reference import evaluate
-from edatalog.backend.torch_runtime import OpTime, Outputs, TorchExecutable
+from edatalog.backend.kernels.arrays import NUMPY
+from edatalog.backend.kernels.reference import evaluate
+from edatalog.backend.lowering.lowered import Lowered
+from edatalog.backend.running import sim
+from edatalog.backend.running.torch_runtime import OpTime, Outputs, TorchExecutable
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
 
@@ -43,7 +44,7 @@ class Runtime:
     summary: str
     plans: str  # "never", "required" or "optional"
     arrays: str  # "numpy" or "torch": what calls return
-    build: Callable[[Graph, Schedule | None, Device], Executable]
+    build: Callable[[Graph, Lowered | None, Device], Executable]
 
 
 class _Reference:
@@ -66,8 +67,8 @@ class _Reference:
 class _Simulated:
     """A plan's device programs on numpy, in one process."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
+    def __init__(self, lowered: Lowered) -> None:
+        self.lowered = lowered
         self.params: dict[str, Any] = {}
         self.last_times: list[OpTime] = []
 
@@ -75,27 +76,27 @@ class _Simulated:
         self.params = {k: NUMPY.asarray(v) for k, v in params.items()}
 
     def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
-        got = sim.run(self.schedule, {**{k: NUMPY.asarray(v) for k, v in inputs.items()}, **self.params})
-        names = self.schedule.graph.outputs
+        got = sim.run(self.lowered, {**{k: NUMPY.asarray(v) for k, v in inputs.items()}, **self.params})
+        names = self.lowered.graph.outputs
         return Outputs({k: got[k].data for k in names}, {k: got[k].present for k in names})
 
 
-def _reference(graph: Graph, schedule: Schedule | None, device: Device) -> Executable:
+def _reference(graph: Graph, lowered: Lowered | None, device: Device) -> Executable:
     return _Reference(graph)
 
 
-def _sim(graph: Graph, schedule: Schedule | None, device: Device) -> Executable:
-    assert schedule is not None
-    return _Simulated(schedule)
+def _sim(graph: Graph, lowered: Lowered | None, device: Device) -> Executable:
+    assert lowered is not None
+    return _Simulated(lowered)
 
 
-def _torch(graph: Graph, schedule: Schedule | None, device: Device) -> Executable:
-    if schedule is not None:
-        from edatalog.backend.spmd import SpmdExecutable, in_group_of
+def _torch(graph: Graph, lowered: Lowered | None, device: Device) -> Executable:
+    if lowered is not None:
+        from edatalog.backend.running.spmd import SpmdExecutable, in_group_of
 
-        if in_group_of(schedule.programs.n_devices):
-            return SpmdExecutable(graph, schedule, device if isinstance(device, str) or device is None else None)
-    return TorchExecutable(graph, schedule, device)
+        if in_group_of(lowered.n_devices):
+            return SpmdExecutable(graph, lowered, device if isinstance(device, str) or device is None else None)
+    return TorchExecutable(graph, lowered, device)
 
 
 RUNTIMES: dict[str, Runtime] = {

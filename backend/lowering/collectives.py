@@ -1,6 +1,6 @@
 """Exchanges that are known collectives, run as one collective over a group of devices.
 
-Exchange synthesis (:mod:`edatalog.backend.exchange`) moves data by point-to-point messages
+Exchange synthesis (:mod:`edatalog.backend.lowering.exchange`) moves data by point-to-point messages
 only: partials are reduce-scattered by direct sends (each member sends every other member that
 member's piece of its partial, which the owner combines), and consumers then pull the pieces
 they need.  Seen across all devices' programs, some of these exchanges are exactly a collective
@@ -37,60 +37,33 @@ What stays point-to-point:
   kept only if the programs still run to their end, in the meeting semantics of
   :func:`edatalog.ir.program.run_order`.
 
-Only the SPMD runtime applies this rewrite (:mod:`edatalog.backend.spmd`, after
-:func:`edatalog.backend.fusion.fuse_programs`); the simulator, the timeline and the cost model
-see the point-to-point programs.  Which kinds it applies is :func:`wanted`: every kind or none
-by an explicit choice or ``EDL_COLLECTIVES=1/0``, else every kind on NCCL and all-reduces only on
-gloo.  On gloo (2 CPU ranks of one thread, a LLaMA block at D=1024, S=512, medians of 9 calls,
-measured side by side) the Megatron plan took 85.8 ms with its two all-reduces as ``all_reduce``
-against 89.4 ms by direct messages, while the plan whose one collective is an all-gather took
-89.9 ms with ``all_gather_into_tensor`` against 88.6 ms without; gloo's ``reduce_scatter_tensor``
-moved 0.54 GB/s of bus bandwidth where the direct exchange moved 2.1 GB/s.
+It is the last pass of the lowering (:mod:`edatalog.backend.lowering.lowered`), so the timeline,
+the simulator and every runtime see the same collectives. Which kinds it applies is a field of
+the lowering's options (``Collectives``): every kind, none, or by default the kinds the
+machine's library runs faster as one call: every kind on NCCL and all-reduces only on gloo
+(:attr:`edatalog.solver.topology.Library.collectives`). On gloo (2 CPU ranks of one thread, a
+LLaMA block at D=1024, S=512, medians of 9 calls, measured side by side) the Megatron plan took
+85.8 ms with its two all-reduces as ``all_reduce`` against 89.4 ms by direct messages, while the
+plan whose one collective is an all-gather took 89.9 ms with ``all_gather_into_tensor`` against
+88.6 ms without; gloo's ``reduce_scatter_tensor`` moved 0.54 GB/s of bus bandwidth where the
+direct exchange moved 2.1 GB/s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
 
-from edatalog.backend.arrays import torch_module, wire_dtype
-from edatalog.backend.exchange import Entry
-from edatalog.backend.interpreter import Buffer, Device, Kernels
-from edatalog.errors import EdlError
+from edatalog.backend.lowering.exchange import Entry
 from edatalog.ir import intervals
 from edatalog.ir import program as ir
 from edatalog.ir.graph import AGG_NAMES, Graph
 from edatalog.ir.regions import Region
-from edatalog.solver.topology import Library
-
-ENV = "EDL_COLLECTIVES"  # "1": use collectives, "0": never; unset: the backend decides (see wanted)
 
 Kind = ir.CollectiveKind
 
 
 EVERY = frozenset(Kind)
-NONE: frozenset[Kind] = frozenset()
-
-
-def wanted(choice: bool | None, backend: str) -> frozenset[Kind]:
-    """The kinds of collective a runtime on the torch.distributed ``backend`` runs as one:
-    every kind or none as ``choice`` says, else as ``EDL_COLLECTIVES`` says when set, else every
-    kind on NCCL and all-reduces only on gloo (see the module docstring)."""
-    if choice is not None:
-        return EVERY if choice else NONE
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return EVERY
-    if value in ("0", "false", "no", "off"):
-        return NONE
-    if value:
-        raise EdlError(f"{ENV}={os.environ[ENV]!r} is neither 0 nor 1", help=f"set {ENV}=1 or {ENV}=0, or unset it")
-    return (Library.NCCL if "nccl" in backend.lower() else Library.GLOO).collectives
 
 
 @dataclass(frozen=True)
@@ -124,9 +97,8 @@ def collectives_of(programs: ir.Programs) -> dict[int, list[tuple[int, ir.Collec
 
 def use_collectives(programs: ir.Programs, graph: Graph, kinds: Collection[Kind] = EVERY) -> Rewritten:
     """The programs with every exchange that is a known collective of one of ``kinds`` run as
-    one (see the module docstring), every buffer that supports make full marked so first
-    (:func:`mark_full`)."""
-    programs = mark_full(programs, graph)
+    one (see the module docstring).  Only full buffers take part: run the presence pass
+    (:func:`edatalog.backend.lowering.presence.mark_full`) first."""
     index = _Index(programs)
     candidates = [c for c in _reductions(index, graph) if c.kind in kinds]
     claimed = {at for c in candidates for at in c.removed}
@@ -149,88 +121,6 @@ def use_collectives(programs: ir.Programs, graph: Graph, kinds: Collection[Kind]
 def _runs_through(programs: ir.Programs) -> bool:
     """Whether no device of the programs can wait forever."""
     return len(ir.run_order(programs)) == sum(len(p.ops) for p in programs.devices)
-
-
-def mark_full(programs: ir.Programs, graph: Graph) -> ir.Programs:
-    """The programs with every buffer that is full at run time marked full.
-
-    Lowering marks a block's result full only when its guard holds at every point of the block
-    and its inputs are full; the runtime decides more from supports (a block whose inputs all
-    have exact supports and whose guard leaves no output cell without a point:
-    :func:`edatalog.backend.joinagg.known_presence`), and keeps no mask for it.  Under a causal
-    mask every query has a key, so attention's output, and every partial computed from it, is
-    full at run time though not marked so.  Marking it here (and what combines it, and its
-    messages) changes no value: the runtime already keeps no mask for these buffers; now none
-    travels either, and their exchanges can be collectives."""
-    kernels = _kernels(graph)
-    full: dict[int, bool] = {}
-    sent: dict[int, int] = {}  # tag -> the buffer sent
-    changed: dict[tuple[int, int], ir.Op] = {}
-    for d, k in ir.run_order(programs):
-        op = programs.devices[d].ops[k]
-        if isinstance(op, ir.Send):
-            sent[op.tag] = op.buf
-        elif isinstance(op, ir.DEFINES):
-            marked = _marked(op, full, sent, kernels)
-            assert isinstance(marked, ir.DEFINES)
-            full[marked.buf] = marked.full
-            if marked != op:
-                changed[(d, k)] = marked
-    if not changed:
-        return programs
-    devices = tuple(
-        ir.DeviceProgram(p.device, tuple(changed.get((p.device, k), op) for k, op in enumerate(p.ops)))
-        for p in programs.devices
-    )
-    return ir.Programs(programs.graph, programs.relations, devices, programs.outputs)
-
-
-_KERNELS: dict[int, tuple[Graph, Kernels]] = {}  # by id(graph): blocks looked at for the graph's plans
-_KERNELS_KEPT = 4
-
-
-def _kernels(graph: Graph) -> Kernels:
-    """The blocks of ``graph`` looked at so far (the planner checks dozens of plans of one
-    graph, whose blocks repeat), for the last few graphs."""
-    hit = _KERNELS.get(id(graph))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    while len(_KERNELS) >= _KERNELS_KEPT:
-        del _KERNELS[next(iter(_KERNELS))]
-    kernels = Kernels(graph)
-    _KERNELS[id(graph)] = (graph, kernels)
-    return kernels
-
-
-def _marked(op: ir.Op, full: dict[int, bool], sent: Mapping[int, int], kernels: Kernels) -> ir.Op:
-    """``op`` marked full when it is (see :func:`mark_full`); ``full`` gets inner buffers."""
-    if isinstance(op, ir.Kernel):
-        if op.full or not _known_full(kernels, op):
-            return op
-        return dataclasses.replace(op, full=True)
-    if isinstance(op, ir.Combine):
-        return op if op.full or not any(full[b] for b in op.sources) else dataclasses.replace(op, full=True)
-    if isinstance(op, ir.Recv):
-        return op if op.full or not full[sent[op.tag]] else dataclasses.replace(op, full=True)
-    if isinstance(op, ir.Fused):
-        body = []
-        for inner in op.body:
-            marked = _marked(inner, full, sent, kernels)
-            assert isinstance(marked, ir.Kernel | ir.Combine)
-            full[marked.buf] = marked.full
-            body.append(marked)
-        last = body[-1].full
-        return op if tuple(body) == op.body else dataclasses.replace(op, body=tuple(body), full=last or op.full)
-    return op
-
-
-def _known_full(kernels: Kernels, op: ir.Kernel) -> bool:
-    """Whether the runtime keeps no mask for a kernel's result: supports decide that every cell
-    of its region exists."""
-    kernels.block(op)
-    key = (op.node, op.ranges)
-    known = kernels.known[key]
-    return known is not None and known.present is None and kernels.onto[key]
 
 
 # -- finding them ---------------------------------------------------------------------------------
@@ -530,135 +420,3 @@ def _renamed_kernel(op: ir.Kernel, moved: Mapping[int, int]) -> ir.Kernel:
         joined = _union([r for _, r in renamed]) if len(bufs) == 1 and len(renamed) > 1 else None
         reads.append(((renamed[0][0], joined),) if joined is not None else renamed)
     return ir.Kernel(op.buf, op.node, op.ranges, tuple(reads), op.relation, op.region, op.dtype, op.full)
-
-
-# -- running them with torch.distributed -----------------------------------------------------------
-
-
-class TorchCollectives:
-    """Collective ops of SPMD programs run with torch.distributed, on this rank.
-
-    One process group per distinct group of the programs, made at construction by every rank
-    (members or not, as ``new_group`` needs) in one order, whole world included: collectives
-    then never share a communicator (nor, on NCCL, a stream) with the point-to-point messages.
-    An all-reduce reduces its source in place when nothing reads the source later (a partial
-    made by a kernel), else a copy; a reduce-scatter and an all-gather move each member's piece
-    as one chunk (``reduce_scatter_tensor``, ``all_gather_into_tensor``): views of the data
-    when the pieces are the data's equal, consecutive chunks in group order, else packed (and
-    padded to equal sizes)."""
-
-    def __init__(self, programs: ir.Programs, rank: int, device: Any, timeout: float) -> None:
-        torch = torch_module()
-        self.dist = torch.distributed
-        self.rank, self.device = rank, device
-        self.gloo = "gloo" in str(self.dist.get_backend())
-        found = collectives_of(programs)
-        self.groups: dict[tuple[int, ...], Any] = {}
-        for group in sorted({members[0][1].group for members in found.values()}):
-            self.groups[group] = self.dist.new_group(list(group), timeout=timedelta(seconds=timeout))
-        self.reduce_ops = {
-            "sum": self.dist.ReduceOp.SUM,
-            "prod": self.dist.ReduceOp.PRODUCT,
-            "max": self.dist.ReduceOp.MAX,
-            "min": self.dist.ReduceOp.MIN,
-        }
-        self.in_place = _consumed(programs.devices[rank], {o.buf for o in programs.outputs})
-
-    def run(self, dev: Device, op: ir.Collective) -> None:
-        """This rank's part of ``op``: its result goes to ``dev``'s store."""
-        source = dev.get(op.source)
-        group = self.groups[op.group]
-        if op.kind is Kind.ALL_REDUCE:
-            piece = dev.cut(source, op.whole)
-            data = piece.data
-            if (piece is source and op.tag not in self.in_place) or not data.is_contiguous():
-                data = data.clone(memory_format=torch_module().contiguous_format)
-            work, back = self._reducible(data)
-            self.dist.all_reduce(work, op=self.reduce_ops[str(op.reduce)], group=group)
-            dev.keep(op.buf, Buffer(op.whole, back(work), None))
-        elif op.kind is Kind.REDUCE_SCATTER:
-            dev.keep(op.buf, self._reduce_scatter(dev, op, source, group))
-        else:
-            dev.keep(op.buf, self._all_gather(dev, op, source, group))
-
-    def _reduce_scatter(self, dev: Device, op: ir.Collective, source: Buffer, group: Any) -> Buffer:
-        torch = torch_module()
-        mine = op.pieces[op.group.index(self.rank)]
-        if _chunks(op.whole, op.pieces):
-            flat = dev.cut(source, op.whole).data.reshape(-1)
-            chunk = mine.size
-        else:
-            chunk = max(p.size for p in op.pieces)
-            flat = torch.zeros(chunk * len(op.pieces), dtype=source.data.dtype, device=self.device)
-            for k, piece in enumerate(op.pieces):
-                flat[k * chunk : k * chunk + piece.size] = dev.cut(source, piece).data.reshape(-1)
-        work, back = self._reducible(flat.contiguous())
-        out = torch.empty(chunk, dtype=work.dtype, device=self.device)
-        self.dist.reduce_scatter_tensor(out, work, op=self.reduce_ops[str(op.reduce)], group=group)
-        return Buffer(mine, back(out)[: mine.size].reshape(mine.shape), None)
-
-    def _all_gather(self, dev: Device, op: ir.Collective, source: Buffer, group: Any) -> Buffer:
-        torch = torch_module()
-        me = op.group.index(self.rank)
-        mine = dev.cut(source, op.pieces[me]).data.reshape(-1)
-        dtype = mine.dtype
-        wire = wire_dtype(dtype)
-        chunk = max(p.size for p in op.pieces)
-        send = torch.zeros(chunk, dtype=dtype, device=self.device)
-        send[: mine.numel()] = mine
-        out = torch.empty(chunk * len(op.pieces), dtype=dtype, device=self.device)
-        self.dist.all_gather_into_tensor(out.view(wire), send.view(wire), group=group)
-        if _chunks(op.whole, op.pieces):
-            return Buffer(op.whole, out.reshape(op.whole.shape), None)
-        whole = torch.empty(op.whole.shape, dtype=dtype, device=self.device)
-        for k, piece in enumerate(op.pieces):
-            whole[dev.index_of(piece, op.whole)] = out[k * chunk : k * chunk + piece.size].reshape(piece.shape)
-        return Buffer(op.whole, whole, None)
-
-    def _reducible(self, data: Any) -> tuple[Any, Callable[[Any], Any]]:
-        """``data`` in a type the backend reduces (bools as bytes; half floats as f32 on gloo),
-        and the way back."""
-        torch = torch_module()
-        if data.dtype == torch.bool:
-            return data.to(torch.uint8), lambda out: out != 0
-        if self.gloo and data.dtype in (torch.float16, torch.bfloat16):
-            dtype = data.dtype
-            return data.float(), lambda out: out.to(dtype)
-        return data, lambda out: out
-
-
-def _consumed(program: ir.DeviceProgram, kept: set[int]) -> set[int]:
-    """The tags of the all-reduces that may overwrite their source: a partial made by a kernel
-    (or combine) of this call, no output, that no later op reads."""
-    made = {op.buf: op for op in program.ops if isinstance(op, ir.DEFINES)}
-    last: dict[int, int] = {}
-    for k, op in enumerate(program.ops):
-        if not isinstance(op, ir.Free):
-            for b in ir.reads(op):
-                last[b] = k
-    out = set()
-    for k, op in enumerate(program.ops):
-        if isinstance(op, ir.Collective) and op.kind is Kind.ALL_REDUCE:
-            fresh = isinstance(made.get(op.source), ir.Kernel | ir.Combine | ir.Fused)
-            if fresh and last.get(op.source) == k and op.source not in kept:
-                out.add(op.tag)
-    return out
-
-
-def _chunks(whole: Region, pieces: Sequence[Region]) -> bool:
-    """Whether ``pieces`` are, in order, equal consecutive chunks of ``whole``'s data (laid out
-    row-major): each is ``whole`` cut along one axis, before which ``whole`` has one cell."""
-    size = pieces[0].size
-    if any(p.size != size for p in pieces):
-        return False
-    axis = next((a for a in range(len(whole.axes)) if any(p.axes[a] != whole.axes[a] for p in pieces)), None)
-    if axis is None or math.prod(whole.shape[:axis]) != 1:
-        return False
-    step = pieces[0].shape[axis]
-    for k, piece in enumerate(pieces):
-        runs = piece.positions_in(whole)
-        if any(runs[a] != ((0, n),) for a, n in enumerate(whole.shape) if a != axis):
-            return False
-        if runs[axis] != ((k * step, (k + 1) * step),):
-            return False
-    return True

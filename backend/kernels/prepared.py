@@ -1,7 +1,7 @@
 """A block's evaluation decided once for the layouts it is called with, for runtimes that run
 the same blocks on every call.
 
-:func:`~edatalog.backend.joinagg.evaluate_node` decides on every call how to evaluate a block:
+:func:`~edatalog.backend.kernels.joinagg.evaluate_node` decides on every call how to evaluate a block:
 its views, its path, the order of a contraction, which ops may write in place.  Those decisions
 depend only on the block and on its inputs' shapes, dtypes and layouts, and in Python they cost
 about 0.1 ms a block: as much as the arithmetic of a small block, and a tenth of a 1024-wide
@@ -13,7 +13,7 @@ most programs, and the :class:`Prepared` result runs with a handful of torch cal
 - an elementwise rule (no aggregated index), its ops in place where an array has no other
   reader.
 
-Both need the block's presence decided beforehand (:class:`~edatalog.backend.joinagg.Known`) and
+Both need the block's presence decided beforehand (:class:`~edatalog.backend.kernels.joinagg.Known`) and
 no input read outside its relation.  Anything else, and every numpy evaluation (the reference),
 gets None, and the caller evaluates with ``evaluate_node``; a prepared block computes what
 ``evaluate_node`` computes, op for op.
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from edatalog.backend import ops
-from edatalog.backend.arrays import Array, ArrayOps, torch_module
-from edatalog.backend.joinagg import (
+from edatalog.backend.kernels import ops
+from edatalog.backend.kernels.arrays import Array, ArrayOps, torch_module
+from edatalog.backend.kernels.joinagg import (
     CHUNK_POINTS,
     Known,
     constant_scale,
@@ -38,7 +38,7 @@ from edatalog.backend.joinagg import (
     prepare,
     read_once,
 )
-from edatalog.backend.operands import index_values, view_spec
+from edatalog.backend.kernels.operands import index_values, view_spec
 from edatalog.ir import dtypes
 from edatalog.ir.forms import product_form
 from edatalog.ir.graph import JoinAgg

@@ -1,12 +1,12 @@
 """Array namespaces: the array operations the evaluator needs, on numpy arrays or torch tensors.
 
-The evaluator (:mod:`edatalog.backend.joinagg`, :mod:`~edatalog.backend.operands`,
-:mod:`~edatalog.backend.contract`, :mod:`~edatalog.backend.reference`) is written once, against
+The evaluator (:mod:`edatalog.backend.kernels.joinagg`, :mod:`~edatalog.backend.kernels.operands`,
+:mod:`~edatalog.backend.kernels.contract`, :mod:`~edatalog.backend.kernels.reference`) is written once, against
 an :class:`ArrayOps` passed to it explicitly: :data:`NUMPY`, the reference and ground truth, or
 :data:`TORCH`, so that a runtime computes exactly the reference's algorithm (same contraction
 order, same masks, same rounding points) on CPU or CUDA tensors.  Only what numpy and torch spell
 or behave differently is a method here: strided views, padding, dtype names, in-place writes,
-reductions to a Python bool.  The scalar ops and aggregations live in :mod:`edatalog.backend.ops`.
+reductions to a Python bool.  The scalar ops and aggregations live in :mod:`edatalog.backend.kernels.ops`.
 
 Nothing here copies a tensor to the host or asks where its cells are (no ``nonzero``, no boolean
 indexing): a CUDA evaluation never waits on the device except where it must decide a path

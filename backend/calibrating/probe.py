@@ -2,7 +2,7 @@
 
 The cost model prices a kernel at ``max(kernel_floor, flops / rate, bytes / bandwidth)``, so its
 ``kernel_floor`` must be the least a kernel costs *as edatalog runs it*: a device program's
-kernel op goes through the interpreter (:class:`~edatalog.backend.interpreter.Device`: assembling
+kernel op goes through the interpreter (:class:`~edatalog.backend.running.interpreter.Device`: assembling
 its inputs from buffers, evaluating the block's join-agg, writing the result), which on a CPU
 costs tens of microseconds, against about one for torch dispatching a 1-element add.  A floor
 of torch's dispatch alone predicts plans of many small blocks far too fast.
@@ -10,14 +10,14 @@ of torch's dispatch alone predicts plans of many small blocks far too fast.
 So calibration runs a probe: a chain of :data:`RULES` one-cell rules over one input
 (:func:`source`), planned on one device and synthesized into a device program as any plan is,
 then run by the same interpreter, on the same torch device and array namespace, as
-:mod:`~edatalog.backend.torch_runtime` and :mod:`~edatalog.backend.spmd` run a plan's programs.
+:mod:`~edatalog.backend.running.torch_runtime` and :mod:`~edatalog.backend.running.spmd` run a plan's programs.
 Each rank runs it while the others do, as they will run a plan's kernels.  The floor is the time
 of one run over its kernel ops: its load and frees, which the cost model prices at nothing,
 are counted in, as every run pays them.
 
-This module is apart from :mod:`~edatalog.backend.calibrate` because the backend cannot compile
+This module is apart from :mod:`~edatalog.backend.calibrating.calibrate` because the backend cannot compile
 ``.edl`` text (the layering of ``tests/test_architecture.py``): the command line compiles
-:func:`source` and passes the graph's JSON in :class:`~edatalog.backend.calibrate.Options`;
+:func:`source` and passes the graph's JSON in :class:`~edatalog.backend.calibrating.calibrate.Options`;
 :func:`runner` takes it from there.  torch is imported on first use, never on import.
 """
 
@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from edatalog.backend.arrays import TorchOps
-from edatalog.backend.exchange import Schedule, synthesize
-from edatalog.backend.fusion import fuse_programs
-from edatalog.backend.interpreter import Device, Kernels, Mailbox, run_devices, slicer
+from edatalog.backend.kernels.arrays import TorchOps
+from edatalog.backend.lowering.exchange import synthesize
+from edatalog.backend.lowering.lowered import Lowered, lower
+from edatalog.backend.running.interpreter import Device, Kernels, Mailbox, run_devices, slicer
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
@@ -80,8 +80,8 @@ def general_runner(graph_json: str, device: Any) -> tuple[Callable[[], None], li
     """A call that runs the general probe once on ``device``, and its kernels' costs as the
     cost model counts them (``OpCost``): calibration prices the others by the roofline and
     gives the rest of the time to the general ones' bytes."""
-    run, schedule = _runner(graph_json, device)
-    costs = [schedule.costs[(d, k)] for d, k, op in schedule.programs.ops() if isinstance(op, ir.Kernel)]
+    run, lowered = _runner(graph_json, device)
+    costs = [lowered.costs[(d, k)] for d, k, op in lowered.programs.ops() if isinstance(op, ir.Kernel)]
     if not any(c.general for c in costs):
         raise EdlError("the general-path probe has no kernel on the general path to time")
     return run, [(c.flops, c.nbytes, c.general) for c in costs]
@@ -95,23 +95,23 @@ def describe(kernels: int) -> str:
 def runner(graph_json: str, device: Any) -> tuple[Callable[[], None], int]:
     """A call that runs the probe's program once on the torch ``device`` (as the torch runtime
     runs a plan's program on one device), and how many kernel ops each call runs."""
-    run, schedule = _runner(graph_json, device)
-    kernels = sum(isinstance(op, ir.Kernel) for _, _, op in schedule.programs.ops())
+    run, lowered = _runner(graph_json, device)
+    kernels = sum(isinstance(op, ir.Kernel) for _, _, op in lowered.programs.ops())
     if kernels == 0:
         raise EdlError("the calibration probe has no kernel to time")
     return run, kernels
 
 
-def _runner(graph_json: str, device: Any) -> tuple[Callable[[], None], Schedule]:
-    """A call that runs a probe's program once on ``device``, and the schedule it runs (planned
-    on one device, synthesized as any plan is)."""
+def _runner(graph_json: str, device: Any) -> tuple[Callable[[], None], Lowered]:
+    """A call that runs a probe's program once on ``device``, and the lowered plan it runs
+    (planned on one device, synthesized and lowered as any plan is)."""
     try:
         graph = Graph.from_json(graph_json)
     except ValueError as exc:
         raise EdlError(f"the calibration probe is not a join-agg graph: {exc}") from None
     topology = preset("cpux1")  # one device: the plan's name for it; nothing is priced here
-    schedule = synthesize(graph, build(graph, topology, "replicate"), topology)
-    programs = fuse_programs(schedule.programs, graph)  # the programs as the runtimes run them
+    lowered = lower(synthesize(graph, build(graph, topology, "replicate"), topology))
+    programs = lowered.programs
     xp = TorchOps(device)
     values = {r.name: xp.full(r.shape, 1, xp.dtype(r.dtype), device) for r in graph.relations if r.kind != "derived"}
     cache = Kernels(graph)  # made once, kept across calls, as an executable keeps it
@@ -121,4 +121,4 @@ def _runner(graph_json: str, device: Any) -> tuple[Callable[[], None], Schedule]
         devices = [Device(p, graph, cache, load, xp, device) for p in programs.devices]
         run_devices(devices, Mailbox())
 
-    return run, schedule
+    return run, lowered

@@ -4,10 +4,10 @@ It evaluates a join-agg graph on whole arrays, in the declared precision (``f64`
 ``f16`` and ``bf16`` compute in ``f32`` and round when stored).  Every relation carries a presence
 mask, so Datalog semantics hold exactly: a point contributes only where its guard holds and every
 cell it reads exists; a cell with no contribution is absent, and reads as 0 when handed to the
-user.  Each rule is computed by :mod:`edatalog.backend.joinagg` at a cost that follows its points;
+user.  Each rule is computed by :mod:`edatalog.backend.kernels.joinagg` at a cost that follows its points;
 relations no later rule reads are dropped unless the caller keeps them.
 
-numpy is the reference; with the torch namespace (:data:`~edatalog.backend.arrays.TORCH`) the
+numpy is the reference; with the torch namespace (:data:`~edatalog.backend.kernels.arrays.TORCH`) the
 same code evaluates on tensors, on the inputs' device, and :func:`write_cells` folds a rule's
 result into a runtime's own tensor buffers.
 """
@@ -19,9 +19,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from edatalog.backend import ops
-from edatalog.backend.arrays import NUMPY, Array, ArrayOps
-from edatalog.backend.joinagg import evaluate_node
+from edatalog.backend.kernels import ops
+from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
+from edatalog.backend.kernels.joinagg import evaluate_node
 from edatalog.ir import dtypes
 from edatalog.ir.graph import AGG_NAMES, AxisMap, Graph, JoinAgg
 

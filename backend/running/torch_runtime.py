@@ -4,7 +4,7 @@ or on one GPU).
 
 Weights are loaded once (:meth:`TorchExecutable.load`): each logical device keeps only the
 blocks of each param its program loads, already on its torch device.  Each call then slices the
-inputs the same way, runs every device's program (:mod:`edatalog.backend.interpreter`; a
+inputs the same way, runs every device's program (:mod:`edatalog.backend.running.interpreter`; a
 message between devices is moved to the receiver's torch device), and returns the outputs as
 torch tensors.  Without a plan the program runs on one device as the one-device plan that
 computes each rule whole (:func:`one_device`), through the same interpreter, kernels and fusions.
@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from edatalog.backend.arrays import TorchOps, torch_module
-from edatalog.backend.exchange import Schedule, synthesize
-from edatalog.backend.fusion import fuse_programs
-from edatalog.backend.interpreter import Buffer, Device, Kernels, Mailbox, gather, run_devices, slicer
+from edatalog.backend.kernels.arrays import TorchOps, torch_module
+from edatalog.backend.lowering.exchange import synthesize
+from edatalog.backend.lowering.lowered import Lowered, lower
+from edatalog.backend.running.interpreter import Buffer, Device, Kernels, Mailbox, gather, run_devices, slicer
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
@@ -44,6 +44,8 @@ def op_label(op: ir.Op) -> str:
         return f"{op.kind} ({op.names()})"
     if isinstance(op, ir.Combine):
         return f"combine {op.relation}"
+    if isinstance(op, ir.Collective):
+        return f"{op.kind.value} {op.relation}"
     if isinstance(op, ir.Send | ir.Recv):
         return "exchange"
     return type(op).__name__.lower()
@@ -87,12 +89,11 @@ class Outputs:
 class TorchExecutable:
     """A program (and maybe a plan) ready to run on torch devices in this process."""
 
-    def __init__(self, graph: Graph, schedule: Schedule | None, device: str | Sequence[str] | None = None) -> None:
-        schedule = schedule if schedule is not None else one_device(graph)
-        self.graph, self.schedule = graph, schedule
-        self.devices = torch_devices(device, schedule.programs.n_devices)
-        # The programs as run: attention chains fused where their blocks line up on a device.
-        self.programs = fuse_programs(schedule.programs, graph)
+    def __init__(self, graph: Graph, lowered: Lowered | None, device: str | Sequence[str] | None = None) -> None:
+        lowered = lowered if lowered is not None else one_device(graph)
+        self.graph, self.lowered = graph, lowered
+        self.devices = torch_devices(device, lowered.n_devices)
+        self.programs = lowered.programs
         self.kernels = Kernels(graph)
         self.loaded: dict[tuple[int, int], Any] = {}  # (device, buffer) -> its block of a param
         self.param_names = {r.name for r in graph.relations if r.kind == "param"}
@@ -116,7 +117,7 @@ class TorchExecutable:
         """Run on ``inputs`` (the program's inputs, whole); with ``record``, the time of every
         op is kept in ``last_times``.  Outputs come whole on the first device (every logical
         device lives in this process: there is nothing else to gather to)."""
-        schedule, programs = self.schedule, self.programs
+        programs = self.programs
         whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
         start = time.perf_counter()
         times: list[OpTime] = []
@@ -144,7 +145,7 @@ class TorchExecutable:
         }
         values, present = {}, {}
         for name in self.graph.outputs:
-            entries = schedule.outputs[name]
+            entries = self.lowered.outputs[name]
             pieces = []
             for e in entries:
                 if e.holders:
@@ -217,11 +218,12 @@ class CopyStreams(Mailbox):
         return self.streams[gpu]
 
 
-def one_device(graph: Graph) -> Schedule:
+def one_device(graph: Graph) -> Lowered:
     """The program on one device, as a plan's device program (every rule one block, on device
-    0), so that it runs through the interpreter, kernels and fusions every plan runs through."""
+    0), lowered, so that it runs through the interpreter, kernels and fusions every plan runs
+    through."""
     machine = preset("cpux1")
-    return synthesize(graph, build(graph, machine, "replicate"), machine)
+    return lower(synthesize(graph, build(graph, machine, "replicate"), machine))
 
 
 def _recorder(device: int, start: float, times: list[OpTime]) -> Callable[[int, ir.Op, str], None]:

@@ -8,7 +8,7 @@ pair whose result is smallest (then the cheapest), after summing out every index
 operand has.  Every step is a ``matmul`` of a (batch, rows, shared) array by a (batch, shared,
 columns) one, so the work runs in the BLAS and memory is that of the largest intermediate.
 
-The arrays are numpy's or torch's, as the namespace passed in (:mod:`edatalog.backend.arrays`)
+The arrays are numpy's or torch's, as the namespace passed in (:mod:`edatalog.backend.kernels.arrays`)
 says; the order is chosen from extents alone, so both evaluate the same sequence of products.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from edatalog.backend import ops
-from edatalog.backend.arrays import NUMPY, Array, ArrayOps
+from edatalog.backend.kernels import ops
+from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
 
 Operand = tuple[Array, tuple[str, ...]]  # an array and the index of each of its axes
 

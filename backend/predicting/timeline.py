@@ -1,6 +1,6 @@
 """Time, traffic and memory of a plan's device programs under the topology's cost model.
 
-The programs timed are the ones a runtime runs (:func:`edatalog.backend.running.as_run`:
+The programs timed are the ones a runtime runs (:func:`edatalog.backend.lowering.lowered.as_run`:
 attention fused into one kernel, exchanges that are whole collectives run as one where the
 topology's communication library does so).  Every device has a compute engine and, per link
 class, an egress and an ingress port.  Ops take the resources they need (a kernel, fused block
@@ -29,8 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from edatalog.backend.exchange import Schedule
-from edatalog.backend.running import as_run
+from edatalog.backend.lowering.lowered import Lowered
 from edatalog.ir import program as ir
 from edatalog.ir.program import region_bytes
 from edatalog.solver.costmodel import (
@@ -58,7 +57,7 @@ class Report:
     bytes_per_link: dict[tuple[int, int], int]  # (src, dst) -> bytes
     peak_memory: dict[int, int]  # bytes per device
     computed_blocks: dict[str, int]  # node -> blocks computed (not replicas)
-    schedule: Schedule  # what was timed: the schedule as it runs (attention fused, collectives)
+    lowered: Lowered  # what was timed: the programs as they run (attention fused, collectives)
 
     @property
     def bytes_moved(self) -> int:
@@ -80,11 +79,8 @@ class _Traffic:
         self.per_link[(src, dst)] = self.per_link.get((src, dst), 0) + nbytes
 
 
-def analyze(schedule: Schedule, as_runtimes_run: bool = True) -> Report:
-    """The schedule's time, traffic and memory as a runtime runs it (:func:`as_run`: attention
-    fused, collectives where the topology's library runs them), or with ``as_runtimes_run``
-    False, as synthesis made it (point-to-point, kernel by kernel: the simulator's programs)."""
-    s = as_run(schedule) if as_runtimes_run else schedule
+def analyze(s: Lowered) -> Report:
+    """The lowered plan's time, traffic and memory, as its programs run."""
     n = s.programs.n_devices
     times: dict[Key, Span] = {}
     free: dict[tuple[Any, ...], float] = {}
@@ -118,9 +114,19 @@ def analyze(schedule: Schedule, as_runtimes_run: bool = True) -> Report:
         traffic.received,
         traffic.per_link,
         _peak_memory(s, graph, times),
-        {k: len(v) for k, v in s.blocks.items()},
+        _computed_blocks(s),
         s,
     )
+
+
+def _computed_blocks(s: Lowered) -> dict[str, int]:
+    """Per rule, its blocks computed (replicas once): its kernels' distinct ranges."""
+    seen: dict[str, set[ir.Ranges]] = {}
+    for _, _, op in s.programs.ops():
+        for k in op.body if isinstance(op, ir.Fused) else (op,):
+            if isinstance(k, ir.Kernel):
+                seen.setdefault(k.node, set()).add(k.ranges)
+    return {node: len(r) for node, r in seen.items()}
 
 
 def _interfere(free: dict[tuple[Any, ...], float], devices: tuple[int, ...], start: float, lost: float) -> None:
@@ -131,7 +137,7 @@ def _interfere(free: dict[tuple[Any, ...], float], devices: tuple[int, ...], sta
 
 
 def _meet(
-    s: Schedule, graph: _Dag, tag: int, times: dict[Key, Span], free: dict[tuple[Any, ...], float], traffic: _Traffic
+    s: Lowered, graph: _Dag, tag: int, times: dict[Key, Span], free: dict[tuple[Any, ...], float], traffic: _Traffic
 ) -> None:
     """Time one collective for all its members: it starts when every member has come and their
     ports are free, and holds every member's ports of its link class until it ends (NCCL's time,
@@ -163,7 +169,7 @@ class _Dag:
     """The ops of every device (frees aside) with what each waits for: the ops that make the
     buffers it reads, for a receive its send, and for a collective what every member reads."""
 
-    def __init__(self, s: Schedule) -> None:
+    def __init__(self, s: Lowered) -> None:
         self.op: dict[Key, ir.Op] = {}
         self.deps: dict[Key, list[Key]] = {}
         self.maker: dict[int, Key] = {}
@@ -211,7 +217,7 @@ class _Dag:
                     heapq.heappush(heap, (max(times[d].end for d in self.deps[r]), self.order[r], r))
 
 
-def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[tuple[Any, ...], float]]]:
+def _cost(s: Lowered, key: Key, op: ir.Op) -> tuple[float, list[tuple[tuple[Any, ...], float]]]:
     """An op's time, and the resources it holds with how long it holds each."""
     topo = s.topology
     device = key[0]
@@ -229,7 +235,7 @@ def _cost(s: Schedule, key: Key, op: ir.Op) -> tuple[float, list[tuple[tuple[Any
     return 0.0, []  # loads and sends
 
 
-def _peak_memory(s: Schedule, dag: _Dag, times: dict[Key, Span]) -> dict[int, int]:
+def _peak_memory(s: Lowered, dag: _Dag, times: dict[Key, Span]) -> dict[int, int]:
     events: dict[int, list[tuple[float, int]]] = {d: [] for d in range(s.programs.n_devices)}
     for prog in s.programs.devices:
         readers: dict[int, list[Key]] = {}
@@ -265,7 +271,7 @@ def _peak_memory(s: Schedule, dag: _Dag, times: dict[Key, Span]) -> dict[int, in
 def chrome_trace(report: Report) -> dict[str, Any]:
     """The timeline as Chrome trace JSON (chrome://tracing, ui.perfetto.dev): one process per
     device, with lanes for compute, sends and receives (a collective shows in both)."""
-    s = report.schedule
+    s = report.lowered
     events: list[dict[str, Any]] = []
     lanes = {"compute": 0, "send": 1, "recv": 2}
     for d in range(s.programs.n_devices):

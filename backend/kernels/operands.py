@@ -12,7 +12,7 @@ read absent cells and the rule's guard excludes them, but the view must still po
 such parts read from a copy of the relation padded with zeros (absent) on the sides they reach.
 
 Everything here works on numpy arrays and torch tensors alike, through an array namespace
-(:mod:`edatalog.backend.arrays`); masks are arrays too, never host-side index lists.
+(:mod:`edatalog.backend.kernels.arrays`); masks are arrays too, never host-side index lists.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edatalog.backend.arrays import NUMPY, Array, ArrayOps
+from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
 from edatalog.ir.affine import Guard
 from edatalog.ir.graph import Access
 

@@ -8,7 +8,7 @@ largest temporaries) and frees (relations nobody reads any more), and raises an
 :class:`EdlError` naming the first step that would exceed the memory this machine has
 available, with the shape and bytes of what it allocates.
 
-The estimate follows :mod:`edatalog.backend.joinagg` and :mod:`edatalog.backend.reference`;
+The estimate follows :mod:`edatalog.backend.kernels.joinagg` and :mod:`edatalog.backend.kernels.reference`;
 it errs high (every temporary of a rule counted at once), never low by more than small arrays.
 """
 
@@ -19,8 +19,8 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from edatalog.backend.contract import peak_elements
-from edatalog.backend.joinagg import CHUNK_POINTS, factor_indices, prepare
+from edatalog.backend.kernels.contract import peak_elements
+from edatalog.backend.kernels.joinagg import CHUNK_POINTS, factor_indices, prepare
 from edatalog.errors import EdlError, Span
 from edatalog.ir import dtypes
 from edatalog.ir.forms import product_form

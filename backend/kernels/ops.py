@@ -5,7 +5,7 @@ a row per aggregation (``sum``, ``prod``, ``max``, ``min``: what absent points c
 partials combine, how an array reduces over axes); each row holds the numpy and the torch
 implementation side by side, so that a backend cannot miss an op or disagree on one silently.
 Evaluators call them through :func:`apply_op`, :func:`identity`, :func:`fold` and
-:func:`reduce` with an array namespace (:mod:`edatalog.backend.arrays`).
+:func:`reduce` with an array namespace (:mod:`edatalog.backend.kernels.arrays`).
 
 Numeric results stay in the rule's compute dtype (``f64`` stays ``f64``; ``f16`` and ``bf16``
 compute in ``f32``).  ``erf`` and ``gelu`` are torch's on both sides: numpy has no ``erf``, and
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend.arrays import NUMPY, Array, ArrayOps, torch_module
+from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps, torch_module
 from edatalog.ir.scalar import OPS
 
 Fn = Callable[..., Any]

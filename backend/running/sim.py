@@ -6,7 +6,7 @@ take turns (in device order, or in a random order given a random generator: prog
 rely on one global order), so a device blocked on a receive lets the others run.  An op that
 reads a buffer its device does not hold, or programs that leave every device waiting, are a
 :class:`SimError`: a bug in exchange synthesis.  Blocks are evaluated by the reference
-evaluator (:mod:`edatalog.backend.interpreter` runs them), which makes the simulator's outputs
+evaluator (:mod:`edatalog.backend.running.interpreter` runs them), which makes the simulator's outputs
 directly comparable with the reference.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from edatalog.backend.arrays import NUMPY
-from edatalog.backend.exchange import Schedule
-from edatalog.backend.interpreter import Device, ExecutionError, Kernels, Mailbox, gather, run_devices, slicer
-from edatalog.backend.reference import Value
+from edatalog.backend.kernels.arrays import NUMPY
+from edatalog.backend.kernels.reference import Value
+from edatalog.backend.lowering.lowered import Lowered
+from edatalog.backend.running.interpreter import Device, ExecutionError, Kernels, Mailbox, gather, run_devices, slicer
 
 
 class SimError(ExecutionError):
@@ -29,19 +29,19 @@ class SimError(ExecutionError):
 
 
 def run(
-    schedule: Schedule, inputs: Mapping[str, np.ndarray], interleave: random.Random | None = None
+    lowered: Lowered, inputs: Mapping[str, np.ndarray], interleave: random.Random | None = None
 ) -> dict[str, Value]:
-    """Execute the schedule's programs on the given inputs and params; returns the outputs,
+    """Execute the lowered plan's programs on the given inputs and params; returns the outputs,
     gathered.  With ``interleave``, devices take turns one op at a time in a random order."""
-    graph = schedule.graph
+    graph = lowered.graph
     kernels = Kernels(graph)
     load = slicer(inputs)
-    devices = [Device(p, graph, kernels, load) for p in schedule.programs.devices]
+    devices = [Device(p, graph, kernels, load) for p in lowered.programs.devices]
     try:
         with NUMPY.ignore_fp_errors():
             run_devices(devices, Mailbox(), interleave.choice if interleave is not None else None)
             out = {}
-            for name, entries in schedule.outputs.items():
+            for name, entries in lowered.outputs.items():
                 pieces = []
                 for e in entries:
                     if e.holders:
