@@ -5,8 +5,11 @@ times one LLaMA-shaped decoder block (default D=1024, H=16, F=2816, S=512, B=1) 
 
   transformers  LlamaDecoderLayer (sdpa attention) in the case's dtype, under torch.no_grad()
   edatalog      programs/llama_block.edl compiled with the case's dtype and run by
-                edatalog.executable(prog, backend="torch", device="cpu") (no plan: the one-device
-                program, through the interpreter, kernels and fusions every plan runs through)
+                edatalog.executable(prog, backend="torch", device="cpu", compile=MODE) (no plan:
+                the one-device program, through the kernels and fusions every plan runs through),
+                once per --modes: "none" (the interpreter, op by op), "graph" (traced once into a
+                graph of torch calls, replayed: the default) and "inductor" (that graph compiled
+                by torch.compile's inductor; its compile time is printed, not timed)
 
 Cases: f32 with as many key/value heads as query heads (MHA), f32 with a quarter as many (GQA:
 KVH=4 of H=16), and bf16 MHA.  Both contenders take the same weights (made once from --seed),
@@ -49,6 +52,7 @@ if str(HERE) not in sys.path:
 
 import llama_weights as lw  # noqa: E402
 
+MODES = ("none", "graph", "inductor")
 CASES = {"f32-mha": ("f32", False), "f32-gqa": ("f32", True), "bf16-mha": ("bf16", False)}  # dtype, grouped
 TOLERANCE = {"f32": 1e-4, "bf16": 3e-2}
 
@@ -64,11 +68,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=15, help="timed rounds (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls of each first (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the input")
+    p.add_argument(
+        "--modes",
+        default="graph,inductor",
+        help="edatalog's compile modes to time, comma-separated, of none, graph, inductor (default graph,inductor)",
+    )
     p.add_argument("--json", action="store_true", help="print every number as JSON instead of tables")
     args = p.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c and c not in CASES]
     if unknown:
         p.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    bad = [m for m in args.modes.split(",") if m not in MODES]
+    if bad or not args.modes:
+        p.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
     return args
 
 
@@ -114,16 +126,20 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
         return out[0] if isinstance(out, tuple) else out
 
     prog = edatalog.compile(lw.PROGRAM, dims=dims.edl_dims(), dtype=dtype)
-    exe = edatalog.executable(prog, backend="torch", device="cpu")
-    exe.load(dict(weights))
-
-    def ed() -> Any:
-        return exe({"x": xd})["y"]  # the input in the case's dtype, as transformers gets it
-
-    contenders = {"transformers": hf, "edatalog": ed}
+    contenders: dict[str, Callable[[], Any]] = {"transformers": hf}
+    executables = {}
+    for mode in args.modes.split(","):
+        exe = edatalog.executable(prog, backend="torch", device="cpu", compile=mode)
+        exe.load(dict(weights))
+        executables[mode] = exe
+        contenders[f"edatalog/{mode}"] = _caller(exe, xd)
     rows: dict[str, Row] = {}
     for who, call in contenders.items():
+        call()  # the first call of a compiled executable runs the interpreter; the second compiles
+        start = time.perf_counter()
         got = call().float()
+        if who.startswith("edatalog/") and who != "edatalog/none":
+            log(f"{name} {who}: compiled in {time.perf_counter() - start:.1f} s")
         err = float((got - want).abs().max() / want.abs().max())
         rows[who] = Row(name, who, float("nan"), err, err <= TOLERANCE[dtype])
         log(f"{name} {who}: max error {err:.2e} of max |y|: {'ok' if rows[who].ok else 'FAILED'}")
@@ -139,7 +155,8 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
             times[who].append(time.perf_counter() - start)
     for who, ts in times.items():
         rows[who].ms = statistics.median(ts) * 1e3
-    exe.run({"x": xd}, record=True)
+    exe = next(iter(executables.values()))
+    exe.run({"x": xd}, record=True)  # per-op times: the interpreter's
     shares: dict[str, float] = {}
     for _, label, begin, end in exe.last_times:
         rule = label.split("#")[0]
@@ -151,6 +168,13 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
             kind = "other"
         shares[kind] = shares.get(kind, 0.0) + (end - begin) * 1e3
     return list(rows.values()), shares
+
+
+def _caller(exe: Any, x: Any) -> Callable[[], Any]:
+    def call() -> Any:
+        return exe({"x": x})["y"]  # the input in the case's dtype, as transformers gets it
+
+    return call
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,13 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kernels: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}")
         dims = lw.BlockDims().with_text(args.dims) if args.dims else lw.BlockDims()
         print(f"block: {dims}; {args.warmup} warm-up calls, {args.repeat} rounds\n")
-        print(f"{'case':<9}  {'contender':<12}  {'measured ms':>11}  {'/ transformers':>14}  {'max error':>9}")
-        print("-" * 64)
+        print(f"{'case':<9}  {'contender':<18}  {'measured ms':>11}  {'/ transformers':>14}  {'max error':>9}")
+        print("-" * 70)
         base = {r.case: r.ms for r in results if r.contender == "transformers"}
         for r in results:
             ratio = r.ms / base[r.case] if r.case in base and r.ok else float("nan")
-            print(f"{r.case:<9}  {r.contender:<12}  {r.ms:>11.1f}  {ratio:>14.2f}  {r.error:>9.1e}")
-        print("\nedatalog's time by kernel class (one recorded call, ms):")
+            print(f"{r.case:<9}  {r.contender:<18}  {r.ms:>11.2f}  {ratio:>14.2f}  {r.error:>9.1e}")
+        print("\nedatalog's time by kernel class (one recorded call of the interpreter, ms):")
         for case, shares in profiles.items():
             total = sum(shares.values())
             parts = ", ".join(

@@ -8,7 +8,7 @@ print(prog.graph)
 
 from edatalog.api import Program, compile, compile_string, executable
 from edatalog.errors import Diagnostic, EdlError, EdlWarning
-from edatalog.generation import Generation, generate
+from edatalog.generation import Generation, Generator, generate
 from edatalog.plans import Plan, load_plan
 from edatalog.plans import make_plan as plan
 from edatalog.solver.topology import Topology
@@ -19,6 +19,7 @@ __all__ = [
     "EdlError",
     "EdlWarning",
     "Generation",
+    "Generator",
     "Plan",
     "Program",
     "Topology",

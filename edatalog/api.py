@@ -41,6 +41,8 @@ class Program:
         # Source locations by the text the IR keeps (``Relation.origin``, ``JoinAgg.origin``).
         self._spans: dict[str, Span] = {str(s.span): s.span for s in program.statements if isinstance(s, ast.Rule)}
         self._spans |= {str(span): span for span in self._decl_spans.values()}
+        self._valid: set[tuple[Any, ...]] = set()  # torch input signatures already checked
+        self._lookups: dict[str, int] | None = None  # looked-up relation -> the narrowest index it gives
 
     @property
     def name(self) -> str:
@@ -80,8 +82,22 @@ class Program:
 
     def _prepare(self, values: Mapping[str, Any], kinds: Collection[str], keep_torch: bool) -> dict[str, Any]:
         """:meth:`prepare`; with ``keep_torch``, torch tensors stay torch tensors (in the
-        declared dtype, on their device), for the torch runtime."""
+        declared dtype, on their device), for the torch runtime.  Torch tensors of names,
+        shapes and dtypes already found right are checked once per such signature (a decode
+        loop calls with the same ones every token); looked-up values, on every call."""
         _check_mapping(values)
+        sig = _torch_signature(values, tuple(kinds)) if keep_torch else None
+        if sig is not None and sig in self._valid:
+            out = {k: v.detach() for k, v in values.items()}
+            self._check_lookups(out)
+            return out
+        out = self._prepare_checked(values, kinds, keep_torch)
+        declared = {r.name: r.dtype for r in self.arguments}
+        if sig is not None and all(_torch_dtype_name(v) == declared[k] for k, v in values.items()):
+            self._valid.add(sig)  # found right, in the declared dtypes: passed as they are next time
+        return out
+
+    def _prepare_checked(self, values: Mapping[str, Any], kinds: Collection[str], keep_torch: bool) -> dict[str, Any]:
         expected = {r.name: r for r in self.arguments if r.kind in kinds}
         for name in values:
             if name not in expected:
@@ -109,7 +125,18 @@ class Program:
 
     def _check_lookups(self, values: Mapping[str, Any]) -> None:
         """Every value of an input or param that a rule looks up names a place of the index it
-        gives: an out-of-range token id is an error here, with where it is, never a wrong row."""
+        gives: an out-of-range token id is an error here, with where it is, never a wrong row.
+        One vectorized test per looked-up relation against the narrowest index it gives; the
+        rule and cell are found only when a value fails it."""
+        if self._lookups is None:
+            narrowest: dict[str, int] = {}
+            for node in self.graph.nodes:
+                for lk in node.lookups:
+                    name = node.inputs[lk.input].relation
+                    narrowest[name] = min(lk.extent, narrowest.get(name, lk.extent))
+            self._lookups = narrowest
+        if not any(name in values and not _in_range(values[name], n) for name, n in self._lookups.items()):
+            return
         for node in self.graph.nodes:
             for lk in node.lookups:
                 name = node.inputs[lk.input].relation
@@ -189,13 +216,17 @@ class Program:
         backend: str = "torch",
         device: str | Sequence[str] | None = None,
         collectives: str | None = None,
+        compile: str | None = None,
     ) -> Executable:
         """This program (with ``plan``, or on one device) ready to run on ``backend`` many times:
         ``exe.load(params)`` once, then ``exe(inputs)``; see :mod:`edatalog.executable`.
         ``collectives`` (``"auto"``, ``"on"``, ``"off"``) says which exchanges of the plan run as
         collective calls (auto: those the plan's machine runs faster so); a plan already lowered
-        (``plan.lowering(...)``) runs as it is."""
-        return Executable(self.graph, self._prepare, plan, backend, device, collectives)
+        (``plan.lowering(...)``) runs as it is.  ``compile`` says how the torch backend runs the
+        programs: ``"graph"`` (auto: traced once per input signature into a graph of torch
+        calls, replayed), ``"inductor"`` (that graph compiled by torch.compile's inductor) or
+        ``"none"`` (the interpreter, op by op)."""
+        return Executable(self.graph, self._prepare, plan, backend, device, collectives, compile)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         """The program's params from a safetensors checkpoint (a file, or a model's directory of
@@ -300,6 +331,28 @@ def _from_torch(tensor: Any, rel: Relation, span: Span | None) -> np.ndarray:
             span,
             help=f"pass a tensor of one of the types edatalog has ({', '.join(dtypes.DTYPES)}) that holds data",
         ) from None
+
+
+def _torch_signature(values: Mapping[str, Any], kinds: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """Names, shapes, dtypes and devices of ``values`` when all are torch tensors, else None."""
+    if not all(_is_torch_tensor(v) for v in values.values()):
+        return None
+    return (kinds, *((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(values.items())))
+
+
+def _torch_dtype_name(tensor: Any) -> str:
+    from edatalog.backend.kernels.arrays import TorchOps
+
+    names = {TorchOps().dtype(d): d for d in dtypes.DTYPES}
+    return names.get(tensor.dtype, "")
+
+
+def _in_range(value: Any, extent: int) -> bool:
+    """Whether every value is in 0 .. extent - 1 (numpy or torch, on its device)."""
+    if _is_torch_tensor(value):
+        return not bool(((value < 0) | (value >= extent)).any())
+    arr = np.asarray(value)
+    return not bool(((arr < 0) | (arr >= extent)).any())
 
 
 def _torch_value(tensor: Any, rel: Relation, span: Span | None) -> Any:
@@ -432,10 +485,11 @@ def executable(
     backend: str = "torch",
     device: str | Sequence[str] | None = None,
     collectives: str | None = None,
+    compile: str | None = None,
 ) -> Executable:
     """``prog`` (with ``plan``, or on one device) ready to run on ``backend``:
     ``exe = edatalog.executable(prog, plan)``, ``exe.load(params)``, ``out = exe(inputs)``."""
-    return prog.executable(plan, backend=backend, device=device, collectives=collectives)
+    return prog.executable(plan, backend=backend, device=device, collectives=collectives, compile=compile)
 
 
 __all__ = ["EdlError", "EdlWarning", "Note", "Program", "compile", "compile_string", "executable"]

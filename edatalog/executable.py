@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from edatalog.backend.lowering.lowered import Collectives, Lowered
+from edatalog.backend.running.compiled import compile_mode
 from edatalog.backend.running.runtime import Executable as Runnable
 from edatalog.backend.running.runtime import check_plan, runtime
 from edatalog.backend.running.torch_runtime import OpTime, Outputs
@@ -41,6 +42,7 @@ class Executable:
         backend: str,
         device: str | Sequence[str] | None,
         collectives: str | None = None,
+        compile: str | None = None,
     ) -> None:
         rt = runtime(backend)
         check_plan(rt, plan is not None)
@@ -51,7 +53,7 @@ class Executable:
         self._prepare = prepare
         self._keep_torch = rt.arrays == "torch"
         self.lowered = _lowered(plan, collectives)
-        self._impl: Runnable = rt.build(graph, self.lowered, device)
+        self._impl: Runnable = rt.build(graph, self.lowered, device, compile_mode(compile))
         self._params = [r.name for r in graph.relations if r.kind == "param"]
         self._loaded = not self._params
 
@@ -63,6 +65,12 @@ class Executable:
         else:
             where = "no plan"
         return f"<edatalog.Executable {self.runtime.name}, {where}>"
+
+    @property
+    def device(self) -> Any:
+        """Where the outputs come (the torch device of the plan's device 0, or of this rank);
+        None on the numpy backends."""
+        return getattr(self._impl, "device", None)
 
     @property
     def last_times(self) -> list[OpTime]:

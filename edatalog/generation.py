@@ -17,7 +17,8 @@ is one convention, not code per model:
 So a prefill computes the prompt's logits and caches; each step takes the most likely token
 (greedy), writes the step's new entries at row ``pos`` and runs the decode program again.  Dims
 and consts follow the checkpoint's ``config.json`` where the programs name its keys (``dim L = 32
-from "num_hidden_layers"``); the cache holds ``T = len(prompt) + max_new`` positions.
+from "num_hidden_layers"``); the cache holds ``T`` positions: ``len(prompt) + max_new``, rounded up to a bucket
+(:func:`cache_positions`), so that nearby lengths share one compiled decode step.
 
 With ``nproc``, the job runs on that many processes (torch.distributed, gloo on CPU): both
 programs are planned for ``nproc`` devices (solved here, unless plans are given), and every
@@ -57,6 +58,8 @@ class Request:
     device: str | None = None
     prefill_plan: str | None = None
     decode_plan: str | None = None
+    compile: str | None = None  # the torch runtime's compile mode (None: auto)
+    buckets: bool = True  # prompt and cache lengths rounded up (False: plan files made for the exact ones)
 
 
 @dataclass
@@ -93,16 +96,23 @@ def generate(
     nproc: int | None = None,
     topology: str | None = None,
     time_limit: float = 10.0,
+    compile: str | None = None,
 ) -> Generation:
     """Greedy decoding of ``max_new`` tokens after ``prompt_ids`` (see the module docstring).
     ``backend`` is ``"reference"`` (numpy, one device) or ``"torch"``; with ``plan`` and
     ``decode_plan`` (plan files of the prefill, as :func:`prefill_program` compiles it, and of
     the decode program) the torch runtime runs them; with ``nproc``, on that many processes,
     planned on ``topology`` (default ``cpuxN``) within ``time_limit`` seconds each when no plan
-    files are given."""
+    files are given.  ``compile`` is the torch runtime's compile mode (``"graph"``, the default;
+    ``"inductor"``; ``"none"``: the interpreter): the decode step is compiled once, at its second
+    call, and replayed for every later token."""
     req = request(program, weights, prompt_ids, max_new, decode, dims, consts, dtype, backend, device)
-    req = _with_plans(req, plan, decode_plan)
+    req = replace(_with_plans(req, plan, decode_plan), compile=compile)
     if nproc is None:
+        if req.prefill_plan is None:
+            gen = Generator(program, weights, decode=decode, dims=dims, consts=consts, dtype=dtype)
+            gen.configure(backend=backend, device=device, compile=compile)
+            return gen(prompt_ids, max_new)
         return _generate(req)
     from edatalog.backend.running.launch import spawn
 
@@ -163,7 +173,8 @@ def _with_plans(req: Request, plan: Any, decode_plan: Any) -> Request:
         )
     if plan is None:
         return req
-    return replace(req, prefill_plan=os.fspath(plan), decode_plan=os.fspath(decode_plan))
+    # Plan files are made for the programs' exact dims: no buckets.
+    return replace(req, prefill_plan=os.fspath(plan), decode_plan=os.fspath(decode_plan), buckets=False)
 
 
 # -- the programs -------------------------------------------------------------------------------
@@ -180,12 +191,42 @@ class Programs:
     caches: tuple[tuple[str, str, str], ...]
 
 
+CACHE_BUCKET = 64  # the fewest positions a KV cache holds
+CACHE_STEP = 2048  # past this, caches grow by whole steps of it
+
+
+PROMPT_BUCKET = 16  # the fewest positions a prefill runs over
+
+
+def cache_positions(needed: int, buckets: bool = True) -> int:
+    """How many positions the KV cache holds for ``needed`` (prompt and new tokens): the next
+    power of two from :data:`CACHE_BUCKET`, then whole multiples of :data:`CACHE_STEP` (without
+    ``buckets``: ``needed``).  Decode programs are compiled per cache length, so generations of
+    nearby lengths share one compiled step; rows past the tokens written are masked
+    (``t < pos``), never read as values."""
+    return _bucket(needed, CACHE_BUCKET) if buckets else needed
+
+
+def prompt_positions(req: Request) -> int:
+    """How many positions the prefill runs over: the prompt's length rounded up as the cache's
+    is, from :data:`PROMPT_BUCKET` (without ``req.buckets``: the prompt's length).  The prompt
+    is padded at its end: in a causal model no position reads a later one, so the logits and
+    cache entries of the prompt's own positions are what they would be without the padding."""
+    return _bucket(len(req.prompt), PROMPT_BUCKET) if req.buckets else len(req.prompt)
+
+
+def _bucket(needed: int, least: int) -> int:
+    if needed <= CACHE_STEP:
+        return max(least, 1 << (needed - 1).bit_length())
+    return -(-needed // CACHE_STEP) * CACHE_STEP
+
+
 def programs(req: Request) -> Programs:
     from edatalog.api import compile as compile_program
     from edatalog.checkpoint import configured
     from edatalog.lang.parser import parse_file
 
-    s, t = len(req.prompt), len(req.prompt) + req.max_new
+    s, t = prompt_positions(req), cache_positions(len(req.prompt) + req.max_new, req.buckets)
     dims_p, consts_p = configured(parse_file(req.program), req.weights)
     dims_d, consts_d = configured(parse_file(req.decode), req.weights)
     decode = compile_program(
@@ -250,7 +291,74 @@ def _caches(decode: Any) -> tuple[tuple[str, str, str], ...]:
 # -- running ------------------------------------------------------------------------------------
 
 
+class Generator:
+    """A model ready to generate, one process, no plan: its two programs compiled per prompt and
+    cache bucket (:func:`prompt_positions`, :func:`cache_positions`), the weights read once
+    and shared by every program (on the torch backend: torch tensors on the device), and the
+    torch runtime's compiled steps kept from call to call.
+
+        gen = edatalog.Generator("programs/llama.edl", "model_dir")
+        gen([1, 2, 3], max_new=16).ids
+
+    Its first call of a bucket interprets the prefill and the first decode step and compiles the
+    decode step at the second; the next call of the bucket compiles the prefill too.  From then
+    on a call replays graphs only (:mod:`edatalog.backend.running.compiled`)."""
+
+    def __init__(
+        self,
+        program: str | os.PathLike[str],
+        weights: str | os.PathLike[str],
+        *,
+        decode: str | os.PathLike[str] | None = None,
+        dims: Mapping[str, int] | None = None,
+        consts: Mapping[str, float] | None = None,
+        dtype: str | None = None,
+        backend: str = "torch",
+        device: str | None = None,
+        compile: str | None = None,
+    ) -> None:
+        self._base = request(program, weights, (0,), 1, decode, dims, consts, dtype, backend, device)
+        self._base = replace(self._base, compile=compile)
+        self._runs: dict[tuple[int, int], tuple[Programs, Any, Any]] = {}
+        self._weights: dict[str, Any] | None = None
+
+    def configure(self, *, backend: str, device: str | None, compile: str | None) -> None:
+        """Another backend, device or compile mode (before the first call)."""
+        if self._runs:
+            raise EdlError("a generator is configured before its first call")
+        checked = request(self._base.program, self._base.weights, (0,), 1, self._base.decode, backend=backend)
+        self._base = replace(self._base, backend=checked.backend, device=device, compile=compile)
+
+    def __call__(self, prompt_ids: Sequence[int], max_new: int = 16) -> Generation:
+        b = self._base
+        req = request(
+            b.program, b.weights, prompt_ids, max_new, b.decode, b.dims, b.consts, b.dtype, b.backend, b.device
+        )
+        req = replace(req, compile=b.compile)
+        key = (prompt_positions(req), cache_positions(len(req.prompt) + req.max_new))
+        if key not in self._runs:
+            progs = programs(req)
+            prefill = progs.prefill.executable(None, backend=req.backend, device=req.device, compile=req.compile)
+            step = progs.decode.executable(None, backend=req.backend, device=req.device, compile=req.compile)
+            if req.backend == "torch":
+                # One device: both programs take their params whole, so one copy of the weights
+                # serves both, and every bucket (the executables keep the very tensors given).
+                if self._weights is None:
+                    self._weights = _read_weights(progs, req.weights, step)
+                prefill.load(self._weights)
+                step.load(self._weights)
+            else:
+                prefill.load(req.weights)
+                step.load(req.weights)
+            self._runs[key] = (progs, prefill, step)
+        progs, prefill, step = self._runs[key]
+        if req.backend == "torch":
+            return decode_loop_torch(req, progs, prefill, step)
+        return decode_loop(req, progs, lambda v: _numpy(prefill(v)), lambda v: _numpy(step(v)))
+
+
 def _generate(req: Request, device: Any = None) -> Generation:
+    """One generation with plan files (or on a rank of an SPMD job, planned for it)."""
     from edatalog.plans import load_plan
 
     progs = programs(req)
@@ -259,11 +367,36 @@ def _generate(req: Request, device: Any = None) -> Generation:
     if req.backend == "reference" and prefill_plan is not None:
         raise EdlError("plans run on the torch backend", help="use --backend torch with --plan")
     where = device if device is not None else req.device
-    prefill = progs.prefill.executable(prefill_plan, backend=req.backend, device=where)
-    step = progs.decode.executable(decode_plan, backend=req.backend, device=where)
-    prefill.load(req.weights)
+    prefill = progs.prefill.executable(prefill_plan, backend=req.backend, device=where, compile=req.compile)
+    step = progs.decode.executable(decode_plan, backend=req.backend, device=where, compile=req.compile)
+    prefill.load(req.weights)  # each rank reads only its slices
     step.load(req.weights)
+    if req.backend == "torch":
+        return decode_loop_torch(req, progs, prefill, step)
     return decode_loop(req, progs, lambda v: _numpy(prefill(v)), lambda v: _numpy(step(v)))
+
+
+def _read_weights(progs: Programs, weights: str, step: Any) -> dict[str, Any]:
+    """Every param of both programs from the checkpoint, once, as torch tensors on the device
+    the decode step computes on."""
+    from edatalog.backend.kernels.arrays import TorchOps
+    from edatalog.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(weights)
+    names = {**ckpt.names_for(progs.prefill.graph), **ckpt.names_for(progs.decode.graph)}
+    target = step.device
+    xp = TorchOps(target)
+    decode_relations = {r.name for r in progs.decode.graph.relations}
+    out = {}
+    for rel, name in names.items():
+        graph = progs.decode.graph if rel in decode_relations else progs.prefill.graph
+        out[rel] = xp.asarray(ckpt.read(name), xp.dtype(graph.relation(rel).dtype), target).contiguous()
+    return out
+
+
+def _padded(req: Request, positions: int) -> list[int]:
+    """The prompt padded at its end (with token 0) to the prefill's positions."""
+    return [*req.prompt, *([0] * (positions - len(req.prompt)))]
 
 
 def decode_loop(
@@ -272,25 +405,55 @@ def decode_loop(
     prefill: Callable[[dict[str, Any]], dict[str, np.ndarray]],
     step: Callable[[dict[str, Any]], dict[str, np.ndarray]],
 ) -> Generation:
-    """Prefill, then greedy steps: ``prefill`` and ``step`` run the two programs."""
-    s, t = len(req.prompt), len(req.prompt) + req.max_new
+    """Prefill, then greedy steps, on numpy: ``prefill`` and ``step`` run the two programs."""
+    n, t = len(req.prompt), cache_positions(len(req.prompt) + req.max_new, req.buckets)
     begin = time.perf_counter()
-    out = prefill({"ids": np.asarray([req.prompt], dtype=np.int64)})
+    out = prefill({"ids": np.asarray([_padded(req, prompt_positions(req))], dtype=np.int64)})
     caches = {}
     for rel, cache, _ in progs.caches:
         entries = out[rel]
         shape = (entries.shape[0], t, *entries.shape[2:])
         buf = np.zeros(shape, dtype=entries.dtype)
-        buf[:, :s] = entries
+        buf[:, :n] = entries[:, :n]
         caches[cache] = buf
-    token = int(np.argmax(out["logits"][0, -1]))
+    token = int(np.argmax(out["logits"][0, n - 1]))
     ids = [token]
     prefilled = time.perf_counter()
-    for pos in range(s, s + req.max_new - 1):
+    for pos in range(n, n + req.max_new - 1):
         out = step({"ids": np.asarray([token], dtype=np.int64), "pos": np.asarray(pos, dtype=np.int64), **caches})
         for _, cache, new in progs.caches:
             caches[cache][:, pos] = out[new]
         token = int(np.argmax(out["logits"][0]))
+        ids.append(token)
+    done = time.perf_counter()
+    return Generation(ids, prefilled - begin, done - prefilled)
+
+
+def decode_loop_torch(req: Request, progs: Programs, prefill: Any, step: Any) -> Generation:
+    """Prefill, then greedy steps, with every tensor on the device: the caches are allocated
+    once (``T`` positions, :func:`cache_positions`) and written in place, one row per step; the
+    decode step has one input signature, so it is compiled once and replayed for every later
+    token.  The host only reads the next id."""
+    import torch
+
+    n, t = len(req.prompt), cache_positions(len(req.prompt) + req.max_new, req.buckets)
+    begin = time.perf_counter()
+    out = prefill({"ids": torch.tensor([_padded(req, prompt_positions(req))], dtype=torch.int64)})
+    caches = {}
+    for rel, cache, _ in progs.caches:
+        entries = out[rel]
+        buf = torch.zeros((entries.shape[0], t, *entries.shape[2:]), dtype=entries.dtype, device=entries.device)
+        buf[:, :n] = entries[:, :n]
+        caches[cache] = buf
+    token = int(torch.argmax(out["logits"][0, n - 1]))
+    ids = [token]
+    prefilled = time.perf_counter()
+    for pos in range(n, n + req.max_new - 1):
+        inputs = {"ids": torch.tensor([token], dtype=torch.int64), "pos": torch.tensor(pos, dtype=torch.int64)}
+        out = step({**inputs, **caches})
+        for _, cache, new in progs.caches:
+            caches[cache][:, pos] = out[new]
+        token = int(torch.argmax(out["logits"][0]))
         ids.append(token)
     done = time.perf_counter()
     return Generation(ids, prefilled - begin, done - prefilled)

@@ -20,6 +20,7 @@ import numpy as np
 from edatalog.backend.lowering.exchange import REDUCTIONS, Schedule, synthesize
 from edatalog.backend.lowering.lowered import Collectives, Lowered, Options, lower
 from edatalog.backend.predicting.timeline import Report, analyze, write_trace
+from edatalog.backend.running.compiled import Compile
 from edatalog.backend.running.runtime import check_plan, runtime
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
@@ -163,7 +164,7 @@ class Plan:
             raise EdlError(f"missing values for {', '.join(missing)}", help="pass every input and param")
         rt = runtime(backend)
         check_plan(rt, True)
-        exe = rt.build(self.graph, self.lowered, None)
+        exe = rt.build(self.graph, self.lowered, None, Compile.AUTO)
         params = {r.name for r in self.graph.relations if r.kind == "param"}
         exe.load({k: v for k, v in values.items() if k in params})
         return exe({k: v for k, v in values.items() if k not in params}).values

@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from edatalog.errors import EdlError
@@ -166,8 +167,13 @@ class Plan:
     inputs: tuple[Placement, ...]  # every input and param, where it lives at the start
     outputs: tuple[Placement, ...] = ()  # where outputs must end (outputs not listed stay put)
 
+    @cached_property
+    def _by_node(self) -> dict[str, NodePlan]:
+        return {p.node: p for p in self.nodes}
+
     def node(self, name: str) -> NodePlan:
-        return next(p for p in self.nodes if p.node == name)
+        """The tile of rule ``name`` (KeyError: none such)."""
+        return self._by_node[name]
 
     def verify(self, graph: Graph) -> None:
         """Check that the plan fits the graph: every node, input and param tiled exactly."""

@@ -208,7 +208,7 @@ def _gather(
                 help=f"every value of '{acc.relation}' must name a place along '{lk.index}' "
                 "(a token id below the vocabulary size, a position below the cache's length)",
             )
-        value = raw - lk.offset
+        value = raw - lk.offset if lk.offset else raw
         axis, size = order.index(lk.index), box[lk.index]
         partial = lk.offset > 0 or size < lk.extent
         inside = xp.logical_and(value >= 0, value < size) if partial else None
@@ -384,13 +384,16 @@ def _contraction(space: _Space, out_vars: list[str]) -> tuple[Array, Array | Non
     values: list[Array] = []
     masks: list[Array] = []
     guard = space.guard_mask()
+    # A guard over output indices only is applied to the sum (``where``: a value it excludes,
+    # even an infinite one, is never multiplied); any other guard is a 0/1 factor of the product.
+    after = guard is not None and space.within is None and space.node.guard.vars <= set(out_vars)
     for node_id, power in factors:
         val = xp.cast(_eval_dag(space, node_id, memo), space.cdt)
         if power < 0:
             val = space.scalar(1) / val
-        # The guard is a 0/1 factor: an infinite value where it is 0 would give inf * 0 = nan.
-        # (Absent cells are set to 0 below, whatever they held.)
-        if guard is not None and xp.is_float(space.cdt) and not xp.all(xp.isfinite(val)):
+        # A guard factor is 0 where it excludes a point: an infinite value there would give
+        # inf * 0 = nan.  (Absent cells are set to 0 below, whatever they held.)
+        if guard is not None and not after and xp.is_float(space.cdt) and not xp.all(xp.isfinite(val)):
             return None
         m = _and(xp, [space.present[k] for k in _loads_under(space, node_id)])
         if m is not None:
@@ -398,9 +401,15 @@ def _contraction(space: _Space, out_vars: list[str]) -> tuple[Array, Array | Non
             masks.append(m)
         values.append(val)
     if guard is not None:
-        values.append(xp.cast(guard, space.cdt))
+        if not after:
+            values.append(xp.cast(guard, space.cdt))
         masks.append(guard)
     value = _sum_over(values, space, out_vars)
+    if after:
+        assert guard is not None
+        if guard.ndim == len(space.order):  # over the join space: keep the output indices' axes
+            guard = guard.reshape([n for n, v in zip(guard.shape, space.order, strict=True) if v in out_vars])
+        value = xp.where(xp.broadcast_to(guard, value.shape), value, space.scalar(0))
     if scale is not None:
         value = value * scale
     # A cell exists where some point has every mask set: count such points with a contraction.

@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from edatalog.backend.lowering.exchange import Entry
+from edatalog.backend.lowering.tasks import Entry
 from edatalog.ir import intervals
 from edatalog.ir import program as ir
 from edatalog.ir.graph import AGG_NAMES, Graph

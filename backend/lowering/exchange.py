@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from edatalog.backend.kernels.prepared import general_path
+from edatalog.backend.lowering.instances import InstanceCopier
+from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Load, Send, Task
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
@@ -41,70 +43,6 @@ from edatalog.solver.plan import Plan, Tile
 from edatalog.solver.topology import Topology
 
 REDUCTIONS = ("auto", "direct", "hierarchical")
-
-
-@dataclass(eq=False)
-class Task:
-    """A step of synthesis, in one global order; lowered to device ops by :func:`_lower`."""
-
-    id: int  # also the id of the buffer it leaves
-    device: int
-    deps: list[int]  # tasks that must finish first
-
-
-@dataclass(eq=False)
-class Load(Task):
-    relation: str
-    region: Region
-    nbytes: int
-
-
-@dataclass(eq=False)
-class Compute(Task):
-    node: str
-    block: int
-    ranges: dict[str, tuple[int, int]]
-    reads: list[list[tuple[int, Region]]]  # per input of the node: (buffer, part of the need it covers)
-    out: Region
-    flops: int
-    nbytes: int  # bytes read and written
-    every_point: bool  # the guard holds at every point of the (tightened) block
-
-
-@dataclass(eq=False)
-class Send(Task):
-    dst: int
-    source: int  # buffer (task id) on the sending device
-    relation: str
-    region: Region
-    nbytes: int
-
-
-@dataclass(eq=False)
-class Combine(Task):
-    relation: str
-    region: Region
-    sources: list[int]  # buffers on this device, each covering ``region``
-    flops: int
-    nbytes: int
-
-
-@dataclass(frozen=True, eq=False)
-class Buffer:
-    """Data a task leaves on a device: a region of one relation."""
-
-    task: int
-    device: int
-    relation: str
-    region: Region
-
-
-@dataclass(eq=False)
-class Entry:
-    """A piece of a relation's final layout: a region, and the buffer holding it on each device."""
-
-    region: Region
-    holders: dict[int, int]  # device -> buffer
 
 
 @dataclass(eq=False)
@@ -170,11 +108,32 @@ class _Synthesizer:
             self.layout[p.relation] = self._load(p.relation, p.tile)
         remaining = {r.name: len(self.graph.producers(r.name)) for r in self.graph.relations if r.kind == "derived"}
         contributions: dict[str, list[Entry]] = {}
-        for node in self.graph.nodes:
+        copier = InstanceCopier.of(self.graph, self.plan)
+        layer = _layers(self.graph)
+        group: tuple[str, int] | None = None
+        nodes = self.graph.nodes
+        at = 0
+        while at < len(nodes):
+            node = nodes[at]
+            k = copier.instance_of(node.name) if copier is not None else None
+            if at == 0 or layer.get(node.name) != group:
+                # Replicated pieces are spread over their holders within each layer (and within
+                # the rest of the program): every layer then sends alike, and layers are copies.
+                self.egress = [0] * self.topo.n
+                group = layer.get(node.name)
+                if copier is not None and k is not None:
+                    copier.begin(k, len(self.tasks))
+                    if copier.copyable(k):
+                        copier.copy(self, k)
+                        at += len(copier.rep.nodes)
+                        continue
             contributions.setdefault(node.out, []).extend(self._node(node))
             remaining[node.out] -= 1
             if remaining[node.out] == 0:
                 self.layout[node.out] = self._finalize(node.out, contributions.pop(node.out))
+            at += 1
+            if copier is not None and k is not None and (at == len(nodes) or copier.instance_of(nodes[at].name) != k):
+                copier.end(self, k, len(self.tasks))
         for p in self.plan.outputs:
             self.outputs[p.relation] = self._place(p.relation, p.tile)
         for name in self.graph.outputs:
@@ -415,6 +374,11 @@ class _Synthesizer:
             region.size * item * (len(bufs) + 1),
         )
         return self._add(task, relation, region)
+
+
+def _layers(graph: Graph) -> dict[str, tuple[str, int]]:
+    """Each rule of an instance of a repeated module: (the module's prefix, the instance)."""
+    return {name: (rep.prefix, k) for rep in graph.repeats for k in range(rep.count) for name in rep.instance(k)}
 
 
 def _cell_groups(regions: list[Region]) -> list[tuple[Region, list[int]]]:

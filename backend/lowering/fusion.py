@@ -46,9 +46,14 @@ def _fuse_device(program: ir.DeviceProgram, graph: Graph, chains: list[Chain]) -
                 readers.setdefault(b, []).append(k)
     replace: dict[int, ir.Op] = {}
     drop: set[int] = set()
+    outs: dict[str, list[int]] = {}  # rule -> positions of its kernels (a whole model has many chains)
+    for k, op in enumerate(ops):
+        if isinstance(op, ir.Kernel):
+            outs.setdefault(op.node, []).append(k)
     for chain in chains:
-        for k, op in enumerate(ops):
-            if isinstance(op, ir.Kernel) and op.node == chain.out and k not in drop:
+        for k in outs.get(chain.out, ()):
+            op = ops[k]
+            if k not in drop:
                 group = _group(graph, ops, k, chain, made, readers)
                 if group is not None and _has_keys(graph, ops, group, chain):
                     inner = tuple(op for j in group if isinstance(op := ops[j], ir.Kernel | ir.Combine))

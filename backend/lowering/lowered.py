@@ -41,9 +41,10 @@ from enum import StrEnum
 from functools import cached_property
 
 from edatalog.backend.lowering.collectives import use_collectives
-from edatalog.backend.lowering.exchange import Entry, Schedule
+from edatalog.backend.lowering.exchange import Schedule
 from edatalog.backend.lowering.fusion import fuse_programs
 from edatalog.backend.lowering.presence import mark_full
+from edatalog.backend.lowering.tasks import Entry
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph, VerifyError

@@ -15,6 +15,7 @@ made the programs, never a user mistake.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -96,6 +97,15 @@ class Kernels:
         self.shapes: dict[tuple[str, ir.Ranges], list[int]] = {}
         self.static = static_nodes(graph)
         self.constants: dict[tuple[int, int], Buffer] = {}  # (device, buffer) -> a static block
+
+    def fork(self) -> Kernels:
+        """A copy that starts with everything made so far and keeps what it makes to itself: a
+        tracer's, whose tensors must not reach later calls."""
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, dict):
+                setattr(twin, name, dict(value))
+        return twin
 
     def constant(self, device: int, op: ir.Kernel, make: Callable[[], Buffer]) -> Buffer:
         """The block ``op`` makes: computed by ``make``, and for a rule that reads no input or
@@ -538,6 +548,15 @@ def gather(
         # One device made all of it (every one-device program): its buffer, as it is.  (Blocks
         # kept from call to call are never outputs: see ``static_nodes``.)
         return xp.cast(xp.asarray(pieces[0][1].data, device=device), xp.dtype(rel.dtype)), None
+    regions = [r for r, _ in pieces]
+    if all(buf.present is None for _, buf in pieces) and _tile(whole, regions):
+        # Full pieces that fill the relation, disjoint: no presence to track (decided by the
+        # regions alone, never by looking at cells).
+        data = xp.empty(rel.shape, xp.dtype(rel.dtype), device)
+        for region, buf in pieces:
+            piece = buf if buf.region == region else _cut_any(buf, region, xp, device)
+            data[_index(region.at(whole), xp, device)] = xp.cast(xp.asarray(piece.data, device=device), data.dtype)
+        return data, None
     data = xp.full(rel.shape, 0, xp.dtype(rel.dtype), device)
     present = xp.full(rel.shape, False, xp.bool_, device)
     for region, buf in pieces:
@@ -556,6 +575,18 @@ def gather(
     if xp.all(present):
         return data, None
     return xp.where(present, data, xp.constant(0, data.dtype)), present
+
+
+def _tile(whole: Region, regions: Sequence[Region]) -> bool:
+    """Whether ``regions`` are disjoint and fill ``whole``."""
+    disjoint = all(a.intersect(b).empty for k, a in enumerate(regions) for b in regions[k + 1 :])
+    return disjoint and sum(r.size for r in regions) == whole.size
+
+
+def _index(at: tuple[Any, ...], xp: ArrayOps, device: Any) -> tuple[Any, ...]:
+    if xp is NUMPY:
+        return at
+    return tuple(a if isinstance(a, slice) else xp.asarray(a, device=device) for a in at)
 
 
 def _cut_any(buf: Buffer, region: Region, xp: ArrayOps, device: Any) -> Buffer:

@@ -8,7 +8,8 @@ their choices from :data:`RUNTIMES`.
 - ``reference``: the numpy reference evaluator on whole tensors (no plan);
 - ``sim``: a plan's device programs in one process, on numpy (the simulator);
 - ``torch``: torch on one device (no plan), on logical devices in this process (a plan), or, in
-  a torch.distributed group as large as the plan, this rank's program (SPMD).
+  a torch.distributed group as large as the plan, this rank's program (SPMD); compiled into
+  graphs as its :class:`~edatalog.backend.running.compiled.Compile` mode says.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from edatalog.backend.kernels.arrays import NUMPY
 from edatalog.backend.kernels.reference import evaluate
 from edatalog.backend.lowering.lowered import Lowered
 from edatalog.backend.running import sim
+from edatalog.backend.running.compiled import Compile, CompiledExecutable
 from edatalog.backend.running.torch_runtime import OpTime, Outputs, TorchExecutable
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph
@@ -31,7 +33,8 @@ Device = str | Sequence[str] | None
 class Executable(Protocol):
     """A program ready to run: params loaded once, then called on inputs any number of times."""
 
-    last_times: list[OpTime]
+    @property
+    def last_times(self) -> list[OpTime]: ...
 
     def load(self, params: Mapping[str, Any]) -> None: ...
 
@@ -44,7 +47,7 @@ class Runtime:
     summary: str
     plans: str  # "never", "required" or "optional"
     arrays: str  # "numpy" or "torch": what calls return
-    build: Callable[[Graph, Lowered | None, Device], Executable]
+    build: Callable[[Graph, Lowered | None, Device, Compile], Executable]
 
 
 class _Reference:
@@ -81,22 +84,24 @@ class _Simulated:
         return Outputs({k: got[k].data for k in names}, {k: got[k].present for k in names})
 
 
-def _reference(graph: Graph, lowered: Lowered | None, device: Device) -> Executable:
+def _reference(graph: Graph, lowered: Lowered | None, device: Device, mode: Compile) -> Executable:
     return _Reference(graph)
 
 
-def _sim(graph: Graph, lowered: Lowered | None, device: Device) -> Executable:
+def _sim(graph: Graph, lowered: Lowered | None, device: Device, mode: Compile) -> Executable:
     assert lowered is not None
     return _Simulated(lowered)
 
 
-def _torch(graph: Graph, lowered: Lowered | None, device: Device) -> Executable:
+def _torch(graph: Graph, lowered: Lowered | None, device: Device, mode: Compile) -> Executable:
     if lowered is not None:
         from edatalog.backend.running.spmd import SpmdExecutable, in_group_of
 
         if in_group_of(lowered.n_devices):
             return SpmdExecutable(graph, lowered, device if isinstance(device, str) or device is None else None)
-    return TorchExecutable(graph, lowered, device)
+    if mode.resolved() is Compile.NONE:
+        return TorchExecutable(graph, lowered, device)
+    return CompiledExecutable(graph, lowered, device, mode)
 
 
 RUNTIMES: dict[str, Runtime] = {

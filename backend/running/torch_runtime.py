@@ -101,6 +101,11 @@ class TorchExecutable:
         self.last_peak: dict[int, int] = {}  # device -> the most bytes it held in the last call
         self.copy_streams: dict[Any, Any] = {}  # GPU -> the stream copies to and from it run on
 
+    @property
+    def device(self) -> Any:
+        """The torch device of device 0, where outputs come."""
+        return self.devices[0]
+
     def load(self, params: Mapping[str, Any]) -> None:
         """Keep each device's blocks of each param, on that device."""
         self.loaded = {}
@@ -117,25 +122,14 @@ class TorchExecutable:
         """Run on ``inputs`` (the program's inputs, whole); with ``record``, the time of every
         op is kept in ``last_times``.  Outputs come whole on the first device (every logical
         device lives in this process: there is nothing else to gather to)."""
-        programs = self.programs
         whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
         start = time.perf_counter()
         times: list[OpTime] = []
-
-        devices = []
-        for prog in programs.devices:
-            d = prog.device
-            blocks = {buf: t for (dd, buf), t in self.loaded.items() if dd == d}
-            on_op = _recorder(d, start, times) if record else None
-            load = slicer(whole, blocks)
-            devices.append(
-                Device(prog, self.graph, self.kernels, load, TorchOps(self.devices[d]), self.devices[d], on_op)
-            )
-
+        recorder = (lambda d: _recorder(d, start, times)) if record else None
         gpus = {dev for dev in self.devices if dev.type == "cuda"}
         for gpu in gpus:
             torch_module().cuda.reset_peak_memory_stats(gpu)
-        run_devices(devices, CopyStreams(self.devices, self.copy_streams))
+        devices, out = self.run(whole, self.loaded, TorchOps, CopyStreams(self.devices, self.copy_streams), recorder)
         self.last_times = times
         self.last_peak = {
             d.index: int(torch_module().cuda.max_memory_allocated(self.devices[d.index]))
@@ -143,16 +137,40 @@ class TorchExecutable:
             else d.peak_bytes
             for d in devices
         }
+        return out
+
+    def run(
+        self,
+        whole: Mapping[str, Any],
+        loaded: Mapping[tuple[int, int], Any],
+        ops: Callable[[Any], TorchOps],
+        transport: Mailbox,
+        recorder: Callable[[int], Callable[[int, ir.Op, str], None]] | None = None,
+        kernels: Kernels | None = None,
+    ) -> tuple[list[Device], Outputs]:
+        """Every device's program on the whole inputs ``whole`` and the param blocks ``loaded``
+        (by device and buffer), each device computing with the array namespace ``ops(its torch
+        device)``, messages passed by ``transport``: the devices as they ended, and the outputs.
+        (The compiled runtime traces this very call, with ``kernels`` of its own.)"""
+        kernels = kernels if kernels is not None else self.kernels
+        devices = []
+        for prog in self.programs.devices:
+            d = prog.device
+            blocks = {buf: t for (dd, buf), t in loaded.items() if dd == d}
+            on_op = recorder(d) if recorder is not None else None
+            dev = self.devices[d]
+            devices.append(Device(prog, self.graph, kernels, slicer(whole, blocks), ops(dev), dev, on_op))
+        run_devices(devices, transport)
         values, present = {}, {}
+        first = self.devices[0]
         for name in self.graph.outputs:
-            entries = self.lowered.outputs[name]
             pieces = []
-            for e in entries:
+            for e in self.lowered.outputs[name]:
                 if e.holders:
                     d, buf = next(iter(e.holders.items()))
                     pieces.append((e.region, devices[d].get(buf)))
-            values[name], present[name] = gather(self.graph, name, pieces, TorchOps(self.devices[0]), self.devices[0])
-        return Outputs(values, present)
+            values[name], present[name] = gather(self.graph, name, pieces, ops(first), first)
+        return devices, Outputs(values, present)
 
 
 class CopyStreams(Mailbox):

@@ -42,6 +42,13 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
     g.add_argument("--dtype", choices=FLOATS, help="re-type the programs' floats (the checkpoint's dtype must match)")
     g.add_argument("--backend", choices=("torch", "reference"), default="torch", help="torch (default) or reference")
     g.add_argument("--device", metavar="DEV", help="torch: where to run (cpu, cuda, cuda:1); default: a GPU if any")
+    g.add_argument(
+        "--compile",
+        choices=("auto", "graph", "inductor", "none"),
+        default="auto",
+        help="torch: how the decode step runs: a traced graph replayed per token (auto, graph), that graph "
+        "compiled by inductor (tens of seconds cold, cached), or the interpreter (none)",
+    )
     g.add_argument("--plan", metavar="PLAN", help="a plan file for the prefill (see below)")
     g.add_argument("--decode-plan", metavar="PLAN", help="a plan file for the decode program")
     g.add_argument(
@@ -83,6 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         topology=args.topology,
         time_limit=args.time_limit,
+        compile=args.compile,
     )
     if args.json:
         print(

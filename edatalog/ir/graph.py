@@ -342,8 +342,13 @@ class Graph:
     def relation(self, name: str) -> Relation:
         return self._by_name[name]
 
+    @cached_property
+    def _nodes_by_name(self) -> dict[str, JoinAgg]:
+        return {n.name: n for n in self.nodes}
+
     def node(self, name: str) -> JoinAgg:
-        return next(n for n in self.nodes if n.name == name)
+        """The rule ``name`` (KeyError: none such)."""
+        return self._nodes_by_name[name]
 
     @cached_property
     def _producers(self) -> dict[str, tuple[JoinAgg, ...]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -402,7 +403,15 @@ def _grammars() -> dict[str, pp.ParserElement]:
 
 
 def parse(text: str, name: str = "<string>") -> ast.Program:
-    """Parse a whole program.  Raises :class:`EdlError` on the first syntax error."""
+    """Parse a whole program.  Raises :class:`EdlError` on the first syntax error.  The syntax
+    tree is immutable, so the last few parses are kept: a generation compiles its two programs
+    twice each (once for the checkpoint's dims, once with them), and pyparsing takes ~0.4 s
+    for a whole model."""
+    return _parse(text, name)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(text: str, name: str) -> ast.Program:
     source = Source(name, text)
     return ast.Program(source, _modules(_statements(source, text)))
 

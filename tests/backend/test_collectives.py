@@ -24,10 +24,11 @@ import pytest
 
 import edatalog
 from edatalog.backend.lowering.collectives import collectives_of, use_collectives
-from edatalog.backend.lowering.exchange import Entry, synthesize
+from edatalog.backend.lowering.exchange import synthesize
 from edatalog.backend.lowering.fusion import fuse_programs
 from edatalog.backend.lowering.lowered import Collectives, Options
 from edatalog.backend.lowering.presence import mark_full
+from edatalog.backend.lowering.tasks import Entry
 from edatalog.backend.running.interpreter import Device, Kernels, Mailbox, gather, run_devices, slicer
 from edatalog.errors import EdlWarning
 from edatalog.ir import program as ir

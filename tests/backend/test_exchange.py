@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -413,3 +414,42 @@ def test_a_transfer_on_an_interfering_link_holds_back_compute_at_both_ends(inter
     want = max(tx, k + interference * tx) + k
     assert analyze(lower(schedule)).seconds == pytest.approx(want)
     assert want == pytest.approx({0.0: 4.001e-3, 0.2: 4.4002e-3, 1.0: 6.001e-3}[interference], rel=1e-4)
+
+
+# -- repeated layers synthesized once ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("topology", "strategy", "copied"),
+    [("cpux2", "megatron", True), ("2x4", "megatron-sp", True), ("a100x4", "random", False), ("a100x4", "auto", True)],
+)
+def test_copied_layers_give_the_programs_that_synthesizing_every_layer_gives(
+    topology: str, strategy: str, copied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once two layers in a row are copies of the one before, the rest are copied, not
+    synthesized; the programs and costs are exactly those of synthesizing each layer (random
+    plans tile each layer otherwise: nothing is copied)."""
+    from edatalog.backend.lowering import exchange, instances
+
+    prog = edatalog.compile(
+        ROOT / "programs" / "llama.edl", dims={"S": 16, "D": 32, "H": 4, "KVH": 2, "F": 48, "L": 8, "V": 40}
+    )
+    plan = edatalog.plan(prog, topology=topology, strategy=strategy, seed=2, time_limit=2)
+    count: list[int] = []
+    copy = instances.InstanceCopier.copy
+
+    def counting(self: instances.InstanceCopier, synth: Any, k: int) -> None:
+        count.append(k)
+        copy(self, synth, k)
+
+    monkeypatch.setattr(instances.InstanceCopier, "copy", counting)
+    fast = synthesize(prog.graph, plan.ir, plan.topology)
+    monkeypatch.setattr(exchange.InstanceCopier, "of", staticmethod(lambda graph, plan: None))
+    slow = synthesize(prog.graph, plan.ir, plan.topology)
+    assert fast.programs == slow.programs and fast.costs == slow.costs
+    assert {k: [str(e.region) for e in v] for k, v in fast.layout.items()} == {
+        k: [str(e.region) for e in v] for k, v in slow.layout.items()
+    }
+    assert bool(count) == copied
+    if copied:
+        assert count == list(range(count[0], 7))  # every layer after the first copies, but the last

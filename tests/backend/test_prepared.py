@@ -108,14 +108,14 @@ def _llama(dtype: str = "f32") -> edatalog.Program:
 def _ran_once(prog: edatalog.Program) -> Any:
     """A one-device torch executable of the LLaMA block, called once."""
     values = prog.random_inputs(seed=0)
-    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
     exe.load({k: v for k, v in values.items() if k != "x"})
     exe({"x": values["x"]})
     return exe
 
 
 def _kernels(exe: Any) -> interpreter.Kernels:
-    """The torch runtime's per-executable kernel state."""
+    """The interpreter's per-executable kernel state (executables made with compile="none")."""
     assert isinstance(exe._impl, TorchExecutable)
     return exe._impl.kernels
 
@@ -179,7 +179,7 @@ def test_in_place_chains_round_half_precision_once() -> None:
         """
     )
     h = np.array([60000, 1, -60000, 0.5], dtype=np.float16)
-    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
     for _ in range(2):  # the first call prepares the block, the second runs it prepared
         got = exe({"h": torch.from_numpy(h)})["y"]
     assert isinstance(next(iter(_kernels(exe).prepared.values())), _Elementwise)
@@ -192,7 +192,7 @@ def test_prepared_llama_block_equals_the_reference(dtype: str) -> None:
     prog = _llama(dtype)
     values = prog.random_inputs(seed=1)
     want = edatalog.compile("programs/llama_block.edl", dims=DIMS).run(values)
-    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
     exe.load({k: v for k, v in values.items() if k != "x"})
     for _ in range(3):
         got = exe({"x": values["x"]})["y"].float().numpy()
@@ -213,7 +213,7 @@ def test_rules_reading_no_input_run_once_per_executable(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(interpreter.Device, "kernel", counting)
     x = prog.random_inputs(seed=0)["x"]
-    fresh = edatalog.executable(prog, backend="torch", device="cpu")
+    fresh = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
     fresh.load({k: v for k, v in prog.random_inputs(seed=0).items() if k != "x"})
     want = fresh({"x": x})["y"].clone()
     assert made.count("rc") == 1 and made.count("rs") == 1  # the fresh executable's first call
@@ -267,7 +267,7 @@ def test_prepared_products_equal_the_reference(case: Product, rnd: random.Random
         warnings.simplefilter("ignore", EdlWarning)
         prog = edatalog.compile_string(text)
     want = prog.run(values)["c"]
-    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
     inputs = {k: _scrambled(torch.from_numpy(v), rnd) for k, v in values.items()}
     for _ in range(2):
         got = exe(inputs)["c"]
@@ -289,7 +289,7 @@ def test_an_output_that_reads_no_input_is_made_on_every_call() -> None:
         """
     )
     assert interpreter.static_nodes(prog.graph) == set()
-    exe = edatalog.executable(prog, backend="torch", device="cpu")
+    exe = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
     first = exe({"x": torch.zeros(4)})
     first["t"].fill_(-1)
     again = exe({"x": torch.zeros(4)})
@@ -310,7 +310,7 @@ def test_the_cost_model_knows_which_blocks_take_the_general_path() -> None:
     choice["sc"] = next(k for k, o in enumerate(setup.options["sc"]) if o.cand.chunk > 1 and t in o.cand.chunked)
     plan = edatalog.Plan(auto._plan(prog.graph, machine, setup.options, choice, "join"), prog.graph, machine)
     values = prog.random_inputs(seed=0)
-    exe = edatalog.executable(prog, plan, backend="torch", device="cpu,cpu")
+    exe = edatalog.executable(prog, plan, backend="torch", device="cpu,cpu", compile="none")
     exe.load({k: v for k, v in values.items() if k != "x"})
     exe({"x": values["x"]})
     ran = {key: fast is None for (key, _, _), fast in _kernels(exe).prepared.items()}

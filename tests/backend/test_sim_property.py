@@ -41,8 +41,9 @@ from hypothesis import strategies as st
 
 import edatalog
 from edatalog.backend.kernels.reference import Value
-from edatalog.backend.lowering.exchange import REDUCTIONS, Entry, Schedule, synthesize
+from edatalog.backend.lowering.exchange import REDUCTIONS, Schedule, synthesize
 from edatalog.backend.lowering.lowered import AS_SYNTHESIZED, Lowered, lower
+from edatalog.backend.lowering.tasks import Entry
 from edatalog.backend.predicting.timeline import Report, analyze
 from edatalog.backend.running import sim
 from edatalog.errors import EdlWarning

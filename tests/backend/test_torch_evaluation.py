@@ -26,7 +26,7 @@ from hypothesis import given
 
 import edatalog
 from edatalog.backend.kernels import joinagg
-from edatalog.backend.kernels.arrays import NUMPY, TORCH, TorchOps
+from edatalog.backend.kernels.arrays import NUMPY, TORCH, TorchOps, _cpu_has_bf16
 from edatalog.backend.kernels.contract import contract
 from edatalog.backend.kernels.joinagg import evaluate_node
 from edatalog.backend.kernels.reference import Value, evaluate, write_cells
@@ -380,8 +380,10 @@ def test_cuda_tensors_stay_on_the_gpu() -> None:
 
 def test_half_precision_gemms_run_natively_where_the_library_accumulates_in_f32() -> None:
     """A bf16 sum of two inputs' product is one bf16 matmul on torch (accumulating in f32,
-    rounding once: what the rule means), not a matmul of inputs widened to f32; f16 only on a
-    GPU; a guard, a scale, a third factor or numpy keep the widened path."""
+    rounding once: what the rule means) where the device multiplies bf16 natively (a GPU, or a
+    CPU with AVX-512 BF16 or AMX), not a matmul of inputs widened to f32; f16 only on a GPU; a
+    guard, a scale, a third factor or numpy keep the widened path.  Either way the result is
+    the rule's, rounded once."""
     prog = _compile(
         "dim N = 4, K = 8.\ninput x[N, K] : bf16.\nparam w[K, N] : bf16.\n"
         "g[i, j] += x[i, k] * w[k, j].\n"
@@ -391,7 +393,8 @@ def test_half_precision_gemms_run_natively_where_the_library_accumulates_in_f32(
     )
     node = {n.name: n for n in prog.graph.nodes}
     cpu = torch.device("cpu")
-    assert joinagg.native_gemm(node["g"], [None, None], TORCH, cpu)
+    assert joinagg.native_gemm(node["g"], [None, None], TORCH, cpu) == _cpu_has_bf16()
+    assert TORCH.native_matmul("bf16", torch.device("cuda", 0))
     assert not joinagg.native_gemm(node["g"], [None, None], NUMPY, None)
     assert not joinagg.native_gemm(node["g"], [torch.ones(4, 8, dtype=torch.bool), None], TORCH, cpu)
     for name in ("h", "c", "t"):
@@ -408,5 +411,5 @@ def test_half_precision_gemms_run_natively_where_the_library_accumulates_in_f32(
         TORCH,
     )[0]
     want = inputs["x"].astype(np.float32) @ inputs["w"].astype(np.float32)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == (torch.bfloat16 if _cpu_has_bf16() else torch.float32)  # widened: rounded by the caller
     np.testing.assert_allclose(got.float().numpy(), want, rtol=2.0**-8, atol=1e-6)

@@ -8,6 +8,9 @@ outputs are torch tensors whose absent cells read 0 (``Outputs.present`` marks t
 gives one time per op, the torch devices may be named one by one, torch tensors are accepted as
 inputs and params, and a plan made for another program is refused.
 
+Each check runs the compiled runtime twice: its first call of an input signature interprets the
+programs, its second traces them into a graph and replays it; both must equal the reference.
+
 For a longer, random run of the property test::
 
     EDL_TORCH_RUNTIME_EXAMPLES=500 .venv/bin/pytest tests/backend/test_torch_runtime.py
@@ -28,6 +31,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import edatalog
+from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.backend.running.torch_runtime import op_label
 from edatalog.errors import EdlWarning
 from edatalog.executable import Executable
@@ -86,13 +90,23 @@ def _assert_f32_close(got: Any, want: np.ndarray, what: str) -> None:
     np.testing.assert_allclose(got.numpy(), want, rtol=F32_RTOL, atol=F32_ATOL, err_msg=what)
 
 
+def _compiled(exe: Executable) -> bool:
+    """Whether the executable's last call replayed a compiled graph (its first call of an input
+    signature runs the interpreter, its second compiles)."""
+    return isinstance(exe._impl, CompiledExecutable) and bool(exe._impl.replays)
+
+
 def _check_llama(heads: str, plan: edatalog.Plan, device: Any = "cpu", batch: int = 2) -> None:
+    """The plan's outputs equal the reference's, interpreted (the first call) and compiled (the
+    second: traced into a graph and replayed)."""
     prog = _llama(heads, batch)
     exe = _executable(prog, plan, _values(heads, batch), device)
-    out = exe(_split(prog, _values(heads, batch))[1])
-    assert set(out) == {"y"}
     want = _reference(heads, batch)["y"]
-    _assert_f32_close(out["y"], want, f"{heads} {plan.ir.strategy} on {plan.ir.n_devices}")
+    for call in ("interpreted", "compiled"):
+        out = exe(_split(prog, _values(heads, batch))[1])
+        assert set(out) == {"y"}
+        _assert_f32_close(out["y"], want, f"{heads} {plan.ir.strategy} on {plan.ir.n_devices}, {call}")
+    assert _compiled(exe)
 
 
 # -- LLaMA blocks, every strategy, 1 to 8 logical devices ---------------------------------------------
@@ -291,7 +305,9 @@ def test_random_programs_under_random_plans_equal_the_oracle(
     params, inputs = _split(prog, gen.inputs)
     exe = edatalog.executable(prog, plan, backend="torch", device="cpu")
     exe.load(params)
+    exe.run(inputs)  # interpreted; the second call is traced, compiled and replayed
     out = exe.run(inputs)
+    assert _compiled(exe)
     assert set(out.values) == set(gen.outputs)
     for name in gen.outputs:
         data, present = gen.expected[name]

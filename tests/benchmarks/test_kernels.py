@@ -15,11 +15,13 @@ SCRIPT = ROOT / "benchmarks" / "kernels.py"
 
 def test_every_case_matches_transformers() -> None:
     cmd = [sys.executable, str(SCRIPT), "--dims", "S=32,D=64,H=4,F=96", "--warmup", "0", "--repeat", "1", "--json"]
+    cmd += ["--modes", "none,graph"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads(done.stdout)
     rows = {(r["case"], r["contender"]): r for r in report["results"]}
-    assert set(rows) == {(c, w) for c in ("f32-mha", "f32-gqa", "bf16-mha") for w in ("transformers", "edatalog")}
+    contenders = ("transformers", "edatalog/none", "edatalog/graph")
+    assert set(rows) == {(c, w) for c in ("f32-mha", "f32-gqa", "bf16-mha") for w in contenders}
     for key, r in rows.items():
         assert r["ok"] and r["ms"] > 0, key
         assert r["error"] <= (3e-2 if key[0] == "bf16-mha" else 1e-4), key

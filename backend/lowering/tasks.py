@@ -1,0 +1,73 @@
+"""The steps of exchange synthesis (:mod:`edatalog.backend.lowering.exchange`): tasks in one global
+order, each leaving a buffer, and the pieces of a relation's layout.  Lowered to device programs
+once synthesis is done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edatalog.ir.regions import Region
+
+
+@dataclass(eq=False)
+class Task:
+    """A step of synthesis, in one global order; lowered to device ops by :func:`_lower`."""
+
+    id: int  # also the id of the buffer it leaves
+    device: int
+    deps: list[int]  # tasks that must finish first
+
+
+@dataclass(eq=False)
+class Load(Task):
+    relation: str
+    region: Region
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Compute(Task):
+    node: str
+    block: int
+    ranges: dict[str, tuple[int, int]]
+    reads: list[list[tuple[int, Region]]]  # per input of the node: (buffer, part of the need it covers)
+    out: Region
+    flops: int
+    nbytes: int  # bytes read and written
+    every_point: bool  # the guard holds at every point of the (tightened) block
+
+
+@dataclass(eq=False)
+class Send(Task):
+    dst: int
+    source: int  # buffer (task id) on the sending device
+    relation: str
+    region: Region
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Combine(Task):
+    relation: str
+    region: Region
+    sources: list[int]  # buffers on this device, each covering ``region``
+    flops: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """Data a task leaves on a device: a region of one relation."""
+
+    task: int
+    device: int
+    relation: str
+    region: Region
+
+
+@dataclass(eq=False)
+class Entry:
+    """A piece of a relation's final layout: a region, and the buffer holding it on each device."""
+
+    region: Region
+    holders: dict[int, int]  # device -> buffer

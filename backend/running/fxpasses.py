@@ -1,0 +1,559 @@
+"""Small rewrites of a traced device program (a ``torch.fx`` graph of ATen ops), run once after
+tracing so that a call pays for the arithmetic and little else.
+
+Tracing the interpreter (:mod:`edatalog.backend.running.compiled`) records every torch call it
+makes: besides the kernels, many views (a block's inputs as strided views over its join space,
+results viewed as their region, broadcasts to the shape they already have) and scalar tensors
+made afresh on every call.  Each is a dispatch of a few microseconds, as much as the arithmetic
+of a small block.  The passes, each a function of the graph, in the order :func:`simplify` runs
+them:
+
+- :func:`fold_views`: a chain of views (``view``, ``expand``, ``permute``, ``slice``,
+  ``as_strided``, ...) over one tensor becomes one ``as_strided`` of that tensor with the
+  chain's final sizes, strides and storage offset (each node's, as recording the graph found
+  them), or the tensor itself when the chain ends where it began.
+  Values written in place through a view stay views of the same memory, so aliasing is
+  unchanged.  The graph's inputs must then come with the storage offsets they had (the
+  compiled runtime passes them at offset 0);
+- :func:`fold_constants`: ops that read no graph input (scalars made with ``full``, index
+  ranges, tables computed from them) are computed once, at compile time, and kept as
+  constants of the graph module, unless something writes into them;
+- :func:`share_views`: the same view of the same tensor taken twice is taken once (two views
+  of it see the same memory whatever is written into it);
+- :func:`share_values`: the same op on the same arguments computed twice is computed once, when
+  nothing writes into the memory of its arguments between the two, nor into either result
+  (the layers of a model recompute the positions' masks; constants of equal value are one);
+- :func:`share_assemblies`: a buffer put together from the same pieces twice (two readers of
+  one relation cut into blocks) is put together once;
+- :func:`copies_into_fresh`: a fresh buffer filled with a copy of a view and then updated in
+  place (``e = empty(s); e.copy_(v); mul(e, c, out=e)``, the interpreter's way to own an array
+  it may write) becomes the out-of-place op on the view itself (``mul(v, c)``);
+- :func:`linear_calls`: ``mm(a, t(w))`` is ``linear(a, w)``, one call (ATen's ``linear`` is
+  that very ``t`` and ``mm``);
+- dead-code elimination: views nobody reads any more, and anything else without an effect;
+- :func:`fast_calls`: each ATen op overload called through torch's public binding of the same
+  op (``torch.mul``, ``torch.as_strided``, ``Tensor.view``): the same kernel, reached through
+  C++ argument parsing in about a microsecond, where ``torch.ops.aten.mul.Tensor`` goes through
+  Python's op-overload machinery in two to seven (``empty``: 9.2 against 2.1 µs, measured).
+
+Every pass keeps the graph's results bit for bit: they only remove dispatches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+from edatalog.backend.kernels.arrays import torch_module
+from edatalog.backend.running.tracer import Geometry
+
+# ATen view ops: their result aliases their first argument's memory.
+_VIEW_NAMES = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "expand",
+        "permute",
+        "transpose",
+        "t",
+        "slice",
+        "select",
+        "as_strided",
+        "alias",
+        "unsqueeze",
+        "squeeze",
+        "diagonal",
+        "unfold",
+        "narrow",
+        "expand_as",
+        "view_as",
+    }
+)
+
+
+# Views with a fast public binding (``torch.t``, ``Tensor.view``): a single one stays as it is;
+# any other (``slice``, ``select``, ``unsqueeze``, ...) becomes an ``as_strided``.
+_FAST_VIEWS = frozenset({"view", "expand", "permute", "t"})
+
+
+def _aten(node: Any) -> tuple[str, str] | None:
+    """(op name, overload name) of a call to an ATen op overload, else None."""
+    target = node.target
+    if node.op != "call_function" or not hasattr(target, "_schema"):
+        return None
+    return target._schema.name.removeprefix("aten::"), target._overloadname
+
+
+def _name(node: Any) -> str | None:
+    """The ATen op a node calls (``mul``), else None."""
+    aten = _aten(node)
+    return None if aten is None else aten[0]
+
+
+def _is_view(node: Any) -> bool:
+    aten = _aten(node)
+    return aten is not None and aten[0] in _VIEW_NAMES
+
+
+def _writes(node: Any) -> Any | None:
+    """The node whose memory ``node`` writes and returns (``out=`` overloads, ``x.op_(...)``,
+    ``copy_``), else None."""
+    aten = _aten(node)
+    if aten is None:
+        return None
+    name, overload = aten
+    schema = node.target._schema
+    if overload == "out" or overload.endswith("_out"):
+        out = node.kwargs.get("out")
+        return out if hasattr(out, "op") else None
+    if name.endswith("_") and schema.arguments and schema.arguments[0].alias_info is not None:
+        first = node.args[0] if node.args else None
+        return first if hasattr(first, "op") else None
+    return None
+
+
+def _is_tensor(val: Any) -> bool:
+    return isinstance(val, torch_module().Tensor)
+
+
+def fold_views(graph: Any, shapes: dict[Any, Geometry]) -> int:
+    """Replace each chain of views by one view of the chain's base (see the module docstring),
+    by the geometry each node's result had when it was recorded; returns how many view nodes
+    now read a base directly."""
+    torch = torch_module()
+    base: dict[Any, Any] = {}  # node -> the non-view node whose memory it views
+    changed = 0
+    for node in list(graph.nodes):
+        written = _writes(node)
+        if written is not None:  # returns its out argument: a view of that argument's base
+            base[node] = base.get(written, written)
+            continue
+        if not _is_view(node):
+            continue
+        source = node.args[0]
+        root = base.get(source, source)
+        base[node] = root
+        if node not in shapes or root not in shapes or shapes[node][3] != shapes[root][3]:
+            continue
+        same = _same_layout(shapes[node], shapes[root])
+        if root is source and _name(node) in _FAST_VIEWS and not same:
+            continue  # a single view of a base, called fast as it is
+        size, stride, offset, _ = shapes[node]
+        with graph.inserting_before(node):
+            if same:
+                replacement = root
+            else:
+                replacement = graph.call_function(torch.ops.aten.as_strided.default, (root, size, stride, offset))
+                replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        if replacement is not root:
+            base[replacement] = root
+            shapes[replacement] = shapes[node]
+        changed += 1
+    return changed
+
+
+def _same_layout(a: Geometry, b: Geometry) -> bool:
+    """Whether two geometries address the same cells the same way: equal sizes, offsets and
+    dtypes, and equal strides wherever a size is not 1 (a stride along one cell is never used)."""
+    if a[0] != b[0] or a[2] != b[2] or a[3] != b[3]:
+        return False
+    return all(n == 1 or s == t for n, s, t in zip(a[0], a[1], b[1], strict=True))
+
+
+_NO_FOLD = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})  # values are garbage until written
+
+
+def fold_constants(graph: Any, module: Any) -> int:
+    """Compute once the nodes that read no input of the graph and that nothing writes into;
+    returns how many became constants.  Tensors made empty are left alone (their contents come
+    from writes), and so is anything random."""
+    mutated = _mutated(graph.nodes)
+    values: dict[Any, Any] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            values[node] = _attr(module, node.target)
+            continue
+        aten = _aten(node)
+        if node.op != "call_function" or node in mutated or _writes(node) is not None:
+            continue
+        if aten is not None and (aten[0] in _NO_FOLD or "rand" in aten[0] or node.target._schema.is_mutable):
+            continue
+        if aten is None and node.target is not operator.getitem:
+            continue
+        inputs = _nodes_in((node.args, node.kwargs))
+        if not all(a in values for a in inputs):
+            continue
+        args = _substitute(node.args, values)
+        kwargs = _substitute(node.kwargs, values)
+        values[node] = node.target(*args, **kwargs)
+    folded = 0
+    for node, value in values.items():
+        if node.op == "get_attr" or not _is_tensor(value) or not node.users:
+            continue
+        if all(user in values for user in node.users):
+            continue  # only other folded nodes read it
+        name = f"_folded_{folded}"
+        module.register_buffer(name, value.clone() if value._base is not None else value, persistent=False)
+        with graph.inserting_before(node):
+            const = graph.get_attr(name)
+            const.meta = dict(node.meta)
+        node.replace_all_uses_with(const)
+        folded += 1
+    return folded
+
+
+def _mutated(nodes: Iterable[Any]) -> set[Any]:
+    """Nodes whose memory some op writes: the written node, every view between it and its base,
+    and the base (a constant must not change from call to call)."""
+    base: dict[Any, Any] = {}
+    views_of: dict[Any, list[Any]] = {}
+    out: set[Any] = set()
+    for node in nodes:
+        written = _writes(node)
+        if written is not None:
+            root = base.get(written, written)
+            out |= {written, root, node, *views_of.get(root, [])}
+            base[node] = root
+            views_of.setdefault(root, []).append(node)
+        elif _is_view(node):
+            root = base.get(node.args[0], node.args[0])
+            base[node] = root
+            views_of.setdefault(root, []).append(node)
+            if root in out:
+                out.add(node)
+    # A view made before the write also sees it.
+    for root in list(out):
+        out |= set(views_of.get(root, []))
+    return out
+
+
+def _nodes_in(tree: Any) -> list[Any]:
+    found: list[Any] = []
+
+    def visit(x: Any) -> None:
+        if hasattr(x, "op") and hasattr(x, "users"):
+            found.append(x)
+        elif isinstance(x, list | tuple):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+
+    visit(tree)
+    return found
+
+
+def _substitute(tree: Any, values: dict[Any, Any]) -> Any:
+    if hasattr(tree, "op") and hasattr(tree, "users"):
+        return values[tree]
+    if isinstance(tree, list):
+        return [_substitute(x, values) for x in tree]
+    if isinstance(tree, tuple):
+        return tuple(_substitute(x, values) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _substitute(v, values) for k, v in tree.items()}
+    return tree
+
+
+def _attr(module: Any, target: str) -> Any:
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_METHODS = frozenset({"view", "expand", "copy_", "fill_", "masked_fill_", "zero_", "contiguous"})  # Tensor methods
+
+
+def _binding(name: str) -> Any:
+    """torch's public C binding of the ATen op ``name``, or None."""
+    torch = torch_module()
+    for space in (torch, torch._C._nn, torch._C._VariableFunctions):
+        f = getattr(space, name, None)
+        if f is not None and type(f).__name__ == "builtin_function_or_method":
+            return f
+    return None
+
+
+def fast_calls(graph: Any) -> int:
+    """Call every ATen op with a public binding through it (see the module docstring); an
+    ``alias`` (a view of a whole tensor) is the tensor itself.  Returns how many calls changed."""
+    changed = 0
+    for node in list(graph.nodes):
+        aten = _aten(node)
+        if aten is None:
+            continue
+        name, _ = aten
+        if name == "alias" and hasattr(node.args[0], "op"):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed += 1
+            continue
+        if name in _METHODS:
+            with graph.inserting_before(node):
+                call = graph.call_method(name, node.args, node.kwargs)
+                call.meta = dict(node.meta)
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            changed += 1
+            continue
+        f = _binding(name)
+        if f is not None:
+            node.target = f
+            changed += 1
+    return changed
+
+
+def share_values(graph: Any, module: Any) -> int:
+    """Compute each pure op on the same arguments once (see the module docstring); returns how
+    many nodes went."""
+    nodes = list(graph.nodes)
+    order = {node: k for k, node in enumerate(nodes)}
+    base, writes = _bases_and_writes(nodes, order)
+    constants = _constants_by_value(graph, module)
+    seen: dict[tuple[Any, ...], Any] = {}
+    shared = 0
+    for node in nodes:
+        if node.op == "get_attr" and node in constants and constants[node] is not node:
+            node.replace_all_uses_with(constants[node])
+            graph.erase_node(node)
+            shared += 1
+            continue
+        aten = _aten(node)
+        if aten is None or _writes(node) is not None or node.target._schema.is_mutable:
+            continue
+        if aten[0] in _NO_FOLD or aten[0] in _VIEW_NAMES or "rand" in aten[0]:
+            continue
+        key = (node.target, _key(node.args), _key(node.kwargs))
+        first = seen.get(key)
+        if first is None:
+            seen[key] = node
+            continue
+        inputs = [base.get(a, a) for a in _nodes_in((node.args, node.kwargs))]
+        quiet = all(_unwritten(writes.get(b, ()), order[first], order[node]) for b in inputs)
+        if quiet and not writes.get(base.get(first, first)) and not writes.get(base.get(node, node)):
+            node.replace_all_uses_with(first)
+            graph.erase_node(node)
+            shared += 1
+    return shared
+
+
+def _bases_and_writes(nodes: list[Any], order: dict[Any, int]) -> tuple[dict[Any, Any], dict[Any, list[int]]]:
+    """Each view's (or write's) base, and the positions of the writes into each base."""
+    base: dict[Any, Any] = {}
+    writes: dict[Any, list[int]] = {}
+    for node in nodes:
+        written = _writes(node)
+        if written is not None:
+            root = base.get(written, written)
+            base[node] = root
+            writes.setdefault(root, []).append(order[node])
+        elif _is_view(node):
+            base[node] = base.get(node.args[0], node.args[0])
+    return base, writes
+
+
+def _unwritten(positions: Iterable[int], after: int, before: int) -> bool:
+    return not any(after < k < before for k in positions)
+
+
+def _constants_by_value(graph: Any, module: Any) -> dict[Any, Any]:
+    """Each small constant of the graph by the first constant of equal value (same dtype, shape,
+    strides and contents)."""
+    torch = torch_module()
+    first: dict[tuple[Any, ...], Any] = {}
+    out: dict[Any, Any] = {}
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = _attr(module, node.target)
+        if not isinstance(value, torch.Tensor) or value.numel() > 4096 or value.device.type != "cpu":
+            continue
+        key = (value.dtype, tuple(value.shape), tuple(value.stride()), value.contiguous().numpy().tobytes())
+        out[node] = first.setdefault(key, node)
+    return out
+
+
+def share_assemblies(graph: Any, shapes: dict[Any, Geometry]) -> int:
+    """Put each buffer together once from the same pieces (see the module docstring): ``e =
+    empty(s)``, then only copies of whole pieces into views of ``e`` (and reads); a second
+    such buffer of the same pieces into the same views, with no piece written between, is the
+    first.  Returns how many buffers went."""
+    nodes = list(graph.nodes)
+    order = {node: k for k, node in enumerate(nodes)}
+    base, writes = _bases_and_writes(nodes, order)
+    seen: dict[tuple[Any, ...], tuple[Any, int]] = {}
+    shared = 0
+    for node in nodes:
+        aten = _aten(node)
+        if aten is None or aten[0] != "empty":
+            continue
+        fills = []
+        copies = []
+        for view in node.users:
+            if not _is_view(view) or view.args[0] is not node or len(view.users) != 1:
+                continue
+            (copy,) = view.users
+            if _aten(copy) == ("copy_", "default") and copy.args[0] is view and view in shapes:
+                fills.append((shapes[view][:3], copy.args[1], order[copy]))
+                copies.append(copy)
+        if not fills or len(writes.get(node, ())) != len(fills):
+            continue  # written otherwise too: not a plain assembly
+        began = min(k for _, _, k in fills)
+        done = max(k for _, _, k in fills)
+        key = (_key(node.args), _key(node.kwargs), tuple(sorted((g, id(src)) for g, src, _ in fills)))
+        earlier = seen.get(key)
+        if earlier is None:
+            seen[key] = (node, began)
+            continue
+        first, first_began = earlier
+        sources = {base.get(src, src) for _, src, _ in fills}
+        if not all(_unwritten(writes.get(s, ()), first_began, done) for s in sources):
+            continue  # a piece changed between the two: they differ
+        for copy in copies:
+            view = copy.args[0]
+            graph.erase_node(copy)
+            graph.erase_node(view)
+        node.replace_all_uses_with(first)
+        graph.erase_node(node)
+        shared += 1
+    return shared
+
+
+def share_views(graph: Any) -> int:
+    """Take each distinct view once (see the module docstring); returns how many were shared."""
+    seen: dict[tuple[Any, ...], Any] = {}
+    shared = 0
+    for node in list(graph.nodes):
+        if not _is_view(node):
+            continue
+        key = (node.target, _key(node.args), _key(node.kwargs))
+        first = seen.get(key)
+        if first is None:
+            seen[key] = node
+            continue
+        node.replace_all_uses_with(first)
+        graph.erase_node(node)
+        shared += 1
+    return shared
+
+
+def _key(tree: Any) -> Any:
+    """A hashable form of a node's arguments (nodes by identity)."""
+    if hasattr(tree, "op") and hasattr(tree, "users"):
+        return ("node", id(tree))
+    if isinstance(tree, list | tuple):
+        return tuple(_key(x) for x in tree)
+    if isinstance(tree, dict):
+        return tuple(sorted((k, _key(v)) for k, v in tree.items()))
+    if isinstance(tree, float) and tree != tree:  # nan
+        return ("nan",)
+    return (type(tree).__name__, tree) if not isinstance(tree, type) else ("type", tree)
+
+
+_ELEMENTWISE_OUT = frozenset({"mul", "add", "sub", "div", "maximum", "minimum", "pow", "where"})
+_UNARY_OUT = frozenset({"exp", "rsqrt", "sqrt", "neg", "cos", "sin", "tanh", "sigmoid", "log", "abs", "reciprocal"})
+
+
+def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
+    """Replace each fresh buffer that is a copy of a view updated in place by the out-of-place
+    op on the view (see the module docstring); returns how many buffers went."""
+    order: dict[Any, float] = {node: k for k, node in enumerate(graph.nodes)}
+    writes = sorted(k for node, k in order.items() if _writes(node) is not None)
+    done = 0
+    for node in list(graph.nodes):
+        if _name(node) == "empty" and len(node.users) >= 2:
+            users = sorted(node.users, key=order.__getitem__)
+            copy, update = users[0], users[1]
+            if _aten(copy) != ("copy_", "default") or copy.args[0] is not node or copy.users:
+                continue
+            source = copy.args[1]
+            if source not in shapes or node not in shapes or shapes[source][::3] != shapes[node][::3]:
+                continue  # not the same sizes and dtype
+            aten = _aten(update)
+            if aten is None or aten[1] != "out" or update.kwargs.get("out") is not node:
+                continue
+            if aten[0] not in _ELEMENTWISE_OUT | _UNARY_OUT or not update.args or update.args[0] is not node:
+                continue
+            if any(a is node for a in update.args[1:]):
+                continue
+            # The view must still hold what it held at the copy: nothing writes between the two.
+            if bisect.bisect_right(writes, order[copy]) != bisect.bisect_left(writes, order[update]):
+                continue
+            packet = update.target._overloadpacket
+            overload = packet.default if aten[0] in _UNARY_OUT else getattr(packet, "Tensor", None)
+            if overload is None:
+                continue
+            with graph.inserting_before(update):
+                made = graph.call_function(overload, (source, *update.args[1:]))
+                made.meta = dict(update.meta)
+            order[made] = order[update]
+            update.replace_all_uses_with(made)
+            node.replace_all_uses_with(made)  # later readers of the buffer read the result
+            graph.erase_node(update)
+            graph.erase_node(copy)
+            graph.erase_node(node)
+            shapes[made] = shapes[node]
+            done += 1
+    return done
+
+
+def linear_calls(graph: Any) -> int:
+    """``mm(a, t(w))`` as one ``linear(a, w)`` call; returns how many."""
+    torch = torch_module()
+    done = 0
+    for node in list(graph.nodes):
+        if _aten(node) != ("mm", "default"):
+            continue
+        a, b = node.args
+        if _aten(b) != ("t", "default"):
+            continue
+        with graph.inserting_before(node):
+            made = graph.call_function(torch._C._nn.linear, (a, b.args[0]))
+            made.meta = dict(node.meta)
+        node.replace_all_uses_with(made)
+        graph.erase_node(node)
+        if not b.users:
+            graph.erase_node(b)
+        done += 1
+    return done
+
+
+def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry]) -> tuple[Any, dict[str, int]]:
+    """Every pass of the module docstring, in order, on ``graph`` (whose constants ``module``
+    holds; ``shapes``: each node's geometry, as recorded); the graph module made of them (its
+    Python code generated once, here), and what each pass did."""
+    torch = torch_module()
+    before = len(graph.nodes)
+    graph.eliminate_dead_code()
+    views = fold_views(graph, shapes)
+    constants = fold_constants(graph, module)
+    shared = share_views(graph)
+    fresh = copies_into_fresh(graph, shapes)
+    graph.eliminate_dead_code()
+    assemblies = share_assemblies(graph, shapes)
+    values = share_values(graph, module)
+    graph.eliminate_dead_code()
+    linear = linear_calls(graph)
+    graph.eliminate_dead_code()
+    calls = fast_calls(graph)  # last: dead-code elimination cannot tell torch.mul(..., out=) has an effect
+    graph.lint()
+    gm = torch.fx.GraphModule(module, graph)
+    return gm, {
+        "nodes_before": before,
+        "views_folded": views,
+        "constants": constants,
+        "views_shared": shared,
+        "copies_removed": fresh,
+        "assemblies_shared": assemblies,
+        "values_shared": values,
+        "linear": linear,
+        "fast_calls": calls,
+        "nodes": len(graph.nodes),
+    }
