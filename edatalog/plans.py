@@ -75,9 +75,11 @@ class Plan:
         return self.lowering(self.options)
 
     def lowering(self, options: Options) -> Lowered:
-        """The plan lowered with ``options`` (made once per options)."""
+        """The plan lowered with ``options`` (made once per options).  Its programs are verified
+        before anything runs them (:meth:`Lowered.verified`); predicting their time does not
+        need it, and a whole model's planning checks a dozen plans."""
         if options not in self._lowered:
-            self._lowered[options] = lower(self.schedule, options)
+            self._lowered[options] = lower(self.schedule, options, check=False)
         return self._lowered[options]
 
     @cached_property
@@ -328,6 +330,38 @@ def _options(collectives: str) -> Options:
     if collectives not in choices:
         raise EdlError(f"unknown collectives choice '{collectives}'", help=f"choose one of {', '.join(choices)}")
     return Options(Collectives(collectives))
+
+
+def composed_ms(
+    prog: ProgramLike,
+    topology: str | Topology,
+    strategy: str,
+    *,
+    reduction: str = "auto",
+    memory: int | str | None = None,
+    collectives: str = "auto",
+) -> tuple[float, Plan]:
+    """A baseline's predicted milliseconds for a program with a repeated module, composed as
+    solved plans of it are (one layer's timeline times the layers, plus the rest's, each
+    checked alone: what ``edl plan`` compares), and the baseline's plan of one layer."""
+    rep = layers.repeated(prog.graph)
+    assert rep is not None, "a program with a repeated module"
+    machine = machines.resolve(topology)
+    if memory is not None:
+        machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
+    options = _options(collectives)
+    whole = strategies.build(prog.graph, machine, strategy)  # the baseline's tiles of every rule
+    parts = []
+    for g in (layers.layer_graph(prog.graph, rep), layers.outer_graph(prog.graph, rep)):
+        if g is None:
+            continue
+        tiles = {n.name: whole.node(n.name).tile for n in g.nodes}
+        axes = {n.name: whole.node(n.name).reduce_axis for n in g.nodes}
+        ir = strategies.plan_of(g, machine, strategy, tiles, reduce_axes=axes)
+        parts.append(Plan(ir, g, machine, reduction, options))
+    layer = parts[0]
+    ms = layer.report.seconds * 1e3 * rep.count + sum(p.report.seconds * 1e3 for p in parts[1:])
+    return ms, layer
 
 
 # The top-level fields of a plan file (:meth:`Plan.to_json`), and what each holds.

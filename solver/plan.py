@@ -205,23 +205,34 @@ class Plan:
             p.tile.verify(graph.relation(p.relation).box, self.n_devices, f"output {p.relation}")
 
     def __str__(self) -> str:
+        return _render(self, set(), "")
+
+    def describe(self, graph: Graph | None = None) -> str:
+        """The plan as ``str`` prints it, but with the instances of a repeated module of
+        ``graph`` that are tiled and placed exactly as its first instance said once (a 32-layer
+        model prints one layer, and which layers take its plan)."""
+        reps = [r for r in (graph.repeats if graph is not None else ()) if r.count > 1]
+        if not reps:
+            return str(self)
+        rep = max(reps, key=lambda r: r.count * len(r.nodes))
         n = self.n_devices
-        lines = [
-            f"plan '{self.strategy}' for {n} device{'s' if n != 1 else ''} ({self.topology}), program {self.program}"
-        ]
-        width = max([len(p.relation) for p in (*self.inputs, *self.outputs)] + [len(p.node) for p in self.nodes] + [4])
-        lines.append("inputs and params:")
-        lines.extend(f"  {p.relation:<{width}}  {p.dtensor(n)}" for p in self.inputs)
-        lines.append("rules:")
-        lines.extend(
-            f"  {p.node:<{width}}  {p.tile.describe(n)}"
-            + (f", partials reduced along axis {p.reduce_axis}" if p.reduce_axis is not None else "")
-            for p in self.nodes
-        )
-        if self.outputs:
-            lines.append("outputs:")
-            lines.extend(f"  {p.relation:<{width}}  {p.dtensor(n)}" for p in self.outputs)
-        return "\n".join(lines)
+        placed = {p.relation: p.dtensor(n) for p in self.inputs}
+        tiled = {p.node: (p.tile.describe(n), p.reduce_axis) for p in self.nodes}
+        alike = []
+        for k in range(1, rep.count):
+            own = f"{rep.prefix}.{k}."
+
+            def first(name: str, own: str = own) -> str:
+                return f"{rep.prefix}.0.{name[len(own) :]}"
+
+            params = [r for r in placed if r.startswith(own)]
+            same_params = all(first(r) in placed and placed[r] == placed[first(r)] for r in params)
+            if same_params and all(tiled[name] == tiled[first(name)] for name in rep.instance(k)):
+                alike.append(k)
+        if not alike:
+            return str(self)
+        skip = {f"{rep.prefix}.{k}." for k in alike}
+        return _render(self, skip, f"  ({_ranges(alike, rep.prefix)}: as {rep.prefix}.0)")
 
     # -- JSON ----------------------------------------------------------------------------------
 
@@ -283,3 +294,47 @@ class Plan:
         if graph is not None:
             plan.verify(graph)
         return plan
+
+
+def _render(plan: Plan, skip: set[str], note: str) -> str:
+    """The plan's lines, leaving out the relations and rules whose names start with a prefix in
+    ``skip``, with ``note`` after the inputs and after the rules."""
+    n = plan.n_devices
+
+    def kept(name: str) -> bool:
+        return not any(name.startswith(s) for s in skip)
+
+    inputs = [p for p in plan.inputs if kept(p.relation)]
+    nodes = [p for p in plan.nodes if kept(p.node)]
+    lines = [f"plan '{plan.strategy}' for {n} device{'s' if n != 1 else ''} ({plan.topology}), program {plan.program}"]
+    width = max([len(p.relation) for p in (*inputs, *plan.outputs)] + [len(p.node) for p in nodes] + [4])
+    lines.append("inputs and params:")
+    lines.extend(f"  {p.relation:<{width}}  {p.dtensor(n)}" for p in inputs)
+    if note:
+        lines.append(note)
+    lines.append("rules:")
+    lines.extend(
+        f"  {p.node:<{width}}  {p.tile.describe(n)}"
+        + (f", partials reduced along axis {p.reduce_axis}" if p.reduce_axis is not None else "")
+        for p in nodes
+    )
+    if note:
+        lines.append(note)
+    if plan.outputs:
+        lines.append("outputs:")
+        lines.extend(f"  {p.relation:<{width}}  {p.dtensor(n)}" for p in plan.outputs)
+    return "\n".join(lines)
+
+
+def _ranges(ks: Sequence[int], prefix: str) -> str:
+    """``[1, 2, 3, 5]`` as ``layers.1 .. layers.3, layers.5``."""
+    out: list[str] = []
+    start = prev = ks[0]
+    for k in [*ks[1:], None]:
+        if k is not None and k == prev + 1:
+            prev = k
+            continue
+        out.append(f"{prefix}.{start}" if start == prev else f"{prefix}.{start} .. {prefix}.{prev}")
+        if k is not None:
+            start = prev = k
+    return ", ".join(out)

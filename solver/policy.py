@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
@@ -289,6 +289,7 @@ def _join(*parts: str) -> str:
 
 LAYER_SHARE = 0.75  # of a layered solve's time, for the layer (the rest of the program is small)
 STAGES_TRIED = (1, 2, 4, 8)  # pipeline stages tried in turn until a plan fits, when none is asked
+FIRST_SHARE = 0.7  # of the time left, for the next number of stages tried
 
 
 @dataclasses.dataclass
@@ -303,6 +304,10 @@ class Layered:
     layer_ms: float  # the layer's predicted time, as solved alone
     outer_ms: float
     count: int
+    # The most bytes a device holds running the whole program is at most this: every layer it
+    # runs at its own peak as solved alone (inputs, outputs gathered, weights), plus the rest's.
+    peak_bound: int = 0
+    checked_layer: Any = None  # the layer's plan, as checked (its timeline)
 
 
 def solve_layers(
@@ -333,22 +338,28 @@ def solve_layers(
     last: Layered | None = None
     for k, s in enumerate(tried):
         left = time_limit - (time.monotonic() - start)
-        share = left / (len(tried) - k) if stages is None and k < len(tried) - 1 else left
+        # Most of the time to the fewest stages (they usually fit); the rest for more, if not.
+        share = left * FIRST_SHARE if stages is None and k < len(tried) - 1 else left
         devices = layers.stage_devices(machine.n, s)[0]
         per_layer = max(1, (limit - outer_bytes) * s // rep.count)
         stage = machine.subset(devices).with_memory(per_layer)
         layer_checked, layer_sol = solve(
             layer_g, stage, checker_for(layer_g, stage), share * LAYER_SHARE, seed, space, on_progress
         )
-        outer_plan, outer_sol, outer_ms = None, None, 0.0
+        outer_plan, outer_sol, outer_ms, outer_peak = None, None, 0.0, 0
         if outer_g is not None:
             outer_checked, outer_sol = solve(
                 outer_g, machine, checker_for(outer_g, machine), max(0.5, share * (1 - LAYER_SHARE)), seed, space
             )
-            outer_plan, outer_ms = outer_checked.plan, outer_checked.seconds * 1e3
+            outer_plan, outer_ms, outer_peak = outer_checked.plan, outer_checked.seconds * 1e3, outer_checked.peak
         plan = layers.compose(graph, rep, layer_checked.plan, outer_plan, machine, s)
-        last = Layered(plan, layer_sol, outer_sol, s, layer_checked.seconds * 1e3, outer_ms, rep.count)
-        if stages is not None or fits(plan):
+        bound = layer_checked.peak * -(-rep.count // s) + outer_peak
+        last = Layered(
+            plan, layer_sol, outer_sol, s, layer_checked.seconds * 1e3, outer_ms, rep.count, bound, layer_checked
+        )
+        # The bound decides without lowering the whole model; only when it is too loose does the
+        # whole model's timeline (the exact check) decide.
+        if stages is not None or bound <= limit or fits(plan):
             return last
     assert last is not None
     return last

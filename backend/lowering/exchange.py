@@ -410,9 +410,9 @@ def _partials(tasks: list[Task]) -> set[int]:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _general(graph: str, node: JoinAgg, ranges: tuple[tuple[str, int, int], ...]) -> bool:
-    """:func:`general_path` of one block, kept: every check of a plan lowers the same blocks.
-    Keyed by the graph's fingerprint too, so that equal rules of different graphs never mix."""
+def _general(node: JoinAgg, ranges: tuple[tuple[str, int, int], ...]) -> bool:
+    """:func:`general_path` of one block, kept: every check of a plan lowers the same blocks,
+    and every layer of a model the same rules (``node`` is a rule's ``anonymous`` form)."""
     return general_path(restrict(node, {name: (lo, hi) for name, lo, hi in ranges}))
 
 
@@ -442,7 +442,7 @@ def _lower(
             kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id], full[t.id])
             roles = None if node.lookups else gemm_roles(node)  # a gather is no GEMM
             gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in t.ranges.items()})
-            general = _general(graph.fingerprint, node, ranges)
+            general = _general(node.anonymous, ranges)
             ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm, general)))
         elif isinstance(t, Send):
             dtype[t.id], full[t.id] = dtype[t.source], full[t.source]

@@ -13,13 +13,15 @@ other) becomes the attention mask; a block whose guard leaves a query without ke
 
 from __future__ import annotations
 
+import functools
 import math
 
 from edatalog.backend.kernels.joinagg import prepare
 from edatalog.ir import program as ir
 from edatalog.ir.attention import Chain, attention_chains, exp_of_difference
-from edatalog.ir.graph import Graph
+from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.regions import Region
+from edatalog.ir.rewrite import restrict
 
 KIND = "attention"
 
@@ -151,9 +153,13 @@ def _has_keys(graph: Graph, ops: list[ir.Op], group: list[int], chain: Chain) ->
 
 
 def _all_rows(graph: Graph, kernel: ir.Kernel) -> bool:
-    from edatalog.ir.rewrite import restrict
+    return _every_row(graph.node(kernel.node).anonymous, kernel.ranges)
 
-    node = prepare(restrict(graph.node(kernel.node), kernel.range_map))
+
+@functools.lru_cache(maxsize=1 << 14)
+def _every_row(rule: JoinAgg, ranges: ir.Ranges) -> bool:
+    """Whether the guard leaves every output cell of the block a point (by rule structure)."""
+    node = prepare(restrict(rule, {i: (lo, hi) for i, lo, hi in ranges}))
     out = [i.name for i in node.indices if i.name not in node.agg_indices]
     shadow, exact = node.guard.project(out, node.box)
     box = {v: node.box[v] for v in out}

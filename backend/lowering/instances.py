@@ -131,9 +131,14 @@ class InstanceCopier:
         return lambda name: self._rename(k, name)
 
     def _rename(self, k: int, name: str) -> str:
-        """``name`` of instance ``k - 1`` as instance ``k``'s (other names unchanged)."""
-        old = f"{self.rep.prefix}.{k - 1}."
-        return f"{self.rep.prefix}.{k}.{name[len(old) :]}" if name.startswith(old) else name
+        """``name`` as instance ``k`` sees what instance ``k - 1`` saw: relations of instances
+        ``k - 1`` and ``k - 2`` one instance on (``k - 1`` reads ``k - 2``'s result); other names
+        unchanged."""
+        for j in (k - 1, k - 2):
+            old = f"{self.rep.prefix}.{j}."
+            if name.startswith(old):
+                return f"{self.rep.prefix}.{j + 1}.{name[len(old) :]}"
+        return name
 
     def _relations(self, synth: Any, k: int) -> list[str]:
         """The relations instance ``k`` makes (their layouts come with it)."""

@@ -32,6 +32,7 @@ What ops cost (:func:`op_costs`):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -47,7 +48,7 @@ from edatalog.backend.lowering.presence import mark_full
 from edatalog.backend.lowering.tasks import Entry
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
-from edatalog.ir.graph import Graph, VerifyError
+from edatalog.ir.graph import Graph, JoinAgg, VerifyError
 from edatalog.ir.program import CollectiveKind, OpCost
 from edatalog.ir.regions import Region
 from edatalog.solver.blocks import tighten
@@ -101,6 +102,7 @@ class Lowered:
     passes: tuple[str, ...]  # the passes that ran, in order
     outputs: Mapping[str, list[Entry]]  # where each output ends: its pieces, each with its buffer per device
     synthesized: Schedule | None = field(default=None, repr=False)  # what synthesis made (not serialized)
+    _checked: bool = field(default=False, repr=False, compare=False)  # programs verified (see verified)
 
     @property
     def n_devices(self) -> int:
@@ -111,6 +113,14 @@ class Lowered:
         """A hash of the program, the programs and the options: ranks compare it before running."""
         blob = f"{self.graph.fingerprint()}/{self.programs.fingerprint()}/{self.options}"
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def verified(self) -> Lowered:
+        """This lowered plan, its programs checked (:meth:`ir.Programs.verify`) once: every
+        runtime calls it before running them.  A :class:`VerifyError` is a bug in a pass."""
+        if not self._checked:
+            _verified(self.programs, self.passes[-1])
+            object.__setattr__(self, "_checked", True)
+        return self
 
     def kernels(self, node: str) -> list[tuple[int, ir.Kernel]]:
         """The kernels of one rule (inside fused ops too), with their devices."""
@@ -160,7 +170,7 @@ class Lowered:
         if data.get("format") != FORMAT:
             raise ValueError(f"lowered plan format {data.get('format')!r}, but this edatalog reads {FORMAT}")
         graph = Graph.from_json(json.dumps(data["graph"]))
-        programs = ir.Programs.from_json(json.dumps(data["programs"]))
+        programs = ir.Programs.from_json(json.dumps(data["programs"]))  # verified
         if programs.graph != graph.fingerprint():
             raise ValueError("the lowered programs were made for another program than the one they carry")
         options = Options(Collectives(data["options"]["collectives"]), bool(data["options"]["fuse"]))
@@ -187,6 +197,8 @@ class Lowered:
             costs,
             tuple(data["passes"]),
             outputs,
+            None,
+            True,
         )
 
 
@@ -223,7 +235,7 @@ def lower(schedule: Schedule, options: Options = Options(), *, check: bool = Tru
         programs = after
         ran.append(name)
     costs = schedule.costs if programs is schedule.programs else op_costs(schedule, programs)
-    return Lowered(graph, schedule.topology, options, kinds, programs, costs, tuple(ran), outputs, schedule)
+    return Lowered(graph, schedule.topology, options, kinds, programs, costs, tuple(ran), outputs, schedule, check)
 
 
 def _verified(programs: ir.Programs, name: str) -> None:
@@ -271,15 +283,21 @@ def flash_cost(graph: Graph, op: ir.Fused, inner: Mapping[int, OpCost], dtype_of
     every buffer of its device."""
     scores = op.body[0]
     assert isinstance(scores, ir.Kernel), "a fused block starts with its scores kernel"
-    node = graph.node(scores.node)
-    ranges = {i: (lo, hi) for i, lo, hi in scores.ranges}
-    _, points = tighten(node, ranges)
-    ratio = tiled_points(node, ranges) / points if points else 1.0
+    ratio = _tiled_share(graph.node(scores.node).anonymous, scores.ranges)
     flops = math.ceil(sum(c.flops for c in inner.values()) * ratio)
     read = {(b, region) for k in op.body for parts in _reads(k) for b, region in parts if b not in op.internal}
     nbytes = sum(region.size * dtypes.itemsize(dtype_of[b]) for b, region in read)
     nbytes += op.region.size * dtypes.itemsize(op.dtype)
     return OpCost(flops, nbytes, inner[scores.buf].dtype)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _tiled_share(node: JoinAgg, ranges: ir.Ranges) -> float:
+    """The points a tiled kernel computes over the scores block's guard points (by the rule's
+    structure: every layer's blocks alike)."""
+    box = {i: (lo, hi) for i, lo, hi in ranges}
+    _, points = tighten(node, box)
+    return tiled_points(node, box) / points if points else 1.0
 
 
 def _reads(op: ir.Kernel | ir.Combine) -> tuple[tuple[tuple[int, Region], ...], ...]:

@@ -84,7 +84,7 @@ def block_is_full(graph: Graph, node: str, ranges: ir.Ranges) -> bool:
     supports and guards alone (see the module docstring)."""
     rule = graph.node(node)
     exact = all(graph.relation(acc.relation).support_exact for acc in rule.inputs)
-    return exact and _covers(rule, ranges)
+    return exact and _covers(rule.anonymous, ranges)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -90,11 +90,12 @@ def _reference(graph: Graph, lowered: Lowered | None, device: Device, mode: Comp
 
 def _sim(graph: Graph, lowered: Lowered | None, device: Device, mode: Compile) -> Executable:
     assert lowered is not None
-    return _Simulated(lowered)
+    return _Simulated(lowered.verified())
 
 
 def _torch(graph: Graph, lowered: Lowered | None, device: Device, mode: Compile) -> Executable:
     if lowered is not None:
+        lowered = lowered.verified()
         from edatalog.backend.running.spmd import SpmdExecutable, in_group_of
 
         if in_group_of(lowered.n_devices):

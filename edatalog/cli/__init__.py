@@ -159,6 +159,12 @@ def _parser() -> argparse.ArgumentParser:
         help="how partial results are combined (default: from the topology)",
     )
     pl.add_argument(
+        "--full",
+        action="store_true",
+        help="print every rule's tile and every pair of devices' bytes (by default the layers of a repeated "
+        "module tiled like its first are shown once, and many pairs are summed up per kind of link)",
+    )
+    pl.add_argument(
         "--collectives",
         choices=("auto", "on", "off"),
         default="auto",

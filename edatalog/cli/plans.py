@@ -11,8 +11,8 @@ from edatalog.cli.common import Progress, check_writable, compile_args, print_wa
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.printer import human
 from edatalog.ir.regions import Region, runs_text
-from edatalog.plans import Plan, load_plan, make_plan
-from edatalog.solver import auto
+from edatalog.plans import Plan, composed_ms, load_plan, make_plan
+from edatalog.solver import auto, layers
 from edatalog.solver import topology as machines
 from edatalog.solver.explain import Priced, explain
 
@@ -81,14 +81,31 @@ def _plan_summary_rows(plan: Plan) -> list[list[str]]:
     ]
 
 
-def _print_summary(plan: Plan) -> None:
+LINKS_SHOWN = 16  # more pairs of devices than this are summed up per kind of link (--full: every one)
+
+
+def _print_summary(plan: Plan, full: bool = False, footer: bool = True) -> None:
     r = plan.report
     print(table(["device", "flops", "peak memory", "sent", "received"], _plan_summary_rows(plan), right=(1, 2, 3, 4)))
     links = sorted(r.bytes_per_link.items())
-    if links:
+    if links and (full or len(links) <= LINKS_SHOWN):
         print()
         rows = [[f"{a} -> {b}", plan.topology.link(a, b).name, f"{human(v)}B"] for (a, b), v in links]
         print(table(["link", "kind", "bytes"], rows, right=(2,)))
+    elif links:
+        print()
+        kinds: dict[str, list[tuple[tuple[int, int], int]]] = {}
+        for pair, v in links:
+            kinds.setdefault(plan.topology.link(*pair).name, []).append((pair, v))
+        rows = []
+        for kind, pairs in kinds.items():
+            (a, b), most = max(pairs, key=lambda pv: pv[1])
+            total = sum(v for _, v in pairs)
+            rows.append([kind, str(len(pairs)), f"{human(total)}B", f"{a} -> {b}: {human(most)}B"])
+        print(table(["links", "pairs", "bytes", "busiest pair"], rows, right=(1, 2)))
+        print(f"({len(links)} pairs of devices exchange data; --full lists each)")
+    if not footer:
+        return
     print(
         f"\npredicted {r.seconds * 1e3:.4g} ms on {plan.topology.name}, {human(r.bytes_moved)}B moved, "
         f"peak memory {human(max(r.peak_memory.values()))}B"
@@ -132,22 +149,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
             check_writable(path)
     prog = compile_args(args)
     baseline = None
+    # A model with repeated layers is reported as its solve composes it (a layer's timeline times
+    # the layers, plus the rest's), unless the whole model's timeline is asked for.
+    composed = layers.repeated(prog.graph) is not None and not (args.full or args.trace or args.json)
+    composed_baseline: float | None = None
     if args.strategy == "auto":
+        began = seconds_since_start()
         try:
-            baseline = make_plan(
-                prog,
-                args.topology,
-                "megatron",
-                reduction=args.reduction,
-                memory=args.memory,
-                collectives=args.collectives,
-            )
-            baseline.report  # noqa: B018 - timed here, before the solver's budget is set
+            if composed:
+                composed_baseline, _ = composed_ms(
+                    prog,
+                    args.topology,
+                    "megatron",
+                    reduction=args.reduction,
+                    memory=args.memory,
+                    collectives=args.collectives,
+                )
+            else:
+                baseline = make_plan(
+                    prog,
+                    args.topology,
+                    "megatron",
+                    reduction=args.reduction,
+                    memory=args.memory,
+                    collectives=args.collectives,
+                )
+                baseline.report  # noqa: B018 - timed here, before the solver's budget is set
         except EdlError:
             baseline = None  # not a transformer: nothing to compare with
         # --time-limit is what the user waits for the whole command: the solver gets what starting,
-        # compiling and the baseline left, less a moment for printing.
-        limit = max(MIN_SOLVE_SECONDS, args.time_limit - seconds_since_start() - OUTPUT_SECONDS)
+        # compiling and the baseline left, less a moment for printing.  When a model with repeated
+        # layers will be timed whole, about what the baseline's whole-model timeline took is kept
+        # back for it too.
+        whole = baseline is not None and layers.repeated(prog.graph) is not None
+        whole_check = seconds_since_start() - began if whole else 0.0
+        limit = max(MIN_SOLVE_SECONDS, args.time_limit - seconds_since_start() - OUTPUT_SECONDS - whole_check)
         with Progress() as progress:
             task = progress.task("building", limit)
 
@@ -198,17 +234,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=1))
         return 0
     print_warnings(prog)
-    print(plan)
+    print(plan.ir if args.full else plan.ir.describe(plan.graph))
     print(f"\n{plan.topology}\n")
-    _print_summary(plan)
-    if plan.solution is not None:
-        _print_solve(plan, baseline)
-    elif args.refine:
+    if composed and plan.layered is not None:
+        _print_composed(plan, composed_baseline)
+    else:
+        _print_summary(plan, args.full)
+        if plan.solution is not None:
+            _print_solve(plan, baseline)
+    if plan.solution is None and args.refine:
         print(f"refined: {plan.refined}" if plan.refined else "refined: no refinement was faster; the plan as built")
     for path, what in ((args.output, "plan"), (args.trace, "trace")):
         if path:
             print(f"wrote {what} {path}")
     return 0
+
+
+def _print_composed(plan: Plan, baseline_ms: float | None) -> None:
+    """A plan of a model with repeated layers, as its solve composed it: one layer's timeline
+    (its devices' table), the prediction composed from it, and the megatron baseline composed
+    alike."""
+    lay = plan.layered
+    sol = plan.solution
+    assert lay is not None and sol is not None
+    layer_plan = lay.checked_layer.facade
+    rep = layers.repeated(plan.graph)
+    assert rep is not None
+    print(f"one layer ({rep.prefix}.0), as solved alone on {layer_plan.topology.name} (its outputs on every device):")
+    _print_summary(layer_plan, False, footer=False)
+    ms = lay.layer_ms * lay.count + lay.outer_ms
+    print(
+        f"\npredicted {ms:.4g} ms on {plan.topology.name}: a layer {lay.layer_ms:.4g} ms x {lay.count} layers"
+        + (f" ({lay.stages} pipeline stages)" if lay.stages > 1 else "")
+        + f" + the rest {lay.outer_ms:.4g} ms, each timed alone (--full times the whole model); "
+        f"peak memory at most {human(lay.peak_bound)}B per device"
+    )
+    rows = [["auto", f"{ms:.4g}", f"{sol.seconds:.1f}"]]
+    if baseline_ms is not None:
+        rows.append(["megatron", f"{baseline_ms:.4g}", "-"])
+    print()
+    print(table(["plan", "predicted ms", "solve s"], rows, right=(1, 2)))
+    if baseline_ms is not None:
+        print(f"auto / megatron: {ms / baseline_ms:.3f} (both composed per layer)")
+    _print_solver(sol)
 
 
 def _print_solve(plan: Plan, baseline: Plan | None) -> None:
@@ -235,6 +303,11 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
     if baseline is not None:
         ratio = plan.report.seconds / baseline.report.seconds
         print(f"{plan.ir.strategy} / megatron: {ratio:.3f}")
+    _print_solver(sol)
+
+
+def _print_solver(sol: auto.Solution) -> None:
+    """How the solve went: its time, gap, memory estimate, where the kept plan came from."""
     proof = "optimal" if sol.optimal else f"gap at most {sol.gap:.0%} (lower bound {sol.lower_bound_ms:.4g} ms)"
     print(
         f"solver: {sol.plans_found} improving plan{'s' if sol.plans_found != 1 else ''} in {sol.seconds:.1f} s, "
@@ -435,5 +508,5 @@ def cmd_query(args: argparse.Namespace) -> int:
         return 0
     print(plan)
     print(f"\n{plan.topology}\n")
-    _print_summary(plan)
+    _print_summary(plan, full=True)
     return 0

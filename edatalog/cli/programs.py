@@ -217,7 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if plan is not None:
             # The simulator's gathered Values (not Plan.execute's plain arrays): the table counts
             # absent cells, as it does for the reference evaluator's.
-            env = sim.run(plan.lowered, prepared)
+            env = sim.run(plan.lowered.verified(), prepared)
         else:
             task = progress.task("evaluating", sum(c.flops for c in graph.costs.values()))
             env = prog.evaluate(

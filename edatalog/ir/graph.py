@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from functools import cached_property
 
 from edatalog.ir import affine, dtypes, scalar, serialize
@@ -233,6 +233,15 @@ class JoinAgg:
     @property
     def box(self) -> dict[str, int]:
         return {i.name: i.extent for i in self.indices}
+
+    @cached_property
+    def anonymous(self) -> JoinAgg:
+        """This rule with its own name and the names of the relations it reads and writes
+        blanked: the same for every instance of one rule of a repeated module, so that what is
+        worked out for a block of one (its presence, its kernel's path, its flash cost) is
+        worked out once for all of them."""
+        inputs = tuple(replace(a, relation="") for a in self.inputs)
+        return replace(self, name="", out="", inputs=inputs, origin="")
 
     @cached_property
     def looked_up(self) -> frozenset[str]:

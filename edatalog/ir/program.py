@@ -285,16 +285,19 @@ class Programs:
         meetings: dict[int, list[tuple[int, Collective]]] = {}  # tag -> (device, its op)
         in_group: dict[tuple[tuple[int, ...], int], list[int]] = {}  # (group, member) -> its tags in order
         for p in self.devices:
-            _check(0 <= p.device < self.n_devices, f"program of unknown device {p.device}")
+            if not (0 <= p.device < self.n_devices):
+                raise VerifyError(f"program of unknown device {p.device}")
             live: set[int] = set()
             for op in p.ops:
-                where = f"device {p.device}: {op}"
+                where = _At(p.device, op)  # printed only in an error
                 for b in reads(op):
-                    _check(b in live, f"{where}: reads %{b}, which is not defined (or freed) on this device")
+                    if b not in live:
+                        raise VerifyError(f"{where}: reads %{b}, which is not defined (or freed) on this device")
                 if isinstance(op, Kernel):
                     for parts in op.reads:
                         for b, part in parts:
-                            _check(defined[b][2].contains(part), f"{where}: %{b} does not cover {part}")
+                            if not defined[b][2].contains(part):
+                                raise VerifyError(f"{where}: %{b} does not cover {part}")
                 elif isinstance(op, Fused):
                     made_inside: dict[int, Region] = {}
                     for k in op.body:
@@ -303,74 +306,96 @@ class Programs:
                         else:
                             inputs = [(b, k.region) for b in k.sources]
                         for b, part in inputs:
-                            _check(b in made_inside or b in live, f"{where}: %{b} is not made before it is read")
+                            if not (b in made_inside or b in live):
+                                raise VerifyError(f"{where}: %{b} is not made before it is read")
                             region = made_inside[b] if b in made_inside else defined[b][2]
-                            _check(region.contains(part), f"{where}: %{b} does not cover {part}")
+                            if not region.contains(part):
+                                raise VerifyError(f"{where}: %{b} does not cover {part}")
                         made_inside[k.buf] = k.region
-                    _check(op.body[-1].buf == op.buf, f"{where}: the last inner op's buffer is not the op's")
+                    if op.body[-1].buf != op.buf:
+                        raise VerifyError(f"{where}: the last inner op's buffer is not the op's")
                 elif isinstance(op, Send):
                     _, rel, region, dtype = defined[op.buf]
-                    _check(region.contains(op.region), f"{where}: %{op.buf} does not cover {op.region}")
-                    _check(op.tag not in sends, f"{where}: tag #{op.tag} sent twice")
-                    _check(op.peer != p.device, f"{where}: sends to itself")
+                    if not region.contains(op.region):
+                        raise VerifyError(f"{where}: %{op.buf} does not cover {op.region}")
+                    if op.tag in sends:
+                        raise VerifyError(f"{where}: tag #{op.tag} sent twice")
+                    if op.peer == p.device:
+                        raise VerifyError(f"{where}: sends to itself")
                     sends[op.tag] = (p.device, op.peer, op.region, dtype, full_of[op.buf])
                 elif isinstance(op, Combine):
                     for b in op.sources:
-                        _check(defined[b][2].contains(op.region), f"{where}: %{b} does not cover {op.region}")
+                        if not defined[b][2].contains(op.region):
+                            raise VerifyError(f"{where}: %{b} does not cover {op.region}")
                 elif isinstance(op, Collective):
                     _check_collective(op, p.device, defined[op.source], full_of[op.source], where)
-                    _check(op.group[-1] < self.n_devices, f"{where}: a group of unknown devices")
+                    if not (op.group[-1] < self.n_devices):
+                        raise VerifyError(f"{where}: a group of unknown devices")
                     members = meetings.setdefault(op.tag, [])
-                    _check(all(d != p.device for d, _ in members), f"{where}: collective #{op.tag} twice")
+                    if any(d == p.device for d, _ in members):
+                        raise VerifyError(f"{where}: collective #{op.tag} twice")
                     members.append((p.device, op))
                     in_group.setdefault((op.group, p.device), []).append(op.tag)
                 if isinstance(op, Recv):
-                    _check(op.tag not in recvs, f"{where}: tag #{op.tag} received twice")
+                    if op.tag in recvs:
+                        raise VerifyError(f"{where}: tag #{op.tag} received twice")
                     recvs[op.tag] = (op.peer, p.device, op.region, op.dtype, op.full)
-                if isinstance(op, Combine):
-                    _check(not any(full_of[b] for b in op.sources) or op.full, f"{where}: a full source, not full")
+                if isinstance(op, Combine) and any(full_of[b] for b in op.sources) and not op.full:
+                    raise VerifyError(f"{where}: a full source, not full")
                 if isinstance(op, DEFINES):
-                    _check(op.buf not in defined, f"{where}: %{op.buf} defined twice")
-                    _check(op.relation in shapes, f"{where}: unknown relation {op.relation}")
+                    if op.buf in defined:
+                        raise VerifyError(f"{where}: %{op.buf} defined twice")
+                    if op.relation not in shapes:
+                        raise VerifyError(f"{where}: unknown relation {op.relation}")
                     shape, _ = shapes[op.relation]
-                    _check(len(op.region.axes) == len(shape), f"{where}: region of rank {len(op.region.axes)}")
-                    _check(
+                    if len(op.region.axes) != len(shape):
+                        raise VerifyError(f"{where}: region of rank {len(op.region.axes)}")
+                    if not (
                         all(
                             not a or (a[0][0] >= 0 and a[-1][1] <= n)
                             for a, n in zip(op.region.axes, shape, strict=True)
-                        ),
-                        f"{where}: region outside {op.relation}{list(shape)}",
-                    )
-                    _check(op.dtype in dtypes.DTYPES, f"{where}: bad dtype {op.dtype}")
+                        )
+                    ):
+                        raise VerifyError(f"{where}: region outside {op.relation}{list(shape)}")
+                    if op.dtype not in dtypes.DTYPES:
+                        raise VerifyError(f"{where}: bad dtype {op.dtype}")
                     defined[op.buf] = (p.device, op.relation, op.region, op.dtype)
                     full_of[op.buf] = op.full
                     live.add(op.buf)
                 if isinstance(op, Free):
                     live.discard(op.buf)
-        _check(set(sends) == set(recvs), f"unpaired sends or receives: tags {sorted(set(sends) ^ set(recvs))}")
+        if set(sends) != set(recvs):
+            raise VerifyError(f"unpaired sends or receives: tags {sorted(set(sends) ^ set(recvs))}")
         for tag, s in sends.items():
             r = recvs[tag]
-            _check(s[:2] == r[:2], f"#{tag}: sent {s[0]} -> {s[1]} but received {r[0]} <- {r[1]}")
-            _check(s[2] == r[2], f"#{tag}: sent {s[2]} but received {r[2]}")
-            _check(s[3] == r[3], f"#{tag}: sent {s[3]} but received {r[3]}")
-            _check(s[4] == r[4], f"#{tag}: sent a buffer with full={s[4]}, received one with full={r[4]}")
+            if s[:2] != r[:2]:
+                raise VerifyError(f"#{tag}: sent {s[0]} -> {s[1]} but received {r[0]} <- {r[1]}")
+            if s[2] != r[2]:
+                raise VerifyError(f"#{tag}: sent {s[2]} but received {r[2]}")
+            if s[3] != r[3]:
+                raise VerifyError(f"#{tag}: sent {s[3]} but received {r[3]}")
+            if s[4] != r[4]:
+                raise VerifyError(f"#{tag}: sent a buffer with full={s[4]}, received one with full={r[4]}")
         for tag, members in meetings.items():
             d0, first = members[0]
             devices = sorted(d for d, _ in members)
-            _check(devices == list(first.group), f"collective #{tag} is on devices {devices}, not {list(first.group)}")
+            if devices != list(first.group):
+                raise VerifyError(f"collective #{tag} is on devices {devices}, not {list(first.group)}")
             for d, op in members[1:]:
-                _check(_agreed(op) == _agreed(first), f"collective #{tag}: device {d} disagrees with device {d0}")
+                if _agreed(op) != _agreed(first):
+                    raise VerifyError(f"collective #{tag}: device {d} disagrees with device {d0}")
         for group in {op.group for members in meetings.values() for _, op in members}:
             orders = {d: in_group.get((group, d), []) for d in group}
-            _check(
-                all(tags == orders[group[0]] for tags in orders.values()),
-                f"the collectives of group {list(group)} come in different orders: {orders}",
-            )
+            if not all(tags == orders[group[0]] for tags in orders.values()):
+                raise VerifyError(f"the collectives of group {list(group)} come in different orders: {orders}")
         for out in self.outputs:
-            _check(out.buf in defined, f"output piece of {out.relation} in unknown %{out.buf}")
+            if out.buf not in defined:
+                raise VerifyError(f"output piece of {out.relation} in unknown %{out.buf}")
             dev, rel, region, _ = defined[out.buf]
-            _check(dev == out.device and rel == out.relation, f"output piece %{out.buf} is not {out.relation}")
-            _check(region.contains(out.region), f"output piece %{out.buf} does not cover {out.region}")
+            if not (dev == out.device and rel == out.relation):
+                raise VerifyError(f"output piece %{out.buf} is not {out.relation}")
+            if not region.contains(out.region):
+                raise VerifyError(f"output piece %{out.buf} does not cover {out.region}")
         order = run_order(self)
         _check(len(order) == sum(len(p.ops) for p in self.devices), "the programs can deadlock: a wait cycle")
 
@@ -469,29 +494,39 @@ REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective fold
 
 
 def _check_collective(
-    op: Collective, device: int, source: tuple[int, str, Region, str], source_full: bool, where: str
+    op: Collective, device: int, source: tuple[int, str, Region, str], source_full: bool, where: _At
 ) -> None:
     """One member's collective, on its own: its group, its pieces, its source and its result."""
-    _check(len(op.group) >= 2 and list(op.group) == sorted(set(op.group)), f"{where}: bad group {list(op.group)}")
-    _check(device in op.group, f"{where}: device {device} is not in the group")
+    if not (len(op.group) >= 2 and list(op.group) == sorted(set(op.group))):
+        raise VerifyError(f"{where}: bad group {list(op.group)}")
+    if device not in op.group:
+        raise VerifyError(f"{where}: device {device} is not in the group")
     _, relation, region, dtype = source
-    _check(relation == op.relation and dtype == op.dtype, f"{where}: %{op.source} is {relation} in {dtype}")
-    _check(region.contains(op.part(device)), f"{where}: %{op.source} does not cover {op.part(device)}")
-    _check(op.full and source_full, f"{where}: a collective of cells that may be absent")
+    if not (relation == op.relation and dtype == op.dtype):
+        raise VerifyError(f"{where}: %{op.source} is {relation} in {dtype}")
+    if not region.contains(op.part(device)):
+        raise VerifyError(f"{where}: %{op.source} does not cover {op.part(device)}")
+    if not (op.full and source_full):
+        raise VerifyError(f"{where}: a collective of cells that may be absent")
     gather = op.kind is CollectiveKind.ALL_GATHER
-    _check((op.reduce is None) == gather and op.reduce in (None, *REDUCTIONS), f"{where}: reduces with {op.reduce}")
+    if not ((op.reduce is None) == gather and op.reduce in (None, *REDUCTIONS)):
+        raise VerifyError(f"{where}: reduces with {op.reduce}")
     if op.kind is CollectiveKind.ALL_REDUCE:
-        _check(not op.pieces, f"{where}: an all-reduce has no pieces")
+        if op.pieces:
+            raise VerifyError(f"{where}: an all-reduce has no pieces")
     else:
-        _check(len(op.pieces) == len(op.group), f"{where}: {len(op.pieces)} pieces for {len(op.group)} members")
-        _check(all(op.whole.contains(r) for r in op.pieces), f"{where}: a piece outside {op.whole}")
-        _check(
+        if len(op.pieces) != len(op.group):
+            raise VerifyError(f"{where}: {len(op.pieces)} pieces for {len(op.group)} members")
+        if not all(op.whole.contains(r) for r in op.pieces):
+            raise VerifyError(f"{where}: a piece outside {op.whole}")
+        if not (
             sum(r.size for r in op.pieces) == op.whole.size
-            and all(a.intersect(b).empty for k, a in enumerate(op.pieces) for b in op.pieces[k + 1 :]),
-            f"{where}: the pieces do not tile {op.whole}",
-        )
+            and all(a.intersect(b).empty for k, a in enumerate(op.pieces) for b in op.pieces[k + 1 :])
+        ):
+            raise VerifyError(f"{where}: the pieces do not tile {op.whole}")
     mine = op.pieces[op.group.index(device)] if op.kind is CollectiveKind.REDUCE_SCATTER else op.whole
-    _check(op.region == mine, f"{where}: makes {op.region}, not {mine}")
+    if op.region != mine:
+        raise VerifyError(f"{where}: makes {op.region}, not {mine}")
 
 
 def _agreed(op: Collective) -> tuple[object, ...]:
@@ -501,6 +536,17 @@ def _agreed(op: Collective) -> tuple[object, ...]:
 
 def region_bytes(region: Region, dtype: str) -> int:
     return intervals.box_size(region.axes) * dtypes.itemsize(dtype)
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where in the programs a check looks, printed only when it fails: ``device 1: %5 = ...``."""
+
+    device: int
+    op: object
+
+    def __str__(self) -> str:
+        return f"device {self.device}: {self.op}"
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -429,7 +429,7 @@ def test_copied_layers_give_the_programs_that_synthesizing_every_layer_gives(
     """Once two layers in a row are copies of the one before, the rest are copied, not
     synthesized; the programs and costs are exactly those of synthesizing each layer (random
     plans tile each layer otherwise: nothing is copied)."""
-    from edatalog.backend.lowering import exchange, instances
+    from edatalog.backend.lowering import instances
 
     prog = edatalog.compile(
         ROOT / "programs" / "llama.edl", dims={"S": 16, "D": 32, "H": 4, "KVH": 2, "F": 48, "L": 8, "V": 40}
@@ -444,7 +444,7 @@ def test_copied_layers_give_the_programs_that_synthesizing_every_layer_gives(
 
     monkeypatch.setattr(instances.InstanceCopier, "copy", counting)
     fast = synthesize(prog.graph, plan.ir, plan.topology)
-    monkeypatch.setattr(exchange.InstanceCopier, "of", staticmethod(lambda graph, plan: None))
+    monkeypatch.setattr(instances.InstanceCopier, "of", staticmethod(lambda graph, plan: None))
     slow = synthesize(prog.graph, plan.ir, plan.topology)
     assert fast.programs == slow.programs and fast.costs == slow.costs
     assert {k: [str(e.region) for e in v] for k, v in fast.layout.items()} == {

@@ -511,3 +511,57 @@ def test_explain_an_input_or_param_shows_where_it_lives(capsys: pytest.CaptureFi
     assert "no relation or rule 'wkk'" in err and "did you mean 'wk'" in err
     code, out, _ = _run(capsys, "explain", str(gqa_plan), "qr#2")  # one rule of a relation
     assert code == 0 and out.startswith("rule qr#2: ")
+
+
+# -- whole models ------------------------------------------------------------------------------------
+
+MODEL = str(ROOT / "programs" / "llama.edl")
+MODEL_DIMS = ["--dim", "S=16", "--dim", "D=32", "--dim", "H=4", "--dim", "KVH=2", "--dim", "F=48", "--dim", "V=40"]
+
+
+def test_a_model_plan_shows_one_layer_and_composes_its_prediction(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers tiled as the first are shown once; the prediction is one layer's timeline times
+    the layers plus the rest's, the megatron baseline composed alike; the whole model is never
+    lowered (that is --full)."""
+    from edatalog.plans import Plan
+
+    lowered: list[int] = []
+    lowering = Plan.lowering
+
+    def counting(self: Plan, options: Any) -> Any:
+        lowered.append(len(self.graph.nodes))
+        return lowering(self, options)
+
+    monkeypatch.setattr(Plan, "lowering", counting)
+    code, out, _ = _run(capsys, "plan", MODEL, *MODEL_DIMS, "--dim", "L=6", "-t", "a100x4", "--time-limit", "4")
+    assert code == 0
+    whole = len(edatalog.compile(MODEL, dims=_dims(MODEL_DIMS, L=6)).graph.nodes)
+    assert lowered and max(lowered) < whole
+    assert "(layers.1 .. layers.5: as layers.0)" in out and "layers.3.q " not in out
+    assert "x 6 layers + the rest" in out and "auto / megatron:" in out
+    assert out.count("\n") < 120
+
+
+def test_composed_megatron_is_the_whole_models_megatron() -> None:
+    from edatalog.plans import composed_ms
+
+    prog = edatalog.compile(MODEL, dims=_dims(MODEL_DIMS, L=5))
+    ms, layer = composed_ms(prog, "a100x4", "megatron")
+    whole = edatalog.plan(prog, topology="a100x4", strategy="megatron")
+    assert ms == pytest.approx(whole.report.seconds * 1e3, rel=1e-6)
+    assert layer.ir.strategy == "megatron" and len(layer.graph.nodes) < len(prog.graph.nodes)
+
+
+def test_full_times_the_whole_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(
+        capsys, "plan", MODEL, *MODEL_DIMS, "--dim", "L=4", "-t", "a100x4", "--time-limit", "3", "--full"
+    )
+    assert code == 0
+    assert "layers.3.q " in out and "predicted" in out and "x 4 layers" not in out
+
+
+def _dims(flags: list[str], **more: int) -> dict[str, int]:
+    pairs = dict(f.split("=") for f in flags[1::2])
+    return {**{k: int(v) for k, v in pairs.items()}, **more}
