@@ -25,12 +25,16 @@ class TorchCollectives:
     made by a kernel), else a copy; a reduce-scatter and an all-gather move each member's piece
     as one chunk (``reduce_scatter_tensor``, ``all_gather_into_tensor``): views of the data
     when the pieces are the data's equal, consecutive chunks in group order, else packed (and
-    padded to equal sizes)."""
+    padded to equal sizes).
 
-    def __init__(self, programs: ir.Programs, rank: int, device: Any, timeout: float) -> None:
+    With ``functional``, each collective is torch's functional collective instead (out of place,
+    then ``wait_tensor``): ATen ops with no work object, which a recorded graph can replay (the
+    compiled SPMD runtime, :mod:`edatalog.backend.running.segments`)."""
+
+    def __init__(self, programs: ir.Programs, rank: int, device: Any, timeout: float, functional: bool = False) -> None:
         torch = torch_module()
         self.dist = torch.distributed
-        self.rank, self.device = rank, device
+        self.rank, self.device, self.functional = rank, device, functional
         self.gloo = "gloo" in str(self.dist.get_backend())
         found = collectives_of(programs)
         self.groups: dict[tuple[int, ...], Any] = {}
@@ -54,7 +58,10 @@ class TorchCollectives:
             if (piece is source and op.tag not in self.in_place) or not data.is_contiguous():
                 data = data.clone(memory_format=torch_module().contiguous_format)
             work, back = self._reducible(data)
-            self.dist.all_reduce(work, op=self.reduce_ops[str(op.reduce)], group=group)
+            if self.functional:
+                work = self._wait(self._ops().all_reduce(work, str(op.reduce), group.group_name))
+            else:
+                self.dist.all_reduce(work, op=self.reduce_ops[str(op.reduce)], group=group)
             dev.keep(op.buf, Buffer(op.whole, back(work), None))
         elif op.kind is Kind.REDUCE_SCATTER:
             dev.keep(op.buf, self._reduce_scatter(dev, op, source, group))
@@ -73,8 +80,11 @@ class TorchCollectives:
             for k, piece in enumerate(op.pieces):
                 flat[k * chunk : k * chunk + piece.size] = dev.cut(source, piece).data.reshape(-1)
         work, back = self._reducible(flat.contiguous())
-        out = torch.empty(chunk, dtype=work.dtype, device=self.device)
-        self.dist.reduce_scatter_tensor(out, work, op=self.reduce_ops[str(op.reduce)], group=group)
+        if self.functional:
+            out = self._wait(self._ops().reduce_scatter_tensor(work, str(op.reduce), len(op.group), group.group_name))
+        else:
+            out = torch.empty(chunk, dtype=work.dtype, device=self.device)
+            self.dist.reduce_scatter_tensor(out, work, op=self.reduce_ops[str(op.reduce)], group=group)
         return Buffer(mine, back(out)[: mine.size].reshape(mine.shape), None)
 
     def _all_gather(self, dev: Device, op: ir.Collective, source: Buffer, group: Any) -> Buffer:
@@ -86,14 +96,24 @@ class TorchCollectives:
         chunk = max(p.size for p in op.pieces)
         send = torch.zeros(chunk, dtype=dtype, device=self.device)
         send[: mine.numel()] = mine
-        out = torch.empty(chunk * len(op.pieces), dtype=dtype, device=self.device)
-        self.dist.all_gather_into_tensor(out.view(wire), send.view(wire), group=group)
+        if self.functional:
+            got = self._wait(self._ops().all_gather_into_tensor(send.view(wire), len(op.group), group.group_name))
+            out = got.view(dtype)
+        else:
+            out = torch.empty(chunk * len(op.pieces), dtype=dtype, device=self.device)
+            self.dist.all_gather_into_tensor(out.view(wire), send.view(wire), group=group)
         if _chunks(op.whole, op.pieces):
             return Buffer(op.whole, out.reshape(op.whole.shape), None)
         whole = torch.empty(op.whole.shape, dtype=dtype, device=self.device)
         for k, piece in enumerate(op.pieces):
             whole[dev.index_of(piece, op.whole)] = out[k * chunk : k * chunk + piece.size].reshape(piece.shape)
         return Buffer(op.whole, whole, None)
+
+    def _ops(self) -> Any:
+        return torch_module().ops._c10d_functional
+
+    def _wait(self, tensor: Any) -> Any:
+        return self._ops().wait_tensor(tensor)
 
     def _reducible(self, data: Any) -> tuple[Any, Callable[[Any], Any]]:
         """``data`` in a type the backend reduces (bools as bytes; half floats as f32 on gloo),

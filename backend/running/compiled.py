@@ -180,7 +180,7 @@ class CompiledExecutable:
         self._state = [self.eager.loaded[k] for k in self._keys]
 
     def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
-        whole = {k: _at_offset_zero(TorchOps().asarray(v)) for k, v in inputs.items()}
+        whole = {k: at_offset_zero(TorchOps().asarray(v)) for k, v in inputs.items()}
         self._replayed = False
         if record or self.mode is Compile.NONE:
             return self.eager(whole, record=record)
@@ -256,7 +256,7 @@ class CompiledExecutable:
         gm, summary = simplify(recording.module, recording.graph, recording.shapes)
         run: Callable[..., Any] = gm
         if self.mode is Compile.INDUCTOR:
-            run = _inductor(gm, args, summary)
+            run = inductor(gm, args, summary)
         seconds = time.perf_counter() - start
         LOG.info("compiled %d ops (%s) in %.2f s", summary["nodes"], self.mode.value, seconds)
         replay = Replay(run, names, self.mode, seconds, summary["nodes"], summary)
@@ -304,7 +304,7 @@ class _Moves(Mailbox):
         return Buffer(piece.region, piece.data.to(target), present)
 
 
-def _inductor(gm: Any, args: Sequence[Any], summary: dict[str, int]) -> Callable[..., Any]:
+def inductor(gm: Any, args: Sequence[Any], summary: dict[str, int]) -> Callable[..., Any]:
     """The graph compiled by inductor (cached on disk by inductor itself)."""
     from torch._inductor.compile_fx import compile_fx
 
@@ -319,7 +319,7 @@ def _signature(whole: Mapping[str, Any]) -> Signature:
     return tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in sorted(whole.items()))
 
 
-def _at_offset_zero(t: Any) -> Any:
+def at_offset_zero(t: Any) -> Any:
     """``t`` contiguous and at the start of its storage (a graph addresses views by offset)."""
     if t.storage_offset() != 0 or not t.is_contiguous():
         return t.clone(memory_format=torch_module().contiguous_format)

@@ -80,9 +80,10 @@ _FAST_VIEWS = frozenset({"view", "expand", "permute", "t"})
 
 
 def _aten(node: Any) -> tuple[str, str] | None:
-    """(op name, overload name) of a call to an ATen op overload, else None."""
+    """(op name, overload name) of a call to an ATen op overload, else None: ops of other
+    namespaces (a functional collective, its wait) are left as they are by every pass."""
     target = node.target
-    if node.op != "call_function" or not hasattr(target, "_schema"):
+    if node.op != "call_function" or not hasattr(target, "_schema") or not target._schema.name.startswith("aten::"):
         return None
     return target._schema.name.removeprefix("aten::"), target._overloadname
 

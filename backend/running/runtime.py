@@ -96,10 +96,14 @@ def _sim(graph: Graph, lowered: Lowered | None, device: Device, mode: Compile) -
 def _torch(graph: Graph, lowered: Lowered | None, device: Device, mode: Compile) -> Executable:
     if lowered is not None:
         lowered = lowered.verified()
+        from edatalog.backend.running.segments import CompiledSpmdExecutable
         from edatalog.backend.running.spmd import SpmdExecutable, in_group_of
 
         if in_group_of(lowered.n_devices):
-            return SpmdExecutable(graph, lowered, device if isinstance(device, str) or device is None else None)
+            one = device if isinstance(device, str) or device is None else None
+            if mode.resolved() is Compile.NONE:
+                return SpmdExecutable(graph, lowered, one)
+            return CompiledSpmdExecutable(graph, lowered, one, mode)
     if mode.resolved() is Compile.NONE:
         return TorchExecutable(graph, lowered, device)
     return CompiledExecutable(graph, lowered, device, mode)

@@ -73,6 +73,9 @@ class Recording:
         self.graph, self.module, self.shapes, self.outputs = graph, module, shapes, outputs
 
 
+_WAIT = "_c10d_functional::wait_tensor"
+
+
 def record(fn: Callable[..., Any], args: Sequence[Any]) -> Recording:
     """Run ``fn(*args)`` (tensors and ``None``; it returns a list of tensors and ``None``) once,
     recording every ATen call it makes into a graph whose inputs are ``args``."""
@@ -136,7 +139,9 @@ def record(fn: Callable[..., Any], args: Sequence[Any]) -> Recording:
             node = graph.call_function(func, as_nodes(args), as_nodes(kwargs))
             if isinstance(out, torch.Tensor):
                 shapes[node] = geometry(out)
-                if id(out) not in made:  # an in-place or out= op returns its argument: still its node
+                # An in-place or out= op returns its argument: still its node.  A wait on a
+                # collective returns its argument too, but what reads the result must follow it.
+                if id(out) not in made or name == _WAIT:
                     bind(out, node)
             elif isinstance(out, tuple | list):
                 for k, o in enumerate(out):

@@ -100,8 +100,18 @@ def _parser() -> argparse.ArgumentParser:
         "collective call (auto: the kinds the plan's machine runs faster so: every kind on NCCL, all-reduces "
         "only on gloo)",
     )
+    r.add_argument(
+        "--compile",
+        choices=("auto", "graph", "inductor", "none"),
+        default="auto",
+        help="torch: how each device's program runs: recorded once as a graph and replayed (auto, graph), that "
+        "graph compiled by inductor (tens of seconds cold, cached), or interpreted op by op (none); the first "
+        "call is interpreted, the second records",
+    )
     r.add_argument("--repeat", type=positive_int, default=1, metavar="K", help="torch: time K calls (the median)")
-    r.add_argument("--warmup", type=int, default=1, metavar="W", help="torch: untimed calls first (default 1)")
+    r.add_argument(
+        "--warmup", type=int, default=2, metavar="W", help="torch: untimed calls first (default 2: interpret, record)"
+    )
     r.add_argument(
         "--trace",
         metavar="PATH",

@@ -61,8 +61,10 @@ and params) and/or --random SEED (random values for everything --inputs does not
 With --backend torch the program runs for real: on one device without --plan; with --plan, the
 plan's devices as logical devices of this process (--device cuda:0,cuda:1 or cpu), or one process
 per device with --nproc N (gloo on CPU, NCCL on CUDA; or start it with torchrun yourself).  Each
-call is timed (--repeat K, the median) and printed beside the plan's predicted time; --trace
-writes the measured ops as Chrome trace JSON (open in ui.perfetto.dev).  A rank that fails stops
+call is timed (--repeat K, the median, after --warmup W untimed calls) and printed beside the
+plan's predicted time.  Each device's program runs as a graph (--compile): interpreted on the
+first call, recorded on the second, replayed after; --trace times the last call op by op, on the
+interpreter, and writes it as Chrome trace JSON (open in ui.perfetto.dev).  A rank that fails stops
 the job; a rank that hangs does so after EDL_DIST_TIMEOUT seconds (default 45).
 
 examples:
@@ -191,6 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise EdlError("the reference backend evaluates whole tensors", help="run a plan with --backend sim")
     torch_only = [f for f, v in (("--device", args.device), ("--nproc", args.nproc)) if v is not None]
     torch_only += ["--collectives"] if args.collectives != "auto" else []
+    torch_only += ["--compile"] if args.compile != "auto" else []
     if backend != "torch" and (torch_only or args.repeat != 1):
         flags = ", ".join(torch_only + (["--repeat"] if args.repeat != 1 else []))
         raise EdlError(f"{flags} go with --backend torch", help="add --backend torch")
@@ -273,6 +276,7 @@ def _run_torch(args: argparse.Namespace) -> int:
         max(0, args.warmup),
         args.trace is not None,
         args.collectives,
+        args.compile,
     )
     prog = compile_args(args)  # errors in the program are reported here, once, not by every rank
     plan = load_plan(args.plan, prog) if args.plan else None

@@ -43,6 +43,7 @@ class Job:
     warmup: int
     record: bool
     collectives: str = "auto"
+    compile: str = "auto"
     lowered: str | None = None  # the plan lowered, as JSON: made once, by the launcher or by rank 0
 
 
@@ -101,7 +102,7 @@ def _split(prog: Any, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 def _in_process(job: Job) -> Result:
     prog, plan = _program_and_plan(job)
     params, inputs = _split(prog, _values(job, prog))
-    exe = prog.executable(plan, backend="torch", device=job.device, collectives=job.collectives)
+    exe = prog.executable(plan, backend="torch", device=job.device, collectives=job.collectives, compile=job.compile)
     exe.load(params)
     for _ in range(job.warmup):
         exe(inputs)
@@ -138,7 +139,7 @@ def rank_main(job: Job) -> Result:
             "rank r runs device r's program",
         )
     params, inputs = _split(prog, _values(job, prog))
-    exe = prog.executable(lowered, backend="torch", device=device)
+    exe = prog.executable(lowered, backend="torch", device=device, compile=job.compile)
     exe.load(params)
     for _ in range(job.warmup):
         exe(inputs, gather=False)

@@ -4,6 +4,8 @@ Starting processes costs seconds, so one job does all the work of one process co
 compiles each case's program, loads its plan, builds the SPMD executable, loads the params (from a
 dict, and from a safetensors file while recording which slices are read), runs it gathered and not
 gathered, and returns what it got as numpy arrays; the test compares them with the reference.
+Each executable runs four calls of one signature: the first interpreted, the second recorded (the
+compiled runtime's segments), the last two replayed; ``whole`` and ``local`` are the replays'.
 Then the ranks try plans that must be refused: different programs or plans on different ranks
 (agreement), and a plan for another number of devices.
 
@@ -62,7 +64,8 @@ class Got:
     None for all) and not gathered (``local``); the outputs after loading the params from the
     safetensors file, whether the blocks it kept equal those loaded from the dict, every read of
     the file (``(name, ranges)``, ranges None for a whole tensor) and the (param, ranges) that this
-    rank's program loads."""
+    rank's program loads.  ``interpreted`` is the first (interpreted) call's outputs, gathered;
+    ``replayed`` whether the last calls ran as recorded graphs."""
 
     whole: dict[str, np.ndarray]
     present: dict[str, np.ndarray | None]
@@ -72,6 +75,8 @@ class Got:
     same_blocks: bool | None = None
     reads: list[tuple[str, Ranges | None]] = field(default_factory=list)
     loads: list[tuple[str, Ranges]] = field(default_factory=list)
+    interpreted: dict[str, np.ndarray] = field(default_factory=dict)
+    replayed: bool = False
 
 
 @dataclass
@@ -113,7 +118,7 @@ def rank_main(job: Job) -> RankResult:
 def _run_case(prog: Any, case: Case) -> Got:
     import edatalog
     from edatalog.backend.kernels.arrays import TORCH
-    from edatalog.backend.running.spmd import SpmdExecutable
+    from edatalog.backend.running.segments import CompiledSpmdExecutable
     from edatalog.ir import program as ir
 
     plan = edatalog.load_plan(case.plan, prog)
@@ -122,13 +127,20 @@ def _run_case(prog: Any, case: Case) -> Got:
     inputs = {k: v for k, v in values.items() if k not in params}
     exe = edatalog.executable(prog, plan, backend="torch")
     exe.load({k: v for k, v in values.items() if k in params})
+    impl = exe._impl
+    assert isinstance(impl, CompiledSpmdExecutable)
+    interpreted = exe.run(inputs)
+    exe.run(inputs, gather=False)  # recorded
     whole = exe.run(inputs)
+    replayed = impl._replayed
     local = exe.run(inputs, gather=False)
     got = Got(
         {k: TORCH.to_numpy(v) for k, v in whole.values.items()},
         {k: None if p is None else TORCH.to_numpy(p) for k, p in whole.present.items()},
         {k: TORCH.to_numpy(v) for k, v in local.values.items()},
         {k: None if p is None else TORCH.to_numpy(p) for k, p in local.present.items()},
+        interpreted={k: TORCH.to_numpy(v) for k, v in interpreted.values.items()},
+        replayed=replayed and impl._replayed,
     )
     if case.weights is not None:
         from_file = edatalog.executable(prog, plan, backend="torch")
@@ -136,8 +148,9 @@ def _run_case(prog: Any, case: Case) -> Got:
             from_file.load(case.weights)
         got.from_file = {k: TORCH.to_numpy(v) for k, v in from_file(inputs).items()}
         got.reads = reads
-        mine, theirs = exe._impl, from_file._impl  # the blocks each rank keeps
-        assert isinstance(mine, SpmdExecutable) and isinstance(theirs, SpmdExecutable)
+        mine, theirs = impl.eager, from_file._impl  # the blocks each rank keeps
+        assert isinstance(theirs, CompiledSpmdExecutable)
+        theirs = theirs.eager
         got.same_blocks = mine.blocks.keys() == theirs.blocks.keys() and all(
             bool((mine.blocks[b] == theirs.blocks[b]).all()) for b in mine.blocks
         )

@@ -370,12 +370,14 @@ def test_only_the_kinds_asked_for_are_rewritten() -> None:
 # -- across processes ---------------------------------------------------------------------------------
 
 
-def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[dict[str, np.ndarray], int]]:
-    """One rank (spawned): each plan run with collectives forced on; its outputs, and how many
-    collectives this rank's program has."""
+def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[list[dict[str, np.ndarray]], int]]:
+    """One rank (spawned): each plan run with collectives forced on, three times (interpreted,
+    recorded, replayed as graphs whose collectives are torch's functional ones); the outputs of
+    the first and the last call, and how many collectives this rank's program has."""
     import torch
 
-    from edatalog.backend.running.spmd import SpmdExecutable, init_group
+    from edatalog.backend.running.segments import CompiledSpmdExecutable
+    from edatalog.backend.running.spmd import init_group
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -387,11 +389,12 @@ def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[dict[str, np.
     out = {}
     for path in plans:
         plan = edatalog.load_plan(path, prog)
-        exe = SpmdExecutable(prog.graph, plan.lowering(Options(Collectives.ON)), "cpu")
+        exe = CompiledSpmdExecutable(prog.graph, plan.lowering(Options(Collectives.ON)), "cpu")
         exe.load(params)
-        got = exe(inputs)
+        calls = [exe(inputs) for _ in range(3)]
+        assert exe._replayed
         count = sum(isinstance(op, ir.Collective) for op in exe.program.ops)
-        out[Path(path).stem] = ({k: v.numpy() for k, v in got.values.items()}, count)
+        out[Path(path).stem] = ([{k: v.numpy() for k, v in calls[k].values.items()} for k in (0, 2)], count)
     return out
 
 
@@ -414,7 +417,7 @@ def test_spmd_ranks_run_collectives_to_the_reference(n: int, tmp_path: Path, mon
     for strategy in ("megatron", "random"):
         assert sum(got[r][strategy][1] for r in got) > 0, strategy  # collectives did run
         for rank, results in got.items():
-            outputs, _ = results[strategy]
-            for name, w in want.items():
-                scale = float(np.abs(w).max())
-                assert np.abs(outputs[name] - w).max() <= 1e-4 * scale, (strategy, rank, name)
+            for call, outputs in zip(("interpreted", "replayed"), results[strategy][0], strict=True):
+                for name, w in want.items():
+                    scale = float(np.abs(w).max())
+                    assert np.abs(outputs[name] - w).max() <= 1e-4 * scale, (strategy, rank, name, call)
