@@ -11,7 +11,8 @@ most programs, and the :class:`Prepared` result runs with a handful of torch cal
 - a sum of the product of two inputs (a GEMM, a batched GEMM, a sum of squares), times
   constants, with no guard;
 - an elementwise rule (no aggregated index), its ops in place where an array has no other
-  reader.
+  reader;
+- a convolution (:mod:`edatalog.backend.kernels.convolution`): one call of torch's.
 
 Both need the block's presence decided beforehand (:class:`~edatalog.backend.kernels.joinagg.Known`) and
 no input read outside its relation.  Anything else, and every numpy evaluation (the reference),
@@ -29,6 +30,7 @@ from typing import Any
 
 from edatalog.backend.kernels import ops
 from edatalog.backend.kernels.arrays import Array, ArrayOps, torch_module
+from edatalog.backend.kernels.convolution import ConvForm, conv_form, convolve
 from edatalog.backend.kernels.joinagg import (
     CHUNK_POINTS,
     Known,
@@ -121,7 +123,7 @@ def general_path(block: JoinAgg) -> bool:
         return True
     node = prepare(block)
     if node.agg_indices:
-        return _product_loads(node) is None
+        return _product_loads(node) is None and conv_form(node) is None
     return math.prod(node.box.values()) > CHUNK_POINTS
 
 
@@ -146,7 +148,8 @@ def prepare_block(
         return None
     node = prepare(block)
     if node.agg_indices:
-        return _Contraction.build(node, layouts, xp, device, known)
+        built = _Contraction.build(node, layouts, xp, device, known)
+        return built if built is not None else _Convolution.build(node, layouts, xp, device, known)
     return _Elementwise.build(node, layouts, xp, device, known)
 
 
@@ -269,6 +272,41 @@ class _Contraction(Prepared):
         if self.scale is not None:
             value = value * self.scale
         return xp.cast(value, self.cdt), self.present, self.out_vars
+
+
+class _Convolution(Prepared):
+    """A convolution (see :func:`conv_form`): its inputs converted to the compute dtype, one
+    call of torch's convolution, its result laid out over the output indices."""
+
+    @staticmethod
+    def build(node: JoinAgg, layouts: Sequence[Layout], xp: ArrayOps, device: Any, known: Known) -> Prepared | None:
+        form = conv_form(node)
+        if form is None:
+            return None
+        half = node.dtype in ("bf16", "f16") and xp.native_matmul(node.dtype, device)
+        cdt = xp.dtype(node.dtype if half else dtypes.compute_dtype(node.dtype))
+        shapes = []
+        for acc, (shape, _, _) in zip(node.inputs, layouts, strict=True):
+            extents = tuple(p.extent for ax in acc.axes for p in ax.parts)
+            if math.prod(shape) != math.prod(extents) or not math.prod(extents):
+                return None
+            shapes.append(extents)
+        return _Convolution(form, xp, known, cdt, shapes, constant_scale(node, cdt, xp, device))
+
+    def __init__(
+        self, form: ConvForm, xp: ArrayOps, known: Known, cdt: Any, shapes: list[tuple[int, ...]], scale: Any
+    ) -> None:
+        self.torch, self.xp, self.form, self.cdt, self.shapes, self.scale = torch_module(), xp, form, cdt, shapes, scale
+        self.present, self.out_vars = known.present, list(form.out_vars)
+
+    def __call__(self, data: Sequence[Array]) -> tuple[Array, Array | None, list[str]]:
+        torch, form = self.torch, self.form
+        x = _converted(torch, data[form.data], self.cdt).reshape(self.shapes[form.data])
+        w = _converted(torch, data[form.weight], self.cdt).reshape(self.shapes[form.weight])
+        value = convolve(form, x, w)
+        if self.scale is not None:
+            value = value * self.scale
+        return value, self.present, self.out_vars
 
 
 class _Elementwise(Prepared):
