@@ -119,6 +119,9 @@ class Topology:
     # The communication library the runtime uses between these devices (torch.distributed's
     # backend): which exchanges run as one collective depends on it.
     library: Library = Library.NCCL
+    # Seconds a call of a device's program costs beyond its ops: the runtime taking the inputs
+    # and handing out the outputs (``edl calibrate`` measures it; 0: not modeled).
+    call_overhead: float = 0.0
 
     @property
     def n(self) -> int:
@@ -187,6 +190,7 @@ class Topology:
             },
             "efficiency": self.efficiency,
             "kernel_floor": self.kernel_floor,
+            **({"call_overhead": self.call_overhead} if self.call_overhead else {}),
             "library": self.library.value,
         }
 
@@ -350,7 +354,7 @@ def load(path: str) -> Topology:
 
 
 _KEYS = {
-    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "library", "measured"},
+    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "call_overhead", "library", "measured"},
     "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth"},
     "links": {"intra", "inter"},
     "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "interference"},
@@ -455,10 +459,12 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
             f"topology: efficiency is the fraction of peak that kernels reach, in (0, 1], not {efficiency:g}"
         )
     floor = _positive(quantity(data.get("kernel_floor", "5us"), "s", "kernel_floor"), "kernel_floor", allow_zero=True)
+    overhead = _positive(quantity(data.get("call_overhead", 0), "s", "call_overhead"), "call_overhead", allow_zero=True)
     devices: list[Device] = []
     for node, count in enumerate(nodes):
         devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks, sms, general) for _ in range(count))
-    topo = Topology(str(data.get("name", default_name)), tuple(devices), intra, inter, efficiency, floor, library)
+    name = str(data.get("name", default_name))
+    topo = Topology(name, tuple(devices), intra, inter, efficiency, floor, library, overhead)
     topo.verify()
     return topo
 

@@ -7,6 +7,7 @@ turns the numbers into a :class:`~edatalog.solver.topology.Topology` for the cos
 (``solver/costmodel.py``)::
 
     kernel   = max(kernel_floor, flops / (efficiency * device.flops), bytes / (efficiency * device.bandwidth))
+    call     = call_overhead + the program's timeline
     transfer = link.latency + bytes / link.bandwidth   (each end's compute loses interference * transfer)
 
 What goes where:
@@ -17,11 +18,14 @@ What goes where:
   ``efficiency = 1.0``: there is nothing left to discount.
 - ``device.bandwidth``: a large copy (larger than the caches), bytes read + written per second,
   as the cost model counts a kernel's bytes (everything it reads and writes).
-- ``kernel_floor``: the least a kernel op costs in edatalog's torch runtime: a one-cell rule run
-  by its interpreter, the time per kernel op of a chain of such rules
-  (:mod:`~edatalog.backend.calibrating.probe`; the command line compiles the probe and passes it as
-  ``Options.probe``).  Without a probe it falls back to torch's dispatch of a 1-element add, which
-  is recorded either way as ``[measured] torch_dispatch``, and ``[measured.how]`` says which.
+- ``kernel_floor`` and ``call_overhead``: the least a kernel op costs in edatalog's torch runtime,
+  in the mode it will run (``Options.compile``: interpreted, or replayed as a recorded graph), and
+  what a call of a device's program costs beyond its ops: chains of one-cell rules of two lengths
+  run by that runtime, the difference per kernel op and the rest of the shorter chain's time
+  (:mod:`~edatalog.backend.calibrating.probe`; the command line compiles the probes and passes them
+  as ``Options.probe``).  Without probes the floor falls back to torch's dispatch of a 1-element
+  add (no overhead), which is recorded either way as ``[measured] torch_dispatch``, and
+  ``[measured.how]`` says which.
 - ``links.intra.latency``: half the round trip of a 4-byte message between ranks 0 and 1.
 - ``links.intra.bandwidth``: the rate per direction when every rank sends to the next and
   receives from the previous one at once (a ring exchange of a large message), which is how
@@ -61,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from edatalog.backend.calibrating import probe as calibrate_probe
+from edatalog.backend.running.compiled import compile_mode
 from edatalog.errors import EdlError
 from edatalog.solver.topology import Device, Library, Link, Topology
 
@@ -147,9 +152,11 @@ class Options:
     threads: int | None = None  # torch threads per rank; default 1 with several ranks, else torch's
     quick: bool = False  # tiny sizes: checks that calibration works, measures nothing useful
     dtype: str = "f32"  # the programs' dtype: its matmul rate becomes device.flops
-    # The runtime probe's join-agg graph, as JSON (see calibrate_probe): its time per kernel op
-    # becomes kernel_floor.  None: the floor is torch's dispatch of a 1-element add.
-    probe: str | None = field(default=None, repr=False)
+    # The runtime probe's join-agg graphs, as JSON (see calibrate_probe): the short and the long
+    # chain, whose times per call become kernel_floor and call_overhead.  None: the floor is
+    # torch's dispatch of a 1-element add, and no overhead.
+    probe: tuple[str, str] | None = field(default=None, repr=False)
+    compile: str = "auto"  # how the runtime the machine file prices runs programs (Compile)
     # The general-path probe's graph, as JSON (calibrate_probe.general_source): its time per byte
     # beyond the roofline becomes device.general_bandwidth.  None: not measured (0, not modeled).
     general_probe: str | None = field(default=None, repr=False)
@@ -188,6 +195,8 @@ class Options:
             parts.append(f"--dtype {self.dtype}")
         if self.quick:
             parts.append("--quick")
+        if self.compile != "auto":
+            parts.append(f"--compile {self.compile}")
         return " ".join(parts)
 
 
@@ -368,20 +377,30 @@ def measure_device(
 
 
 def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None]) -> dict[str, Any]:
-    """The kernel floor on ``dev``: seconds per kernel op of the runtime probe (``opts.probe``,
-    see :mod:`~edatalog.backend.calibrating.probe`), or without one torch's dispatch of a 1-element
-    add, which is measured either way (``torch_dispatch``).  ``probe_kernels``: the kernel ops of
-    one run of the probe (0: no probe)."""
+    """The kernel floor and the call overhead on ``dev``: from the runtime probes' times
+    (``opts.probe``, see :mod:`~edatalog.backend.calibrating.probe`) in ``opts.compile``'s mode,
+    or without them torch's dispatch of a 1-element add (no overhead), which is measured either
+    way (``torch_dispatch``).  ``probe_kernels``: the kernel ops of one run of each probe (empty:
+    no probe)."""
     torch = _torch()
+    mode = compile_mode(opts.compile).resolved()
     x = torch.ones(sizes.floor_elements, device=dev)
     dispatch = _seconds_per_call(lambda: torch.add(x, x), sync, sizes)
     if opts.probe is None:
-        return {"kernel_floor": dispatch, "torch_dispatch": dispatch, "probe_kernels": 0}
-    run, kernels = calibrate_probe.runner(opts.probe, dev)
-    per_run = _seconds_per_call(run, sync, sizes)
-    out: dict[str, Any] = {"kernel_floor": per_run / kernels, "torch_dispatch": dispatch, "probe_kernels": kernels}
+        return {"kernel_floor": dispatch, "call_overhead": 0.0, "torch_dispatch": dispatch, "probe_kernels": []}
+    runs = [calibrate_probe.runner(graph, dev, mode) for graph in opts.probe]
+    seconds = (_seconds_per_call(runs[0][0], sync, sizes), _seconds_per_call(runs[1][0], sync, sizes))
+    kernels = (runs[0][1], runs[1][1])
+    floor, overhead = calibrate_probe.floor_and_overhead(seconds, kernels)
+    out: dict[str, Any] = {
+        "kernel_floor": floor,
+        "call_overhead": overhead,
+        "torch_dispatch": dispatch,
+        "probe_kernels": list(kernels),
+        "probe_seconds": list(seconds),
+    }
     if opts.general_probe is not None:
-        general, costs = calibrate_probe.general_runner(opts.general_probe, dev)
+        general, costs = calibrate_probe.general_runner(opts.general_probe, dev, mode)
         out["general"] = {"seconds": _seconds_per_call(general, sync, sizes), "kernels": costs}
     return out
 
@@ -669,13 +688,15 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     rank_flops = [program_rate(d) for d in devices]
     rank_bandwidth = [d["copy"][str(sizes.copy_bytes[0])] for d in devices]
     rank_floor = [d["kernel_floor"] for d in devices]
+    rank_overhead = [d["call_overhead"] for d in devices]
     rank_dispatch = [d["torch_dispatch"] for d in devices]
     kernels = devices[0]["probe_kernels"]
     if kernels:
-        floor_how = calibrate_probe.describe(kernels)
+        floor_how = calibrate_probe.describe((kernels[0], kernels[1]), compile_mode(opts.compile).resolved())
     else:
         floor_how = "a 1-element add (torch's dispatch): no runtime probe was given"
     flops, bandwidth, floor = _sig(min(rank_flops)), _sig(min(rank_bandwidth)), _sig(max(rank_floor))
+    overhead = _sig(max(rank_overhead)) if max(rank_overhead) > 0 else 0.0
 
     matmul: dict[str, dict[str, Any]] = {}
     for name, entry in devices[0]["matmul"].items():
@@ -704,12 +725,16 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         "ranks": opts.nproc,
         "threads": opts.threads,
         "dtype": opts.dtype,
+        "compile": compile_mode(opts.compile).resolved().value,
         "quick": opts.quick,
         "torch_dispatch": _sig(max(rank_dispatch)),  # a 1-element add: torch alone, no runtime
         "how": {  # where each number of the machine comes from
             "flops": f"{opts.dtype} matmul, the median over {len(keys)} shapes ([measured.matmul.{opts.dtype}])",
             "bandwidth": f"copy of {size(sizes.copy_bytes[0])}, bytes read + written",
             "kernel_floor": floor_how,
+            "call_overhead": "what the shorter chain's time per call leaves beyond its kernel ops"
+            if kernels
+            else "no runtime probe was given",
             "memory": memory_note,
         },
         "matmul": matmul,
@@ -718,7 +743,9 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             "flops": [_sig(v) for v in rank_flops],
             "bandwidth": [_sig(v) for v in rank_bandwidth],
             "kernel_floor": [_sig(v) for v in rank_floor],
+            "call_overhead": [_sig(v) if v else 0.0 for v in rank_overhead],
             "torch_dispatch": [_sig(v) for v in rank_dispatch],
+            "probe_seconds": [[_sig(v) for v in d.get("probe_seconds", [])] for d in devices],
         },
     }
 
@@ -775,7 +802,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     kind = devices[0]["kind"]
     name = f"calibrated-{opts.device}x{opts.nproc}"
     library = Library.NCCL if opts.device == "cuda" else Library.GLOO
-    general = _general_bandwidth(devices, floor, flops, bandwidth)
+    general = _general_bandwidth(devices, floor, overhead, flops, bandwidth)
     if general is not None:
         measured["general"] = general
         measured["how"]["general_bandwidth"] = (
@@ -784,16 +811,17 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         )
     rate = general["bandwidth"] if general is not None else 0.0
     machine = tuple(Device(i, 0, kind, memory, flops, bandwidth, general_bandwidth=rate) for i in range(opts.nproc))
-    topo = Topology(name, machine, intra, None, 1.0, floor, library)
+    topo = Topology(name, machine, intra, None, 1.0, floor, library, overhead)
     topo.verify()
     return Calibration(topo, measured)
 
 
 def _general_bandwidth(
-    devices: list[dict[str, Any]], floor: float, flops: float, bandwidth: float
+    devices: list[dict[str, Any]], floor: float, overhead: float, flops: float, bandwidth: float
 ) -> dict[str, Any] | None:
-    """The general path's rate from the slowest rank's probe: the probe's time less what the
-    roofline gives each of its kernels (``max(floor, flops / rate, bytes / bandwidth)``), over
+    """The general path's rate from the slowest rank's probe: the probe's time less the call
+    overhead and what the roofline gives each of its kernels (``max(floor, flops / rate, bytes /
+    bandwidth)``), over
     the general kernels' bytes, so that the cost model, adding ``bytes / general_bandwidth`` to
     those, prices the probe at its measured time; None without a probe, 0 when the probe ran
     within its roofline (nothing to add)."""
@@ -802,7 +830,7 @@ def _general_bandwidth(
         return None
     seconds = max(p["seconds"] for p in probes)
     kernels = probes[0]["kernels"]
-    roof = sum(max(floor, f / flops, b / bandwidth) for f, b, _ in kernels)
+    roof = overhead + sum(max(floor, f / flops, b / bandwidth) for f, b, _ in kernels)
     nbytes = sum(b for _, b, general in kernels if general)
     beyond = seconds - roof
     rate = _sig(nbytes / beyond) if beyond > 0 else 0.0
@@ -836,6 +864,7 @@ def _toml(cal: Calibration) -> str:
         (f"nodes = [{t.n}]", "all ranks on this machine"),
         ("efficiency = 1.0", "the rates below were reached: nothing to discount"),
         (f"kernel_floor = {_value(t.kernel_floor)}", f"s: {m['how']['kernel_floor']}"),
+        (f"call_overhead = {_value(t.call_overhead)}", f"s: {m['how']['call_overhead']}"),
         (f"library = {_value(t.library.value)}", "torch.distributed's backend: which exchanges run as collectives"),
         ("", ""),
         ("[device]", ""),

@@ -1,23 +1,25 @@
-"""The runtime probe of calibration: what a kernel op costs in edatalog's torch runtime.
+"""The runtime probe of calibration: what a kernel op, and a call, cost in edatalog's runtime.
 
-The cost model prices a kernel at ``max(kernel_floor, flops / rate, bytes / bandwidth)``, so its
-``kernel_floor`` must be the least a kernel costs *as edatalog runs it*: a device program's
-kernel op goes through the interpreter (:class:`~edatalog.backend.running.interpreter.Device`: assembling
-its inputs from buffers, evaluating the block's join-agg, writing the result), which on a CPU
-costs tens of microseconds, against about one for torch dispatching a 1-element add.  A floor
-of torch's dispatch alone predicts plans of many small blocks far too fast.
+The cost model prices a kernel at ``max(kernel_floor, flops / rate, bytes / bandwidth)`` and a
+call of a device's program at ``call_overhead`` more, so both must be what edatalog's runtime
+costs *as it runs a plan*, in the mode it runs it (:class:`~edatalog.backend.running.compiled.Compile`):
+interpreted, an op costs tens of microseconds of Python (assembling its inputs, evaluating the
+block, writing the result); replayed as a recorded graph, a few, about torch's own dispatch;
+and a call pays once for taking its inputs and handing out its outputs.  A floor of torch's
+dispatch alone predicts an interpreted plan of many small blocks far too fast, and the
+interpreter's floor a compiled one far too slow.
 
-So calibration runs a probe: a chain of :data:`RULES` one-cell rules over one input
-(:func:`source`), planned on one device and synthesized into a device program as any plan is,
-then run by the same interpreter, on the same torch device and array namespace, as
-:mod:`~edatalog.backend.running.torch_runtime` and :mod:`~edatalog.backend.running.spmd` run a plan's programs.
-Each rank runs it while the others do, as they will run a plan's kernels.  The floor is the time
-of one run over its kernel ops: its load and frees, which the cost model prices at nothing,
-are counted in, as every run pays them.
+So calibration runs a probe: a chain of one-cell rules over one input (:func:`source`), planned
+on one device and synthesized into a device program as any plan is, then run by the torch
+runtime in the mode asked for, as :mod:`~edatalog.backend.running.runtime` builds it for a
+plan (its first calls interpret and record, untimed).  It runs at two lengths,
+:data:`RULES` and :data:`RULES_LONG`: the difference of their times over the difference of
+their kernel ops is the floor, and what the shorter chain's time leaves beyond its ops is the
+call overhead.  Each rank runs it while the others do, as they will run a plan's kernels.
 
 This module is apart from :mod:`~edatalog.backend.calibrating.calibrate` because the backend cannot compile
 ``.edl`` text (the layering of ``tests/test_architecture.py``): the command line compiles
-:func:`source` and passes the graph's JSON in :class:`~edatalog.backend.calibrating.calibrate.Options`;
+:func:`source` and passes the graphs' JSON in :class:`~edatalog.backend.calibrating.calibrate.Options`;
 :func:`runner` takes it from there.  torch is imported on first use, never on import.
 """
 
@@ -29,7 +31,8 @@ from typing import Any
 from edatalog.backend.kernels.arrays import TorchOps
 from edatalog.backend.lowering.exchange import synthesize
 from edatalog.backend.lowering.lowered import Lowered, lower
-from edatalog.backend.running.interpreter import Device, Kernels, Mailbox, run_devices, slicer
+from edatalog.backend.running.compiled import Compile
+from edatalog.backend.running.runtime import runtime
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
@@ -37,6 +40,7 @@ from edatalog.solver.strategies import build
 from edatalog.solver.topology import preset
 
 RULES = 16  # one-cell rules in the probe's chain
+RULES_LONG = 64  # and in the longer chain: the floor is the difference per kernel op
 
 
 def source(rules: int = RULES, dtype: str = "f32") -> str:
@@ -76,49 +80,69 @@ def general_source(seq: int = GENERAL_S, dtype: str = "f32") -> str:
 Cost = tuple[int, int, bool]  # a kernel's flops, bytes and whether it takes the general path
 
 
-def general_runner(graph_json: str, device: Any) -> tuple[Callable[[], None], list[Cost]]:
-    """A call that runs the general probe once on ``device``, and its kernels' costs as the
-    cost model counts them (``OpCost``): calibration prices the others by the roofline and
-    gives the rest of the time to the general ones' bytes."""
-    run, lowered = _runner(graph_json, device)
+def general_runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], list[Cost]]:
+    """A call that runs the general probe once on ``device`` in ``mode``, and its kernels'
+    costs as the cost model counts them (``OpCost``): calibration prices the others by the
+    roofline and gives the rest of the time to the general ones' bytes."""
+    run, lowered = _runner(graph_json, device, mode)
     costs = [lowered.costs[(d, k)] for d, k, op in lowered.programs.ops() if isinstance(op, ir.Kernel)]
     if not any(c.general for c in costs):
         raise EdlError("the general-path probe has no kernel on the general path to time")
     return run, [(c.flops, c.nbytes, c.general) for c in costs]
 
 
-def describe(kernels: int) -> str:
+def describe(kernels: tuple[int, int], mode: Compile) -> str:
     """Where the floor comes from, for the machine file."""
-    return f"a one-cell rule run by edatalog's torch runtime (a chain of {kernels}, per kernel op)"
+    how = "interpreted op by op" if mode is Compile.NONE else f"replayed as a recorded graph ({mode.value})"
+    short, long = kernels
+    return (
+        f"one-cell rules run by edatalog's torch runtime, {how}: chains of {short} and {long}, "
+        "the difference per kernel op"
+    )
 
 
-def runner(graph_json: str, device: Any) -> tuple[Callable[[], None], int]:
-    """A call that runs the probe's program once on the torch ``device`` (as the torch runtime
-    runs a plan's program on one device), and how many kernel ops each call runs."""
-    run, lowered = _runner(graph_json, device)
+def runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], int]:
+    """A call that runs the probe's program once on the torch ``device`` in ``mode`` (as the
+    torch runtime runs a plan's program on one device), and how many kernel ops each call runs."""
+    run, lowered = _runner(graph_json, device, mode)
     kernels = sum(isinstance(op, ir.Kernel) for _, _, op in lowered.programs.ops())
     if kernels == 0:
         raise EdlError("the calibration probe has no kernel to time")
     return run, kernels
 
 
-def _runner(graph_json: str, device: Any) -> tuple[Callable[[], None], Lowered]:
-    """A call that runs a probe's program once on ``device``, and the lowered plan it runs
-    (planned on one device, synthesized and lowered as any plan is)."""
+def floor_and_overhead(seconds: tuple[float, float], kernels: tuple[int, int]) -> tuple[float, float]:
+    """The kernel floor and the call overhead from the two chains' times per call: the slope
+    and what the shorter chain's time leaves beyond its kernels (neither below zero)."""
+    (short_s, long_s), (short_k, long_k) = seconds, kernels
+    if long_k <= short_k:
+        raise ValueError(f"the longer chain must have more kernels: {kernels}")
+    floor = max(0.0, (long_s - short_s) / (long_k - short_k))
+    if floor == 0.0:  # noise larger than the difference: every kernel takes the longer chain's share
+        floor = long_s / long_k
+    return floor, max(0.0, short_s - short_k * floor)
+
+
+def _runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], Lowered]:
+    """A call that runs a probe's program once on ``device`` in ``mode``, warmed up (its first
+    calls interpret and record), and the lowered plan it runs (planned on one device,
+    synthesized and lowered as any plan is)."""
     try:
         graph = Graph.from_json(graph_json)
     except ValueError as exc:
         raise EdlError(f"the calibration probe is not a join-agg graph: {exc}") from None
     topology = preset("cpux1")  # one device: the plan's name for it; nothing is priced here
     lowered = lower(synthesize(graph, build(graph, topology, "replicate"), topology))
-    programs = lowered.programs
     xp = TorchOps(device)
     values = {r.name: xp.full(r.shape, 1, xp.dtype(r.dtype), device) for r in graph.relations if r.kind != "derived"}
-    cache = Kernels(graph)  # made once, kept across calls, as an executable keeps it
+    params = {r.name for r in graph.relations if r.kind == "param"}
+    exe = runtime("torch").build(graph, lowered, str(device), mode)
+    exe.load({k: v for k, v in values.items() if k in params})
+    inputs = {k: v for k, v in values.items() if k not in params}
+    for _ in range(2):  # interpreted, then recorded: what a plan's first calls do
+        exe(inputs)
 
     def run() -> None:
-        load = slicer(values)
-        devices = [Device(p, graph, cache, load, xp, device) for p in programs.devices]
-        run_devices(devices, Mailbox())
+        exe(inputs)
 
     return run, lowered

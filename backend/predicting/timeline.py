@@ -16,7 +16,8 @@ computing devices' time (``Link.interference``: NCCL's kernels on the SMs, gloo'
 CPU cores) communication also holds back each end's compute engine by that share of its time:
 the kernel running then ends that much later, or the next one starts that much later.  A send
 itself takes no time (it hands its data to the transfer).  What ops cost comes from the
-schedule's cost table, not from the ops.  Memory counts every buffer from the start of the op
+schedule's cost table, not from the ops; a device's compute engine is first free after the
+topology's ``call_overhead`` (the runtime taking the call).  Memory counts every buffer from the start of the op
 that makes it until the end of the last op that reads it before its ``Free``; buffers never
 freed (loaded inputs and params, outputs) stay.
 """
@@ -83,7 +84,8 @@ def analyze(s: Lowered) -> Report:
     """The lowered plan's time, traffic and memory, as its programs run."""
     n = s.programs.n_devices
     times: dict[Key, Span] = {}
-    free: dict[tuple[Any, ...], float] = {}
+    # Every device's program starts once the runtime has taken the call (its call overhead).
+    free: dict[tuple[Any, ...], float] = {("compute", d): s.topology.call_overhead for d in range(n)}
     flops = dict.fromkeys(range(n), 0)
     traffic = _Traffic(dict.fromkeys(range(n), 0), dict.fromkeys(range(n), 0))
     graph = _Dag(s)

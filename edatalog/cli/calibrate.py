@@ -21,9 +21,12 @@ It starts --nproc ranks as the runtime runs them (one process each, gloo on CPU,
   matmul        FLOP/s per dtype (f32; bf16, f16, f64 where they run at a useful rate) at the
                 shapes of a transformer block; the median of --dtype's becomes the device's flops
   copy          a large copy, bytes read + written per second: the device's memory bandwidth
-  kernel floor  the least a kernel op costs in edatalog's torch runtime: a chain of one-cell
-                rules run by its interpreter, timed per kernel op (torch's own dispatch of a
-                1-element add, far less, is recorded as torch_dispatch)
+  kernel floor  the least a kernel op costs in edatalog's torch runtime, run as --compile says
+  and call      (as edl run will run it: replayed as a recorded graph by default, or
+  overhead      interpreted with --compile none): chains of 16 and 64 one-cell rules; the
+                difference per kernel op is the floor, the rest of the short chain's time the
+                overhead of a call (torch's own dispatch of a 1-element add is recorded as
+                torch_dispatch)
   general       the runtime's general evaluator (blocks no single torch call covers: a maximum
                 or a guarded sum cut by its guard, as attention runs when a plan cuts it
                 apart): causal scores and their row maxima timed; the maxima's bytes over
@@ -72,6 +75,12 @@ def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
         default="f32",
         help="the programs' dtype: its matmul rate becomes the device's flops (default f32)",
     )
+    c.add_argument(
+        "--compile",
+        choices=("auto", "graph", "inductor", "none"),
+        default="auto",
+        help="how the runtime whose floor is measured runs programs, as edl run --compile (default auto: graph)",
+    )
     c.add_argument("--quick", action="store_true", help="tiny sizes, seconds: checks the setup, predicts nothing")
     c.add_argument("-o", "--output", metavar="PATH", help="write the machine file (.toml or .json) to PATH")
     c.add_argument("--json", action="store_true", help="print the machine and every measurement as JSON")
@@ -88,7 +97,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         threads=args.threads,
         quick=args.quick,
         dtype=args.dtype,
-        probe=probe_graph(),
+        probe=probe_graphs(),
+        compile=args.compile,
         general_probe=general_probe_graph(),
     ).resolved()
     with Progress() as progress:
@@ -117,13 +127,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def probe_graph() -> str:
-    """The runtime probe (:mod:`edatalog.backend.calibrating.probe`), compiled: the backend
-    times it, but only this layer may compile ``.edl`` text."""
+def probe_graphs() -> tuple[str, str]:
+    """The runtime probes (:mod:`edatalog.backend.calibrating.probe`: the short and the long
+    chain), compiled: the backend times them, but only this layer may compile ``.edl`` text."""
     from edatalog.api import compile_string
-    from edatalog.backend.calibrating.probe import source
+    from edatalog.backend.calibrating.probe import RULES, RULES_LONG, source
 
-    return compile_string(source(), name="<calibration probe>").graph.to_json()
+    short, long = (compile_string(source(n), name="<calibration probe>").graph.to_json() for n in (RULES, RULES_LONG))
+    return short, long
 
 
 def general_probe_graph() -> str:
@@ -160,8 +171,10 @@ def _print(result: Any, output: str | None) -> None:
             rows.append([f"matmul {dtype} median", rate(d.flops, "FLOP/s"), f"{into}device.flops"])
     for k, (nbytes, value) in enumerate(m["copy"].items()):
         rows.append([f"copy {size(int(nbytes))}", rate(value, "B/s"), f"{into}device.bandwidth" if k == 0 else ""])
-    floor_note = "a one-cell rule run by edatalog's torch runtime"  # this command always passes the probe
+    mode = m["compile"]
+    floor_note = f"a one-cell rule run by edatalog's torch runtime ({mode})"  # this command always passes the probe
     rows.append(["kernel floor", seconds(t.kernel_floor), f"{floor_note} {into}kernel_floor"])
+    rows.append(["call overhead", seconds(t.call_overhead), f"a call beyond its kernel ops {into}call_overhead"])
     rows.append(["torch dispatch", seconds(m["torch_dispatch"]), "a 1-element add: torch alone"])
     if "general" in m:
         g = m["general"]
@@ -193,7 +206,7 @@ def _print(result: Any, output: str | None) -> None:
     print(t)
     print(
         f"  per device: {rate(d.flops, 'FLOP/s')} ({m['dtype']} matmul, median), {rate(d.bandwidth, 'B/s')} memory, "
-        f"kernel floor {seconds(t.kernel_floor)}, memory {size(d.memory)}"
+        f"kernel floor {seconds(t.kernel_floor)}, call overhead {seconds(t.call_overhead)}, memory {size(d.memory)}"
         + (f", general path {rate(d.general_bandwidth, 'B/s')}" if d.general_bandwidth else "")
     )
     if t.n > 1:

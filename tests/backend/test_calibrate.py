@@ -18,8 +18,9 @@ import pytest
 import edatalog
 from edatalog.backend.calibrating import calibrate as cal
 from edatalog.backend.calibrating import probe as calibrate_probe
+from edatalog.backend.running.compiled import Compile
 from edatalog.cli import main
-from edatalog.cli.calibrate import general_probe_graph, probe_graph
+from edatalog.cli.calibrate import general_probe_graph, probe_graphs
 from edatalog.errors import EdlError
 from edatalog.solver.topology import from_dict
 
@@ -86,15 +87,19 @@ def test_quick_calibration_in_one_process(tmp_path: Path) -> None:
     assert text.startswith("# calibrated-cpux1: ") and "# FLOP/s: f32 matmul" in text
 
 
-def _rank(flops: float, copy: float, floor: float, links: dict[str, Any]) -> dict[str, Any]:
+PROBE_KERNELS = (calibrate_probe.RULES, calibrate_probe.RULES_LONG)
+
+
+def _rank(flops: float, copy: float, floor: float, links: dict[str, Any], overhead: float = 2e-5) -> dict[str, Any]:
     sizes = cal.QUICK
     matmul = {cal.shape_key(sizes.probe): flops} | dict.fromkeys(QUICK_KEYS, flops)
     device = {
         "matmul": {"f32": matmul, "bf16": {"skipped": "slow"}, "f16": {"skipped": "slow"}, "f64": dict(matmul)},
         "copy": {str(b): copy for b in sizes.copy_bytes},
         "kernel_floor": floor,
+        "call_overhead": overhead,
         "torch_dispatch": floor / 50,
-        "probe_kernels": calibrate_probe.RULES,
+        "probe_kernels": list(PROBE_KERNELS),
         "memory": 0,
         "kind": "CPU (1 thread)",
     }
@@ -116,9 +121,10 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     }
     slow = dict(links, exchange=2 * exchange, overlap={"compute": 3.5e-3, "both": 5e-3})
     opts = cal.Options(nproc=2, quick=True).resolved()
-    result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links), 1: _rank(1e10, 2e10, 3e-6, slow)})
+    result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links, 4e-5), 1: _rank(1e10, 2e10, 3e-6, slow)})
     topo = result.topology
     assert topo.devices[0].flops == 1e10 and topo.devices[0].bandwidth == 1e10 and topo.kernel_floor == 3e-6
+    assert topo.call_overhead == 4e-5  # the slowest rank's too
     assert topo.intra.name == "gloo" and topo.intra.latency == latency
     assert topo.intra.bandwidth == pytest.approx(sizes.exchange_bytes / (2 * exchange - latency), rel=1e-3)
     # Interference from the slowest rank's times: matmuls 3.5 ms alone, the exchange 4 ms alone,
@@ -127,7 +133,7 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     m = result.measured
     assert m["per_rank"]["flops"] == [2e10, 1e10]
     assert m["torch_dispatch"] == pytest.approx(3e-6 / 50, rel=1e-3)  # the slowest rank's, as the floor
-    assert m["how"]["kernel_floor"] == calibrate_probe.describe(calibrate_probe.RULES)
+    assert m["how"]["kernel_floor"] == calibrate_probe.describe(PROBE_KERNELS, Compile.GRAPH)
     assert m["all_reduce"]["busbw"] == pytest.approx((1 << 16) / 1e-3 * 2 * 1 / 2, rel=1e-3)
     assert m["reduce_scatter"]["busbw"] == pytest.approx((1 << 16) / 5e-4 * 1 / 2, rel=1e-3)
     assert m["matmul"]["bf16"] == {"skipped": "slow"}
@@ -146,32 +152,53 @@ def test_interference_is_the_share_of_the_shorter_that_did_not_overlap(
 
 
 def test_the_kernel_floor_is_a_rule_run_by_the_runtime() -> None:
-    """The floor is what a one-cell rule costs in edatalog's torch runtime (the probe the command
-    line compiles, run by the interpreter as a plan's programs are): on a CPU, many times torch's
-    dispatch of a 1-element add, which is measured beside it.  Without a probe, the floor is that add."""
+    """The floor is what a one-cell rule costs in edatalog's torch runtime (the probes the command
+    line compiles, run as a plan's programs are, in the mode asked for): interpreted, many times
+    torch's dispatch of a 1-element add, which is measured beside it; replayed as a graph, far
+    less than interpreted.  Without a probe, the floor is that add and there is no overhead."""
     import torch
 
-    opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graph()).resolved()
+    opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graphs(), compile="none").resolved()
     cpu = torch.device("cpu")
-    probed = cal.measure_floor(opts, cal.QUICK, cpu, lambda: None)
-    assert probed["probe_kernels"] == calibrate_probe.RULES
-    assert _finite_positive(probed["torch_dispatch"])
-    assert probed["kernel_floor"] > 2 * probed["torch_dispatch"]  # tens of µs against about one
+    interpreted = cal.measure_floor(opts, cal.QUICK, cpu, lambda: None)
+    assert interpreted["probe_kernels"] == list(PROBE_KERNELS)
+    assert _finite_positive(interpreted["torch_dispatch"])
+    assert interpreted["kernel_floor"] > 2 * interpreted["torch_dispatch"]  # tens of µs against about one
+    graph = cal.measure_floor(dataclasses.replace(opts, compile="graph"), cal.QUICK, cpu, lambda: None)
+    assert _finite_positive(graph["kernel_floor"]) and graph["call_overhead"] >= 0
+    assert graph["kernel_floor"] < interpreted["kernel_floor"] / 2  # a few µs against tens
     plain = cal.measure_floor(dataclasses.replace(opts, probe=None), cal.QUICK, cpu, lambda: None)
-    assert plain["probe_kernels"] == 0 and plain["kernel_floor"] == plain["torch_dispatch"]
+    assert plain["probe_kernels"] == [] and plain["kernel_floor"] == plain["torch_dispatch"]
+    assert plain["call_overhead"] == 0
+
+
+@pytest.mark.parametrize(
+    ("seconds", "kernels", "floor", "overhead"),
+    [
+        ((100e-6, 280e-6), (16, 64), 3.75e-6, 40e-6),  # slope, and what the short chain leaves
+        ((100e-6, 90e-6), (16, 64), 90e-6 / 64, 100e-6 - 16 * 90e-6 / 64),  # noise: the long chain's share
+        ((10e-6, 256e-6), (16, 64), 246e-6 / 48, 0.0),  # the short chain under its kernels' share: none
+    ],
+)
+def test_floor_and_overhead_from_two_chains(
+    seconds: tuple[float, float], kernels: tuple[int, int], floor: float, overhead: float
+) -> None:
+    got_floor, got_overhead = calibrate_probe.floor_and_overhead(seconds, kernels)
+    assert got_floor == pytest.approx(floor) and got_overhead == pytest.approx(overhead, abs=1e-12)
 
 
 @pytest.mark.distributed
 def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     seen: list[tuple[float, float, str]] = []
-    result = cal.calibrate(cal.Options(nproc=2, quick=True, probe=probe_graph()), progress=lambda *a: seen.append(a))
+    result = cal.calibrate(cal.Options(nproc=2, quick=True, probe=probe_graphs()), progress=lambda *a: seen.append(a))
     topo = result.topology
     _check_machine(topo, 2)
     _check_measured(result.measured, 2)
     # Each rank ran the runtime probe, at once: the floor is the slower rank's time per kernel op.
     per_rank = result.measured["per_rank"]
     assert topo.kernel_floor == max(per_rank["kernel_floor"])
-    assert all(f > d for f, d in zip(per_rank["kernel_floor"], per_rank["torch_dispatch"], strict=True))
+    assert topo.call_overhead == max(per_rank["call_overhead"])
+    assert all(len(chains) == 2 and all(t > 0 for t in chains) for chains in per_rank["probe_seconds"])
     assert topo.devices[0].kind == "CPU (1 thread)"  # one thread per rank by default
     assert topo.intra.name == "gloo" and topo.intra.latency > 0
     m = result.measured
@@ -209,12 +236,13 @@ def test_cli_writes_a_machine_file(capsys: pytest.CaptureFixture[str], tmp_path:
     assert header.split() == ["measured", "value", "note"]
     assert any(line.startswith("matmul f32 ") and "FLOP/s" in line for line in lines)
     floor_row = next(line for line in lines if line.startswith("kernel floor"))
-    assert "a one-cell rule run by edatalog's torch runtime -> kernel_floor" in floor_row
+    assert "a one-cell rule run by edatalog's torch runtime (graph) -> kernel_floor" in floor_row
+    assert any(line.startswith("call overhead") and "-> call_overhead" in line for line in lines)
     assert any(line.startswith("torch dispatch") for line in lines)
     assert str(topo) in lines
     measured = tomllib.loads(path.read_text())["measured"]  # the command line probes the runtime
-    assert measured["how"]["kernel_floor"] == calibrate_probe.describe(calibrate_probe.RULES)
-    assert topo.kernel_floor > measured["torch_dispatch"]
+    assert measured["how"]["kernel_floor"] == calibrate_probe.describe(PROBE_KERNELS, Compile.GRAPH)
+    assert measured["compile"] == "graph"
     assert f"wrote {path}: use it with --topology {path}" in out
 
     code, out, err = _run(capsys, "--nproc", "1", "--threads", "1", "--quick", "--json")
@@ -279,13 +307,14 @@ def test_topology_files_accept_a_measured_table(tmp_path: Path) -> None:
 def test_the_general_bandwidth_is_the_probes_time_beyond_its_roofline() -> None:
     """From made-up probe times: the probe (causal scores, then their row maxima on the general
     path) took 1.2 ms; its kernels cost, by the roofline on 1e10 FLOP/s and 1e10 B/s with a
-    3 µs floor, max(3 µs, 1e6 / 1e10) = 100 µs and max(3 µs, 1.1e6 / 1e10) = 110 µs; the rest,
-    1.2 - 0.21 = 0.99 ms, is the maxima's 1.1 MB on the general path: 1.1e6 / 0.99e-3 B/s."""
-    rank = _rank(1e10, 1e10, 3e-6, {})
+    3 µs floor, max(3 µs, 1e6 / 1e10) = 100 µs and max(3 µs, 1.1e6 / 1e10) = 110 µs, and the call
+    20 µs more; the rest, 1.2 - 0.23 = 0.97 ms, is the maxima's 1.1 MB on the general path:
+    1.1e6 / 0.97e-3 B/s."""
+    rank = _rank(1e10, 1e10, 3e-6, {}, overhead=20e-6)
     rank["device"]["general"] = {"seconds": 1.2e-3, "kernels": [[512, 1_000_000, False], [512, 1_100_000, True]]}
     result = cal.summarize(cal.Options(nproc=1, quick=True).resolved(), {0: rank})
-    assert result.topology.devices[0].general_bandwidth == pytest.approx(1.1e6 / (1.2e-3 - 210e-6), rel=1e-3)
-    assert result.measured["general"]["roofline_seconds"] == pytest.approx(210e-6, rel=1e-3)
+    assert result.topology.devices[0].general_bandwidth == pytest.approx(1.1e6 / (1.2e-3 - 230e-6), rel=1e-3)
+    assert result.measured["general"]["roofline_seconds"] == pytest.approx(230e-6, rel=1e-3)
     # Loaded back from the machine file's dict, the field is kept.
     assert from_dict(json.loads(json.dumps(result.to_dict()))).devices[0].general_bandwidth > 0
 
@@ -295,7 +324,7 @@ def test_the_general_probe_runs_on_the_general_path() -> None:
     and measuring it gives a time and its kernels' costs."""
     import torch
 
-    opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graph(), general_probe=general_probe_graph())
+    opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graphs(), general_probe=general_probe_graph())
     probed = cal.measure_floor(opts.resolved(), cal.QUICK, torch.device("cpu"), lambda: None)
     assert _finite_positive(probed["general"]["seconds"])
     assert [general for *_, general in probed["general"]["kernels"]] == [False, True]

@@ -46,6 +46,25 @@ def test_one_device_fills_its_port_only_by_sending_to_several_peers(pair: str) -
     assert analyze(lower(synthesize(g, plan, topo))).seconds == pytest.approx(want)
 
 
+def test_a_call_overhead_delays_every_device_by_itself() -> None:
+    """A machine whose calls cost ``call_overhead`` runs the same timeline that much later: the
+    makespan grows by exactly the overhead, every kernel starts that much later."""
+    prog = _llama("f32", B=1, S=16, D=32, H=4, KVH=2, F=48)
+    base = from_dict(
+        {"nodes": [2], "kernel_floor": "5us", "links": {"intra": {"bandwidth": "2GB/s", "latency": "50us"}}}
+    )
+    slow = from_dict({**base.to_dict(), "call_overhead": "30us"})
+    assert slow.call_overhead == pytest.approx(30e-6) and from_dict(slow.to_dict()) == slow
+    plan = edatalog.plan(prog, topology=base, strategy="megatron")
+    fast_report = analyze(plan.lowered)
+    slow_report = analyze(lower(synthesize(prog.graph, plan.ir, slow)))
+    assert slow_report.seconds == pytest.approx(fast_report.seconds + 30e-6)
+    ops = {(d, k): op for d, k, op in plan.lowered.programs.ops()}
+    for key, span in fast_report.times.items():
+        if isinstance(ops[key], ir.Kernel | ir.Fused):  # what computes (a load takes no time)
+            assert slow_report.times[key].start == pytest.approx(span.start + 30e-6)
+
+
 def test_megatrons_all_reduces_are_priced_as_nccl_runs_them() -> None:
     """On NCCL the two row-parallel reductions of a Megatron block are all-reduces over the 4
     devices: each takes :func:`collective_seconds` of its whole region on every member, starts
