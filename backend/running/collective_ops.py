@@ -46,6 +46,8 @@ class TorchCollectives:
             "max": self.dist.ReduceOp.MAX,
             "min": self.dist.ReduceOp.MIN,
         }
+        # The functional collectives name their reductions by string, the product as "product".
+        self.functional_names = {"sum": "sum", "prod": "product", "max": "max", "min": "min"}
         self.in_place = _consumed(programs.devices[rank], {o.buf for o in programs.outputs})
 
     def run(self, dev: Device, op: ir.Collective) -> None:
@@ -59,7 +61,7 @@ class TorchCollectives:
                 data = data.clone(memory_format=torch_module().contiguous_format)
             work, back = self._reducible(data)
             if self.functional:
-                work = self._wait(self._ops().all_reduce(work, str(op.reduce), group.group_name))
+                work = self._wait(self._ops().all_reduce(work, self.functional_names[str(op.reduce)], group.group_name))
             else:
                 self.dist.all_reduce(work, op=self.reduce_ops[str(op.reduce)], group=group)
             dev.keep(op.buf, Buffer(op.whole, back(work), None))
@@ -81,7 +83,11 @@ class TorchCollectives:
                 flat[k * chunk : k * chunk + piece.size] = dev.cut(source, piece).data.reshape(-1)
         work, back = self._reducible(flat.contiguous())
         if self.functional:
-            out = self._wait(self._ops().reduce_scatter_tensor(work, str(op.reduce), len(op.group), group.group_name))
+            out = self._wait(
+                self._ops().reduce_scatter_tensor(
+                    work, self.functional_names[str(op.reduce)], len(op.group), group.group_name
+                )
+            )
         else:
             out = torch.empty(chunk, dtype=work.dtype, device=self.device)
             self.dist.reduce_scatter_tensor(out, work, op=self.reduce_ops[str(op.reduce)], group=group)
