@@ -113,8 +113,8 @@ class Plan:
             "layers": {
                 "count": lay.count,
                 "stages": lay.stages,
-                "layer_ms": lay.layer_ms,  # one layer's predicted time, solved on its own
-                "outer_ms": lay.outer_ms,  # the rest of the program's, solved on its own
+                "layer_ms": lay.layer_ms,  # one layer's predicted time, solved on its own (no call overhead)
+                "outer_ms": lay.outer_ms,  # the rest of the program's, solved on its own, and the call overhead
                 "layers_times_count_ms": lay.layer_ms * lay.count,
                 "layer_origin": lay.layer.origin,
             }
@@ -360,8 +360,11 @@ def composed_ms(
         ir = strategies.plan_of(g, machine, strategy, tiles, reduce_axes=axes)
         parts.append(Plan(ir, g, machine, reduction, options))
     layer = parts[0]
-    ms = layer.report.seconds * 1e3 * rep.count + sum(p.report.seconds * 1e3 for p in parts[1:])
-    return ms, layer
+    # Each part's timeline pays the call's overhead; the whole program pays it once.
+    overhead = machine.call_overhead
+    per_layer = max(0.0, layer.report.seconds - overhead)
+    rest = sum(p.report.seconds for p in parts[1:]) if len(parts) > 1 else overhead
+    return (per_layer * rep.count + rest) * 1e3, layer
 
 
 # The top-level fields of a plan file (:meth:`Plan.to_json`), and what each holds.

@@ -55,6 +55,7 @@ BEST_SHARE = 0.4  # of the search time left after recombining, for improving the
 POLISH_SHARE = 0.7  # of what is left then, for improving the other starts (the rest: the whole space)
 MEMORY_SLACK = 1.25  # shortlisted plans may be this much over the memory limit by the estimate
 SHORTLIST = 6  # best starting plans re-checked in the timeline with the solver's best
+MESH_LEAST_SECONDS = 2.0  # the least time left after building for the mesh space's search beside
 
 _Term = tuple[str, int]  # literal, weight (units of time or of memory)
 
@@ -134,9 +135,13 @@ def solve(
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
     if on_progress is not None:
         on_progress(Progress(0.0, None, 0.0, 0, "building"))
-    mesh = _MeshSearch(graph, topo, limit, start, time_limit, seed) if space == "join" else None
     setup = _Setup(graph, topo, limit, space)
     built = time.monotonic() - start
+    # The mesh space's model is built on its thread while this one searches (its Python and this
+    # build would share one interpreter lock); it is not built when too little time is left.
+    mesh = None
+    if space == "join" and time_limit - built >= MESH_LEAST_SECONDS:
+        mesh = _MeshSearch(graph, topo, limit, start, time_limit, seed)
     model, options = setup.model, setup.options
     baselines = [c for _, c in setup.baselines]
     starts = [c for _, c in setup.starts]
@@ -258,15 +263,16 @@ class _MeshSearch:
     searches use two cores.  Its plans then join the join search's shortlist as join picks."""
 
     def __init__(self, graph: Graph, topo: Topology, limit: int, start: float, time_limit: float, seed: int) -> None:
-        self.setup = _Setup(graph, topo, limit, "mesh")
+        self.setup: _Setup | None = None  # built on the thread
         self.plans: list[dict[str, int]] = []  # its best and each phase's, mesh picks
         self.found = 0
         self.error: BaseException | None = None
-        model = self.setup.model
-        fitting = sorted((c for _, c in self.setup.starts if model.memory(c) <= limit), key=model.cost)
 
         def search() -> None:
             try:
+                self.setup = _Setup(graph, topo, limit, "mesh")
+                model = self.setup.model
+                fitting = sorted((c for _, c in self.setup.starts if model.memory(c) <= limit), key=model.cost)
                 if fitting:
                     best, _, _, self.found, ended = model.search(
                         start, time_limit, seed + 1, fitting[0], None, pool=fitting, mix=False
@@ -285,7 +291,9 @@ class _MeshSearch:
         self.thread.join()
         if self.error is not None:
             raise self.error
-        picks = [p for p in (setup.picks_of(self.setup, c) for c in self.plans) if p is not None]
+        mesh = self.setup
+        assert mesh is not None, "the thread built it or failed"
+        picks = [p for p in (setup.picks_of(mesh, c) for c in self.plans) if p is not None]
         return [p for k, p in enumerate(picks) if p not in picks[:k]], self.found
 
 

@@ -3,12 +3,13 @@ timeline uses it to predict a schedule's time and the planner its estimates, so 
 chosen by the cost they are then measured with.
 
 - A kernel takes max(flops / (efficiency * shape * peak), bytes / (efficiency * HBM bandwidth)),
-  and at least the topology's kernel floor.  The peak is the device's for the dtype the kernel
-  computes in (an A100 multiplies bf16 at 312 TFLOP/s, f32 at 19.5).  ``shape`` is 1 except for
-  a GEMM on a device with SMs, where it is the share of the work its tiles and waves do that is
-  useful (:func:`gemm_shape_efficiency`).  A kernel the runtime evaluates on its general path
-  (masks, several passes over its arrays) takes bytes / the device's general bandwidth more,
-  where ``edl calibrate`` measured one.
+  and at least the topology's kernel floor for each kernel launch it makes (an unfused runtime
+  launches one per operator of a rule: :func:`edatalog.ir.cost.launches`).  The peak is the
+  device's for the dtype the kernel computes in (an A100 multiplies bf16 at 312 TFLOP/s, f32
+  at 19.5).  ``shape`` is 1 except for a GEMM on a device with SMs, where it is the share of
+  the work its tiles and waves do that is useful (:func:`gemm_shape_efficiency`).  A kernel the
+  runtime evaluates on its general path (masks, several passes over its arrays) takes bytes /
+  the device's general bandwidth more, where ``edl calibrate`` measured one.
 - A point-to-point transfer takes latency + bytes / the link's pair bandwidth, and holds each
   end's port for latency + bytes / the port's bandwidth: one pair cannot fill an NVLink port,
   several at once can.  On a link with ``interference`` f, each end's compute engine loses f
@@ -68,16 +69,17 @@ def compute_seconds(
     gemm: GemmShape | None = None,
     floor: bool = True,
     general: bool = False,
+    launches: int = 1,
 ) -> float:
     """Roofline time of one kernel computing in ``dtype`` on ``device`` (a GEMM of ``gemm``'s
-    shape when given), at least the kernel floor unless ``floor`` is False (a part of a fused
-    kernel, whose floor another part pays).  A ``general`` kernel (one the runtime evaluates
+    shape when given), at least the kernel floor per kernel it ``launches`` unless ``floor`` is
+    False (a part of a fused kernel, whose floor another part pays).  A ``general`` kernel (one the runtime evaluates
     on its general path) takes ``nbytes / device.general_bandwidth`` more, where measured."""
     if flops == 0 and nbytes == 0:
         return 0.0
     eff = topo.efficiency
     shape = 1.0 if gemm is None else gemm_shape_efficiency(gemm, device.sms)
-    least = topo.kernel_floor if floor else 0.0
+    least = topo.kernel_floor * launches if floor else 0.0
     roof = max(least, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
     if general and device.general_bandwidth > 0:
         return roof + nbytes / device.general_bandwidth
@@ -96,8 +98,8 @@ def port_seconds(nbytes: int, link: Link) -> float:
 
 def collective_seconds(kind: CollectiveKind, nbytes: int, members: int, link: Link) -> float:
     """NCCL's time for a collective over ``members`` devices on ``link``, where ``nbytes`` is the
-    whole region (an all-gather's result, a reduction's input per member), ``L`` the latency and
-    ``B`` the port's bandwidth:
+    whole region (an all-gather's result, a reduction's input per member), ``L`` the latency of a
+    step (:attr:`Link.step_latency`) and ``B`` the port's bandwidth:
 
     - ring: ``s`` steps, each a latency and ``1 / members`` of the bytes, ``s = members - 1`` for
       a reduce-scatter or all-gather and ``2 (members - 1)`` for an all-reduce:
@@ -108,11 +110,12 @@ def collective_seconds(kind: CollectiveKind, nbytes: int, members: int, link: Li
     An all-reduce takes the faster: the tree for small messages, the ring for large."""
     if members <= 1 or nbytes == 0:
         return 0.0
+    latency = link.step_latency
     steps = 2 * (members - 1) if kind is CollectiveKind.ALL_REDUCE else members - 1
-    ring = steps * link.latency + steps / members * nbytes / link.bandwidth
+    ring = steps * latency + steps / members * nbytes / link.bandwidth
     if kind is not CollectiveKind.ALL_REDUCE:
         return ring
-    tree = 2 * math.ceil(math.log2(members)) * link.latency + 2 * nbytes / link.bandwidth
+    tree = 2 * math.ceil(math.log2(members)) * latency + 2 * nbytes / link.bandwidth
     return min(ring, tree)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from edatalog.ir import dtypes
 from edatalog.ir.attention import attention_chains, key_index
-from edatalog.ir.cost import GemmRoles, flops_per_point, gemm_roles, gemm_shape
+from edatalog.ir.cost import GemmRoles, flops_per_point, gemm_roles, gemm_shape, launches
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import (
@@ -114,6 +114,7 @@ class Costs:
         if node.name not in self._roles:
             self._roles[node.name] = gemm_roles(node)
         roles = self._roles[node.name]
+        kernels = launches(node)
         # A rule of an attention chain is part of one flash kernel, unless the candidate splits
         # its key index (the backend fuses only blocks that hold every key of their queries).
         fused = self._fused.get(node.name)
@@ -144,7 +145,7 @@ class Costs:
                     if dev.sms and not node.lookups
                     else None
                 )
-                seconds = compute_seconds(points * fpp, nbytes, dev, self.topo, node.dtype, gemm)
+                seconds = compute_seconds(points * fpp, nbytes, dev, self.topo, node.dtype, gemm, launches=kernels)
             else:
                 # As the backend fuses and the timeline costs it (edatalog.backend.lowering.lowered): the
                 # rule's flops over the flash tiles holding a point, no bytes of the scores and

@@ -301,8 +301,8 @@ class Layered:
     layer: auto.Solution
     outer: auto.Solution | None
     stages: int
-    layer_ms: float  # the layer's predicted time, as solved alone
-    outer_ms: float
+    layer_ms: float  # the layer's predicted time, as solved alone, less the call's overhead
+    outer_ms: float  # the rest's, with the call's overhead (paid once per call)
     count: int
     # The most bytes a device holds running the whole program is at most this: every layer it
     # runs at its own peak as solved alone (inputs, outputs gathered, weights), plus the rest's.
@@ -346,7 +346,10 @@ def solve_layers(
         layer_checked, layer_sol = solve(
             layer_g, stage, checker_for(layer_g, stage), share * LAYER_SHARE, seed, space, on_progress
         )
-        outer_plan, outer_sol, outer_ms, outer_peak = None, None, 0.0, 0
+        # A call's overhead is paid once per call, not per part: the layer's time is without it,
+        # the rest's (or, with nothing else, the overhead alone) with it.
+        overhead_ms = machine.call_overhead * 1e3
+        outer_plan, outer_sol, outer_ms, outer_peak = None, None, overhead_ms, 0
         if outer_g is not None:
             outer_checked, outer_sol = solve(
                 outer_g, machine, checker_for(outer_g, machine), max(0.5, share * (1 - LAYER_SHARE)), seed, space
@@ -354,9 +357,8 @@ def solve_layers(
             outer_plan, outer_ms, outer_peak = outer_checked.plan, outer_checked.seconds * 1e3, outer_checked.peak
         plan = layers.compose(graph, rep, layer_checked.plan, outer_plan, machine, s)
         bound = layer_checked.peak * -(-rep.count // s) + outer_peak
-        last = Layered(
-            plan, layer_sol, outer_sol, s, layer_checked.seconds * 1e3, outer_ms, rep.count, bound, layer_checked
-        )
+        layer_ms = max(0.0, layer_checked.seconds * 1e3 - overhead_ms)
+        last = Layered(plan, layer_sol, outer_sol, s, layer_ms, outer_ms, rep.count, bound, layer_checked)
         # The bound decides without lowering the whole model; only when it is too loose does the
         # whole model's timeline (the exact check) decide.
         if stages is not None or bound <= limit or fits(plan):

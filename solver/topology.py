@@ -95,6 +95,15 @@ class Link:
     # The fraction of a transfer's time each end's compute engine loses to it, in [0, 1].
     interference: float = 0.0
     p2p_bandwidth: float | None = None  # bytes/s of one transfer between a pair; None: ``bandwidth``
+    # Seconds per step of a collective (a hop of a ring or a tree level) where the library's
+    # collectives cost more than its point-to-point latency (gloo's all-reduce of a few bytes
+    # takes several round trips); None: ``latency``.  ``edl calibrate`` measures it.
+    collective_latency: float | None = None
+
+    @property
+    def step_latency(self) -> float:
+        """The latency of one step of a collective."""
+        return self.latency if self.collective_latency is None else self.collective_latency
 
     @property
     def pair_bandwidth(self) -> float:
@@ -105,6 +114,8 @@ class Link:
         extra: dict[str, Any] = {"interference": self.interference} if self.interference else {}
         if self.p2p_bandwidth is not None:
             extra["p2p_bandwidth"] = self.p2p_bandwidth
+        if self.collective_latency is not None:
+            extra["collective_latency"] = self.collective_latency
         return {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency, **extra}
 
 
@@ -332,6 +343,7 @@ def load(path: str) -> Topology:
     bandwidth = "230GB/s"             # per device and direction, all transfers together; collectives
     p2p_bandwidth = "72GB/s"          # optional: one point-to-point transfer (default: bandwidth)
     latency = "3us"
+    collective_latency = "3us"        # optional: one step of a collective (default: latency)
     interference = 0.0                # optional: the share of a transfer's time its ends cannot compute
     [links.inter]                     # needed when there are several nodes
     bandwidth = "25GB/s"
@@ -357,7 +369,7 @@ _KEYS = {
     "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "call_overhead", "library", "measured"},
     "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth"},
     "links": {"intra", "inter"},
-    "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "interference"},
+    "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "collective_latency", "interference"},
 }
 
 
@@ -433,6 +445,11 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
         pair = spec.get("p2p_bandwidth")
         p2p = None if pair is None else quantity(pair, "B/s", f"links.{key}.p2p_bandwidth")
         latency = quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency")
+        step = spec.get("collective_latency")
+        step_latency = None
+        if step is not None:
+            where = f"links.{key}.collective_latency"
+            step_latency = _positive(quantity(step, "s", where), where, allow_zero=True)
         interference = quantity(spec.get("interference", 0.0), "", f"links.{key}.interference")
         if not 0 <= interference <= 1:
             raise EdlError(
@@ -446,6 +463,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
             _positive(latency, f"links.{key}.latency", allow_zero=True),
             interference,
             None if p2p is None else _positive(p2p, f"links.{key}.p2p_bandwidth"),
+            step_latency,
         )
 
     intra = link("intra", Link("nvlink", 300e9, NVLINK_LATENCY))

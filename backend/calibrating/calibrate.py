@@ -19,15 +19,19 @@ What goes where:
   ``efficiency = 1.0``: there is nothing left to discount.
 - ``device.bandwidth``: a large copy (larger than the caches), bytes read + written per second,
   as the cost model counts a kernel's bytes (everything it reads and writes).
-- ``kernel_floor`` and ``call_overhead``: the least a kernel op costs in edatalog's torch runtime,
+- ``kernel_floor`` and ``call_overhead``: the least a kernel launch costs in edatalog's torch runtime,
   in the mode it will run (``Options.compile``: interpreted, or replayed as a recorded graph), and
-  what a call of a device's program costs beyond its ops: chains of one-cell rules of two lengths
-  run by that runtime, the difference per kernel op and the rest of the shorter chain's time
+  what a call of a device's program costs beyond its launches: chains of one-cell rules of two lengths
+  run by that runtime, the difference per kernel launch and the rest of the shorter chain's time
   (:mod:`~edatalog.backend.calibrating.probe`; the command line compiles the probes and passes them
   as ``Options.probe``).  Without probes the floor falls back to torch's dispatch of a 1-element
   add (no overhead), which is recorded either way as ``[measured] torch_dispatch``, and
   ``[measured.how]`` says which.
 - ``links.intra.latency``: half the round trip of a 4-byte message between ranks 0 and 1.
+- ``links.intra.collective_latency``: a small all-reduce over every rank, timed right after each
+  rank computed (as programs meet collectives) less that computing alone, less its bytes' time,
+  over the steps the cost model gives it: on gloo between busy CPU ranks it costs several times
+  what the ping-pong's latency would predict.
 - ``links.intra.bandwidth``: the rate per direction when every rank sends to the next and
   receives from the previous one at once (a ring exchange of a large message), which is how
   exchanges run in a plan (both directions of a reduce-scatter or an all-gather at once); the
@@ -79,6 +83,7 @@ BATCH_SECONDS = 2e-3  # calls shorter than this are timed in batches
 MAX_CALL_SECONDS = 2.0  # a matmul shape this slow at the probe's rate is skipped
 INIT_TIMEOUT_SECONDS = 300
 COLD_SETS = 16  # at most this many operand pairs per matmul shape
+SMALL_COLLECTIVE_BYTES = 4096  # a small all-reduce (an activation of a tiny model): its time is its steps' latency
 
 _TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
 
@@ -400,7 +405,7 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
     """The kernel floor and the call overhead on ``dev``: from the runtime probes' times
     (``opts.probe``, see :mod:`~edatalog.backend.calibrating.probe`) in ``opts.compile``'s mode,
     or without them torch's dispatch of a 1-element add (no overhead), which is measured either
-    way (``torch_dispatch``).  ``probe_kernels``: the kernel ops of one run of each probe (empty:
+    way (``torch_dispatch``).  ``probe_kernels``: the kernel launches of one run of each probe (empty:
     no probe)."""
     torch = _torch()
     mode = compile_mode(opts.compile).resolved()
@@ -506,6 +511,23 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     both_s = statistics.median(timed(both, sizes.link_reps))
     steps.done()
 
+    # A collective's step latency: a small all-reduce is nearly all steps, few bytes.  Timed as a
+    # program meets it, right after every rank computed (a matmul), less that matmul alone: on
+    # CPU ranks, a library thread woken while the cores are busy waits longer than in a ping-pong.
+    steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} after a matmul")
+    small = torch.ones(SMALL_COLLECTIVE_BYTES // 4, device=dev)
+    sa, sb = torch.randn(192, 192, device=dev), torch.randn(192, 192, device=dev)  # ~0.2 ms on a CPU core
+    sc = torch.empty(192, 192, device=dev)
+
+    def matmul_then_all_reduce() -> None:
+        torch.mm(sa, sb, out=sc)
+        dist.all_reduce(small)
+
+    reps = sizes.link_reps * 5
+    alone_s = statistics.median(timed(lambda: torch.mm(sa, sb, out=sc), reps))
+    small_all_reduce_s = max(0.0, statistics.median(timed(matmul_then_all_reduce, reps)) - alone_s)
+    steps.done()
+
     numel = max(world, sizes.collective_bytes // 4 // world * world)
     data = torch.ones(numel, device=dev)
     steps.now(f"all_reduce {size(numel * 4)}")
@@ -522,6 +544,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
         "overlap": {"compute": compute_s, "both": both_s},
         "collective_bytes": numel * 4,
         "all_reduce": all_reduce_s,
+        "small_all_reduce": small_all_reduce_s,
         "reduce_scatter": reduce_scatter_s,
     }
 
@@ -752,7 +775,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             "flops": f"{opts.dtype} matmul, the median over {len(keys)} shapes ([measured.matmul.{opts.dtype}])",
             "bandwidth": f"copy of {size(sizes.copy_bytes[0])}, bytes read + written",
             "kernel_floor": floor_how,
-            "call_overhead": "what the shorter chain's time per call leaves beyond its kernel ops"
+            "call_overhead": "what the shorter chain's time per call leaves beyond its kernel launches"
             if kernels
             else "no runtime probe was given",
             "memory": memory_note,
@@ -785,7 +808,17 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         compute_s = max(lk["overlap"]["compute"] for lk in links)
         both_s = max(lk["overlap"]["both"] for lk in links)
         interference = _sig(interference_of(compute_s, exchange_s, both_s))
-        intra = Link(backend, link_bw, latency, interference)
+        # The cost model's small all-reduce: 2 min(n - 1, ceil(log2 n)) steps, and its bytes.
+        small_s = max(lk["small_all_reduce"] for lk in links)
+        hops = 2 * min(n - 1, math.ceil(math.log2(n)))
+        beyond = max(small_s - 2 * SMALL_COLLECTIVE_BYTES / link_bw, small_s / 2)
+        step_latency = _sig(beyond / hops)
+        intra = Link(backend, link_bw, latency, interference, collective_latency=step_latency)
+        measured["how"]["collective_latency"] = (
+            f"an all-reduce of {size(SMALL_COLLECTIVE_BYTES)} right after a matmul, less the matmul alone "
+            "(the slowest rank's median) and its bytes' time, over its steps"
+        )
+        measured["small_all_reduce"] = {"bytes": SMALL_COLLECTIVE_BYTES, "seconds": _sig(small_s), "steps": hops}
         measured["backend"] = backend
         measured["how"]["latency"] = f"half the round trip of {size(sizes.p2p_bytes[0])} between ranks 0 and 1"
         exchanged = size(sizes.exchange_bytes)
@@ -840,18 +873,17 @@ def _general_bandwidth(
     devices: list[dict[str, Any]], floor: float, overhead: float, flops: float, bandwidth: float
 ) -> dict[str, Any] | None:
     """The general path's rate from the slowest rank's probe: the probe's time less the call
-    overhead and what the roofline gives each of its kernels (``max(floor, flops / rate, bytes /
-    bandwidth)``), over
-    the general kernels' bytes, so that the cost model, adding ``bytes / general_bandwidth`` to
-    those, prices the probe at its measured time; None without a probe, 0 when the probe ran
-    within its roofline (nothing to add)."""
+    overhead and what the roofline gives each of its kernels (``max(floor * launches, flops /
+    rate, bytes / bandwidth)``), over the general kernels' bytes, so that the cost model, adding
+    ``bytes / general_bandwidth`` to those, prices the probe at its measured time; None without
+    a probe, 0 when the probe ran within its roofline (nothing to add)."""
     probes = [d["general"] for d in devices if "general" in d]
     if not probes:
         return None
     seconds = max(p["seconds"] for p in probes)
     kernels = probes[0]["kernels"]
-    roof = overhead + sum(max(floor, f / flops, b / bandwidth) for f, b, _ in kernels)
-    nbytes = sum(b for _, b, general in kernels if general)
+    roof = overhead + sum(max(floor * n, f / flops, b / bandwidth) for f, b, _, n in kernels)
+    nbytes = sum(b for _, b, general, _ in kernels if general)
     beyond = seconds - roof
     rate = _sig(nbytes / beyond) if beyond > 0 else 0.0
     return {"seconds": _sig(seconds), "roofline_seconds": _sig(roof), "bytes": nbytes, "bandwidth": rate}
@@ -903,6 +935,10 @@ def _toml(cal: Calibration) -> str:
         (f"bandwidth = {_value(t.intra.bandwidth)}", f"B/s: {m['how']['link_bandwidth']}"),
         (f"latency = {_value(t.intra.latency)}", f"s: {m['how']['latency']}"),
     ]
+    if t.intra.collective_latency is not None:
+        body.append(
+            (f"collective_latency = {_value(t.intra.collective_latency)}", f"s: {m['how']['collective_latency']}")
+        )
     if several:
         body.append((f"interference = {_value(t.intra.interference)}", m["how"]["interference"]))
     width = max(len(code) for code, _ in body) + 2
@@ -922,6 +958,7 @@ _COMMENTS = {
     "measured.exchange": "every rank sends to the next and receives from the previous at once; B/s per direction",
     "measured.all_reduce": "bus bandwidth: bytes / seconds * 2 (n - 1) / n; the slowest rank's seconds",
     "measured.reduce_scatter": "bus bandwidth: bytes / seconds * (n - 1) / n; the slowest rank's seconds",
+    "measured.small_all_reduce": "right after a matmul, less the matmul alone; the slowest rank's median seconds",
     "measured.overlap": "matmuls alone, the exchange alone, both at once (s; the slowest rank's)",
 }
 

@@ -1,6 +1,7 @@
-"""The runtime probe of calibration: what a kernel op, and a call, cost in edatalog's runtime.
+"""The runtime probe of calibration: what a kernel launch, and a call, cost in edatalog's runtime.
 
-The cost model prices a kernel at ``max(kernel_floor, flops / rate, bytes / bandwidth)`` and a
+The cost model prices a kernel at ``max(kernel_floor * launches, flops / rate, bytes / bandwidth)``
+(a rule's block launches one kernel per operator: :func:`edatalog.ir.cost.launches`) and a
 call of a device's program at ``call_overhead`` more, so both must be what edatalog's runtime
 costs *as it runs a plan*, in the mode it runs it (:class:`~edatalog.backend.running.compiled.Compile`):
 interpreted, an op costs tens of microseconds of Python (assembling its inputs, evaluating the
@@ -9,13 +10,13 @@ and a call pays once for taking its inputs and handing out its outputs.  A floor
 dispatch alone predicts an interpreted plan of many small blocks far too fast, and the
 interpreter's floor a compiled one far too slow.
 
-So calibration runs a probe: a chain of one-cell rules over one input (:func:`source`), planned
+So calibration runs a probe: a chain of small rules over a few inputs (:func:`source`), planned
 on one device and synthesized into a device program as any plan is, then run by the torch
 runtime in the mode asked for, as :mod:`~edatalog.backend.running.runtime` builds it for a
 plan (its first calls interpret and record, untimed).  It runs at two lengths,
 :data:`RULES` and :data:`RULES_LONG`: the difference of their times over the difference of
-their kernel ops is the floor, and what the shorter chain's time leaves beyond its ops is the
-call overhead.  Each rank runs it while the others do, as they will run a plan's kernels.
+their kernel launches is the floor, and what the shorter chain's time leaves beyond its
+launches is the call overhead.  Each rank runs it while the others do, as they will run a plan's kernels.
 
 This module is apart from :mod:`~edatalog.backend.calibrating.calibrate` because the backend cannot compile
 ``.edl`` text (the layering of ``tests/test_architecture.py``): the command line compiles
@@ -39,23 +40,39 @@ from edatalog.ir.graph import Graph
 from edatalog.solver.strategies import build
 from edatalog.solver.topology import preset
 
-RULES = 16  # one-cell rules in the probe's chain
-RULES_LONG = 64  # and in the longer chain: the floor is the difference per kernel op
+RULES = 16  # rules in the probe's chain
+RULES_LONG = 64  # and in the longer chain: the floor is the difference per kernel launch
+ROWS, COLS = 16, 64  # the probe's blocks: a few KiB each, so every launch costs its floor
 
 
 def source(rules: int = RULES, dtype: str = "f32") -> str:
-    """The probe program: ``rules`` one-cell elementwise rules, each reading the one before and
-    the input ``x`` (as most rules read two relations), the last one the output."""
+    """The probe program: a chain of ``rules`` small rules of the kinds a model's layers are made
+    of, in turn (a GEMM, a norm's sum of squares and its scaling, a residual update that also
+    reads a row vector), each reading the one before: a launch is priced as a model's small
+    kernels cost, views and broadcasts included, not as the cheapest possible kernel (a one-cell
+    add runs in half the time of a small block's)."""
     if rules < 1:
         raise ValueError(f"the probe needs at least one rule, not {rules}")
     lines = [
-        "# edl calibrate's runtime probe: a chain of one-cell rules, timed per kernel op.",
-        "dim I = 1.",
-        f"input x[I] : {dtype}.",
+        "# edl calibrate's runtime probe: a chain of small rules, timed per kernel launch.",
+        f"dim I = {ROWS}, J = {COLS}.",
+        f"input x[I, J] : {dtype}.",
+        f"param w[J, J] : {dtype}.",
+        f"param v[J] : {dtype}.",
         f"output a{rules - 1}.",
-        "a0[i] = x[i] + 1.0.",
+        "a0[i, j] = x[i, j] + v[j].",
     ]
-    lines += [f"a{k}[i] = a{k - 1}[i] * 0.5 + x[i]." for k in range(1, rules)]
+    for k in range(1, rules):
+        prev = f"a{k - 1}"
+        kind = k % 4
+        if kind == 1:
+            lines.append(f"a{k}[i, j] += {prev}[i, l] * w[l, j].")
+        elif kind == 2:
+            lines.append(f"a{k}[i] += {prev}[i, j] * {prev}[i, j] / J.")
+        elif kind == 3:
+            lines.append(f"a{k}[i, j] = a{k - 2}[i, j] * rsqrt({prev}[i] + 1.0).")
+        else:
+            lines.append(f"a{k}[i, j] = {prev}[i, j] * 0.5 + x[i, j] * v[j].")
     return "\n".join(lines) + "\n"
 
 
@@ -77,7 +94,7 @@ def general_source(seq: int = GENERAL_S, dtype: str = "f32") -> str:
     return "\n".join(lines) + "\n"
 
 
-Cost = tuple[int, int, bool]  # a kernel's flops, bytes and whether it takes the general path
+Cost = tuple[int, int, bool, int]  # a kernel's flops, bytes, whether it takes the general path, launches
 
 
 def general_runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], list[Cost]]:
@@ -88,7 +105,7 @@ def general_runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callabl
     costs = [lowered.costs[(d, k)] for d, k, op in lowered.programs.ops() if isinstance(op, ir.Kernel)]
     if not any(c.general for c in costs):
         raise EdlError("the general-path probe has no kernel on the general path to time")
-    return run, [(c.flops, c.nbytes, c.general) for c in costs]
+    return run, [(c.flops, c.nbytes, c.general, c.launches) for c in costs]
 
 
 def describe(kernels: tuple[int, int], mode: Compile) -> str:
@@ -96,16 +113,17 @@ def describe(kernels: tuple[int, int], mode: Compile) -> str:
     how = "interpreted op by op" if mode is Compile.NONE else f"replayed as a recorded graph ({mode.value})"
     short, long = kernels
     return (
-        f"one-cell rules run by edatalog's torch runtime, {how}: chains of {short} and {long}, "
-        "the difference per kernel op"
+        f"small rules (a GEMM, a norm, an update) run by edatalog's torch runtime, {how}: chains of "
+        f"{short} and {long} kernel launches, the difference per launch"
     )
 
 
 def runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], int]:
     """A call that runs the probe's program once on the torch ``device`` in ``mode`` (as the
-    torch runtime runs a plan's program on one device), and how many kernel ops each call runs."""
+    torch runtime runs a plan's program on one device), and how many kernels each call launches
+    (as the cost model counts them: :func:`edatalog.ir.cost.launches`)."""
     run, lowered = _runner(graph_json, device, mode)
-    kernels = sum(isinstance(op, ir.Kernel) for _, _, op in lowered.programs.ops())
+    kernels = sum(lowered.costs[(d, k)].launches for d, k, op in lowered.programs.ops() if isinstance(op, ir.Kernel))
     if kernels == 0:
         raise EdlError("the calibration probe has no kernel to time")
     return run, kernels

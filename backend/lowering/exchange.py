@@ -31,7 +31,7 @@ from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Loa
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
-from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape
+from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.intervals import atoms
 from edatalog.ir.program import OpCost
@@ -443,7 +443,7 @@ def _lower(
             roles = None if node.lookups else gemm_roles(node)  # a gather is no GEMM
             gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in t.ranges.items()})
             general = _general(node.anonymous, ranges)
-            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm, general)))
+            ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm, general, launches(node))))
         elif isinstance(t, Send):
             dtype[t.id], full[t.id] = dtype[t.source], full[t.source]
             cost = OpCost(0, t.nbytes)

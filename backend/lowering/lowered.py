@@ -56,7 +56,7 @@ from edatalog.solver.costmodel import tiled_points
 from edatalog.solver.topology import Library, Topology
 from edatalog.solver.topology import from_dict as topology_from_dict
 
-FORMAT = 1  # of Lowered.to_json
+FORMAT = 2  # of Lowered.to_json
 
 
 class Collectives(StrEnum):
@@ -140,7 +140,10 @@ class Lowered:
     def to_json(self) -> str:
         """Everything a rank needs to run its device's program: the graph, the programs, the
         machine, the options and the costs."""
-        costs = [[d, k, c.flops, c.nbytes, c.dtype, c.gemm, c.general] for (d, k), c in sorted(self.costs.items())]
+        costs = [
+            [d, k, c.flops, c.nbytes, c.dtype, c.gemm, c.general, c.launches]
+            for (d, k), c in sorted(self.costs.items())
+        ]
         data = {
             "kind": "edatalog-lowered",
             "format": FORMAT,
@@ -175,8 +178,8 @@ class Lowered:
             raise ValueError("the lowered programs were made for another program than the one they carry")
         options = Options(Collectives(data["options"]["collectives"]), bool(data["options"]["fuse"]))
         costs = {
-            (int(d), int(k)): OpCost(int(f), int(b), str(dt), None if g is None else tuple(g), bool(gen))
-            for d, k, f, b, dt, g, gen in data["costs"]
+            (int(d), int(k)): OpCost(int(f), int(b), str(dt), None if g is None else tuple(g), bool(gen), int(n))
+            for d, k, f, b, dt, g, gen, n in data["costs"]
         }
         outputs = {
             str(name): [

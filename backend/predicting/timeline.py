@@ -226,7 +226,14 @@ def _cost(s: Lowered, key: Key, op: ir.Op) -> tuple[float, list[tuple[tuple[Any,
     cost = s.costs[key]
     if isinstance(op, ir.Kernel | ir.Combine | ir.Fused):
         seconds = compute_seconds(
-            cost.flops, cost.nbytes, topo.devices[device], topo, cost.dtype, cost.gemm, general=cost.general
+            cost.flops,
+            cost.nbytes,
+            topo.devices[device],
+            topo,
+            cost.dtype,
+            cost.gemm,
+            general=cost.general,
+            launches=cost.launches,
         )
         return seconds, [(("compute", device), seconds)]
     if isinstance(op, ir.Recv):

@@ -21,18 +21,19 @@ It starts --nproc ranks as the runtime runs them (one process each, gloo on CPU,
   matmul        FLOP/s per dtype (f32; bf16, f16, f64 where they run at a useful rate) at the
                 shapes of a transformer block; the median of --dtype's becomes the device's flops
   copy          a large copy, bytes read + written per second: the device's memory bandwidth
-  kernel floor  the least a kernel op costs in edatalog's torch runtime, run as --compile says
-  and call      (as edl run will run it: replayed as a recorded graph by default, or
-  overhead      interpreted with --compile none): chains of 16 and 64 one-cell rules; the
-                difference per kernel op is the floor, the rest of the short chain's time the
-                overhead of a call (torch's own dispatch of a 1-element add is recorded as
-                torch_dispatch)
+  kernel floor  what a small kernel launch costs in edatalog's torch runtime, run as --compile
+  and call      says (as edl run will run it: replayed as a recorded graph by default, or
+  overhead      interpreted with --compile none): chains of 16 and 64 small rules (a GEMM, a
+                norm, an update, in turn, on 16 x 64 blocks); the difference per launch is the
+                floor, the rest of the short chain's time the overhead of a call (torch's own
+                dispatch of a 1-element add is recorded as torch_dispatch)
   general       the runtime's general evaluator (blocks no single torch call covers: a maximum
                 or a guarded sum cut by its guard, as attention runs when a plan cuts it
                 apart): causal scores and their row maxima timed; the maxima's bytes over
                 the time beyond the roofline's become device.general_bandwidth
   links         latency (half a 4-byte ping-pong) and bandwidth (every rank sending and
-                receiving at once) between ranks; all_reduce and reduce_scatter bus bandwidth;
+                receiving at once) between ranks; an all-reduce of 4 bytes over its steps
+                (a collective's latency per step); all_reduce and reduce_scatter bus bandwidth;
                 interference: matmuls timed alone and while that exchange runs, the share of
                 the transfer's time they lose (near 1 when the computing cores move the bytes)
 
@@ -172,9 +173,10 @@ def _print(result: Any, output: str | None) -> None:
     for k, (nbytes, value) in enumerate(m["copy"].items()):
         rows.append([f"copy {size(int(nbytes))}", rate(value, "B/s"), f"{into}device.bandwidth" if k == 0 else ""])
     mode = m["compile"]
-    floor_note = f"a one-cell rule run by edatalog's torch runtime ({mode})"  # this command always passes the probe
+    # this command always passes the probe
+    floor_note = f"small rules run by edatalog's torch runtime ({mode}), per launch"
     rows.append(["kernel floor", seconds(t.kernel_floor), f"{floor_note} {into}kernel_floor"])
-    rows.append(["call overhead", seconds(t.call_overhead), f"a call beyond its kernel ops {into}call_overhead"])
+    rows.append(["call overhead", seconds(t.call_overhead), f"a call beyond its kernel launches {into}call_overhead"])
     rows.append(["torch dispatch", seconds(m["torch_dispatch"]), "a 1-element add: torch alone"])
     if "general" in m:
         g = m["general"]
@@ -192,6 +194,9 @@ def _print(result: Any, output: str | None) -> None:
         ex = m["exchange"]
         note = f"per direction, all ranks at once {into}links.intra.bandwidth"
         rows.append([f"exchange {size(ex['bytes'])}", rate(ex["bandwidth"], "B/s"), note])
+        small = m["small_all_reduce"]
+        note = f"over its {small['steps']} steps {into}links.intra.collective_latency"
+        rows.append([f"all_reduce {size(small['bytes'])}", seconds(small["seconds"]), note])
         for op in ("all_reduce", "reduce_scatter"):
             rows.append([f"{op} {size(m[op]['bytes'])}", rate(m[op]["busbw"], "B/s"), "bus bandwidth"])
         ov = m["overlap"]
@@ -211,7 +216,7 @@ def _print(result: Any, output: str | None) -> None:
     )
     if t.n > 1:
         link = f"{rate(t.intra.bandwidth, 'B/s')} per direction, {seconds(t.intra.latency)} latency"
-        link += f", interference {t.intra.interference:.2f}"
+        link += f", {seconds(t.intra.step_latency)} per collective step, interference {t.intra.interference:.2f}"
         print(f"  link {t.intra.name}: {link}")
     if output is not None:
         print(f"wrote {output}: use it with --topology {output}")

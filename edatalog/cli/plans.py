@@ -266,7 +266,8 @@ def _print_composed(plan: Plan, baseline_ms: float | None) -> None:
     print(
         f"\npredicted {ms:.4g} ms on {plan.topology.name}: a layer {lay.layer_ms:.4g} ms x {lay.count} layers"
         + (f" ({lay.stages} pipeline stages)" if lay.stages > 1 else "")
-        + f" + the rest {lay.outer_ms:.4g} ms, each timed alone (--full times the whole model); "
+        + f" + the rest {lay.outer_ms:.4g} ms (and the call's overhead), each timed alone"
+        + " (--full times the whole model); "
         f"peak memory at most {human(lay.peak_bound)}B per device"
     )
     rows = [["auto", f"{ms:.4g}", f"{sol.seconds:.1f}"]]

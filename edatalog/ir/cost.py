@@ -15,7 +15,7 @@ from typing import Protocol
 
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Guard
-from edatalog.ir.scalar import ScalarExpr
+from edatalog.ir.scalar import Op, ScalarExpr
 
 # What costing reads of the graph, as protocols that :mod:`edatalog.ir.graph`'s classes have:
 # the graph imports this module (for ``Graph.costs``), so this one does not import the graph.
@@ -111,6 +111,21 @@ class NodeCost:
 def flops_per_point(node: JoinAggLike) -> int:
     """Scalar ops per point, plus one for folding it into the aggregate when indices are folded."""
     return node.expr.flops_per_point + (1 if node.agg is not None and node.agg_indices else 0)
+
+
+def launches(node: JoinAggLike) -> int:
+    """The kernels a runtime that does not fuse (eager torch, and edatalog's recorded graphs)
+    launches for one block of ``node``: one per operator of its scalar function that varies over
+    the join space, one for folding the aggregated indices (a GEMM folds its product and sum in
+    one), one per looked-up index's gather.  At least one.  The kernel floor is paid per launch:
+    ``a[i] * 0.5 + x[i]`` is two kernels, a layer norm's ``w[d] * (xc * rsqrt(v + eps)) + b[d]``
+    five."""
+    expr = node.expr
+    count = sum(1 for k in expr.varying() if isinstance(expr.nodes[k], Op))
+    folded = set(node.agg_indices) - node.looked_up  # a looked-up index is its gather's
+    if node.agg is not None and folded and gemm_roles(node) is None:  # a GEMM sums in its product's kernel
+        count += 1
+    return max(1, count + len(node.looked_up))
 
 
 GemmRoles = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]

@@ -488,6 +488,7 @@ class OpCost:
     dtype: str = "f32"
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM kernel, for its tiles
     general: bool = False  # a kernel the runtime evaluates on its general path (masks, passes)
+    launches: int = 1  # kernels a runtime that does not fuse launches for it (edatalog.ir.cost.launches)
 
 
 REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective folds with

@@ -22,6 +22,7 @@ from edatalog.backend.running.compiled import Compile
 from edatalog.cli import main
 from edatalog.cli.calibrate import general_probe_graph, probe_graphs
 from edatalog.errors import EdlError
+from edatalog.ir.cost import launches
 from edatalog.solver.topology import from_dict
 
 QUICK_KEYS = [cal.shape_key(s) for s in cal.QUICK.matmuls]
@@ -87,7 +88,13 @@ def test_quick_calibration_in_one_process(tmp_path: Path) -> None:
     assert text.startswith("# calibrated-cpux1: ") and "# FLOP/s: f32 matmul" in text
 
 
-PROBE_KERNELS = (calibrate_probe.RULES, calibrate_probe.RULES_LONG)
+def _launches(rules: int) -> int:
+    """The kernel launches of the probe's chain of ``rules`` (as the cost model counts them)."""
+    graph = edatalog.compile_string(calibrate_probe.source(rules), name="probe").graph
+    return sum(launches(node) for node in graph.nodes)
+
+
+PROBE_KERNELS = (_launches(calibrate_probe.RULES), _launches(calibrate_probe.RULES_LONG))
 
 
 def _rank(flops: float, copy: float, floor: float, links: dict[str, Any], overhead: float = 2e-5) -> dict[str, Any]:
@@ -116,10 +123,11 @@ def test_the_machine_is_the_slowest_ranks() -> None:
         "exchange": exchange,
         "collective_bytes": 1 << 16,
         "all_reduce": 1e-3,
+        "small_all_reduce": 3e-4,
         "reduce_scatter": 5e-4,
         "overlap": {"compute": 3e-3, "both": 4e-3},
     }
-    slow = dict(links, exchange=2 * exchange, overlap={"compute": 3.5e-3, "both": 5e-3})
+    slow = dict(links, exchange=2 * exchange, small_all_reduce=5e-4, overlap={"compute": 3.5e-3, "both": 5e-3})
     opts = cal.Options(nproc=2, quick=True).resolved()
     result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links, 4e-5), 1: _rank(1e10, 2e10, 3e-6, slow)})
     topo = result.topology
@@ -130,6 +138,14 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     # Interference from the slowest rank's times: matmuls 3.5 ms alone, the exchange 4 ms alone,
     # both 5 ms: (5 - max(3.5, 4)) / min(3.5, 4) of the shorter did not overlap.
     assert topo.intra.interference == pytest.approx((5 - 4) / 3.5, rel=1e-3)
+    # A collective's step: the slowest rank's small all-reduce, less its bytes' time, over the
+    # two steps of an all-reduce between two ranks.
+    # (With this made-up link's small bandwidth the bytes would take most of it: at most half is
+    # credited to them.)
+    small_bytes = cal.SMALL_COLLECTIVE_BYTES
+    step = max(5e-4 - 2 * small_bytes / topo.intra.bandwidth, 5e-4 / 2) / 2
+    assert topo.intra.collective_latency == pytest.approx(step, rel=1e-3)
+    assert topo.intra.step_latency == topo.intra.collective_latency
     m = result.measured
     assert m["per_rank"]["flops"] == [2e10, 1e10]
     assert m["torch_dispatch"] == pytest.approx(3e-6 / 50, rel=1e-3)  # the slowest rank's, as the floor
@@ -152,7 +168,7 @@ def test_interference_is_the_share_of_the_shorter_that_did_not_overlap(
 
 
 def test_the_kernel_floor_is_a_rule_run_by_the_runtime() -> None:
-    """The floor is what a one-cell rule costs in edatalog's torch runtime (the probes the command
+    """The floor is what a small rule's launch costs in edatalog's torch runtime (the probes the command
     line compiles, run as a plan's programs are, in the mode asked for): interpreted, many times
     torch's dispatch of a 1-element add, which is measured beside it; replayed as a graph, far
     less than interpreted.  Without a probe, the floor is that add and there is no overhead."""
@@ -236,7 +252,7 @@ def test_cli_writes_a_machine_file(capsys: pytest.CaptureFixture[str], tmp_path:
     assert header.split() == ["measured", "value", "note"]
     assert any(line.startswith("matmul f32 ") and "FLOP/s" in line for line in lines)
     floor_row = next(line for line in lines if line.startswith("kernel floor"))
-    assert "a one-cell rule run by edatalog's torch runtime (graph) -> kernel_floor" in floor_row
+    assert "small rules run by edatalog's torch runtime (graph), per launch -> kernel_floor" in floor_row
     assert any(line.startswith("call overhead") and "-> call_overhead" in line for line in lines)
     assert any(line.startswith("torch dispatch") for line in lines)
     assert str(topo) in lines
@@ -307,11 +323,12 @@ def test_topology_files_accept_a_measured_table(tmp_path: Path) -> None:
 def test_the_general_bandwidth_is_the_probes_time_beyond_its_roofline() -> None:
     """From made-up probe times: the probe (causal scores, then their row maxima on the general
     path) took 1.2 ms; its kernels cost, by the roofline on 1e10 FLOP/s and 1e10 B/s with a
-    3 µs floor, max(3 µs, 1e6 / 1e10) = 100 µs and max(3 µs, 1.1e6 / 1e10) = 110 µs, and the call
-    20 µs more; the rest, 1.2 - 0.23 = 0.97 ms, is the maxima's 1.1 MB on the general path:
-    1.1e6 / 0.97e-3 B/s."""
+    3 µs floor per launch, max(2 x 3 µs, 1e6 / 1e10) = 100 µs and max(3 µs, 1.1e6 / 1e10) = 110 µs,
+    and the call 20 µs more; the rest, 1.2 - 0.23 = 0.97 ms, is the maxima's 1.1 MB on the
+    general path: 1.1e6 / 0.97e-3 B/s."""
     rank = _rank(1e10, 1e10, 3e-6, {}, overhead=20e-6)
-    rank["device"]["general"] = {"seconds": 1.2e-3, "kernels": [[512, 1_000_000, False], [512, 1_100_000, True]]}
+    kernels = [[512, 1_000_000, False, 2], [512, 1_100_000, True, 1]]
+    rank["device"]["general"] = {"seconds": 1.2e-3, "kernels": kernels}
     result = cal.summarize(cal.Options(nproc=1, quick=True).resolved(), {0: rank})
     assert result.topology.devices[0].general_bandwidth == pytest.approx(1.1e6 / (1.2e-3 - 230e-6), rel=1e-3)
     assert result.measured["general"]["roofline_seconds"] == pytest.approx(230e-6, rel=1e-3)
@@ -327,4 +344,4 @@ def test_the_general_probe_runs_on_the_general_path() -> None:
     opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graphs(), general_probe=general_probe_graph())
     probed = cal.measure_floor(opts.resolved(), cal.QUICK, torch.device("cpu"), lambda: None)
     assert _finite_positive(probed["general"]["seconds"])
-    assert [general for *_, general in probed["general"]["kernels"]] == [False, True]
+    assert [general for *_, general, _ in probed["general"]["kernels"]] == [False, True]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import edatalog
-from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape
+from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import Layout, candidates, dim_order
 from edatalog.solver.costmodel import (
@@ -17,6 +17,7 @@ from edatalog.solver.costmodel import (
     collective_seconds,
     compute_seconds,
     gemm_shape_efficiency,
+    transfer_seconds,
 )
 from edatalog.solver.costs import Costs
 from edatalog.solver.topology import Link, preset
@@ -95,6 +96,57 @@ def test_reduce_scatter_and_all_gather_are_half_an_all_reduce(kind: CollectiveKi
     nbytes = 2**26
     assert collective_seconds(kind, nbytes, 4, NVLINK) == pytest.approx(3 * 3e-6 + 3 / 4 * nbytes / 230e9)
     assert collective_bytes(kind, nbytes, 4) == 3 * nbytes // 4
+
+
+def test_a_collective_steps_at_its_own_latency_where_the_library_has_one() -> None:
+    """gloo's all-reduce of a few KiB between busy CPU ranks costs several ping-pongs: a link with
+    ``collective_latency`` prices each step of a collective at it, point-to-point transfers still
+    at ``latency``."""
+    gloo = Link("gloo", 1.5e9, 150e-6, collective_latency=500e-6)
+    assert gloo.step_latency == 500e-6 and Link("gloo", 1.5e9, 150e-6).step_latency == 150e-6
+    assert collective_seconds(AR, 4096, 2, gloo) == pytest.approx(2 * 500e-6 + 4096 / 1.5e9)  # the ring
+    assert collective_seconds(AG, 4096, 2, gloo) == pytest.approx(500e-6 + 4096 / 2 / 1.5e9)
+    assert transfer_seconds(4096, gloo) == pytest.approx(150e-6 + 4096 / 1.5e9)
+
+
+LAUNCH_RULES = """
+dim I = 4, J = 6, V = 5.
+input x[I, J] : f32.
+input w[J, J] : f32.
+input v[J] : f32.
+input ids[I] : i64.
+param emb[V, J] : f32.
+output y, mm, ln, sq, gathered, copy.
+y[i, j] = x[i, j] * 0.5 + v[j].
+mm[i, k] += x[i, j] * w[j, k] / 3.0.
+sq[i] += x[i, j] * x[i, j] / J.
+ln[i, j] = v[j] * (x[i, j] * rsqrt(sq[i] + 1e-5)) + v[j].
+gathered[i, j] = emb[t, j] + v[j] where ids[i] = t.
+copy[i, j] = x[i, j].
+"""
+
+
+@pytest.mark.parametrize(
+    ("rule", "want"),
+    [
+        ("y", 2),  # mul, add
+        ("mm", 2),  # the GEMM (its product and sum), the scaling
+        ("sq", 3),  # mul, div, and the sum
+        ("ln", 5),  # add, rsqrt, mul, mul, add
+        ("gathered", 2),  # the gather, the add
+        ("copy", 1),  # no operator: still one kernel
+    ],
+)
+def test_a_rule_launches_a_kernel_per_operator(rule: str, want: int) -> None:
+    graph = edatalog.compile_string(LAUNCH_RULES, name="launches.edl").graph
+    assert launches(graph.node(rule)) == want
+
+
+def test_the_kernel_floor_is_paid_per_launch() -> None:
+    topo = preset("a100x1")
+    dev = topo.devices[0]
+    assert compute_seconds(10, 10, dev, topo, "f32", launches=5) == pytest.approx(5 * topo.kernel_floor)
+    assert compute_seconds(10, 10, dev, topo, "f32", launches=5, floor=False) < topo.kernel_floor
 
 
 def test_a_group_of_one_moves_nothing() -> None:

@@ -116,7 +116,8 @@ def test_balanced_splits_deal_parts_out_zigzag() -> None:
 def test_pipelining_pays_for_long_sequences_and_moves_the_same_bytes() -> None:
     """Megatron on a bf16 LLaMA-7B block at S=2048 on 8 A100s: two chunks along s overlap each
     chunk's reductions with the next chunk's matmuls and move exactly as many bytes.  Where
-    overlap is free (a link that takes no compute), the predicted time drops by more than 10%;
+    overlap is free (a link that takes no compute), the predicted time drops by more than 5%
+    (each chunk pays its kernels' launches again);
     on the preset, whose transfers take 20% of their time from the GPUs' compute at both ends,
     the same plan is slower."""
     prog = edatalog.compile_string(LLAMA, name="llama_block.edl", dims={"S": 2048}, dtype="bf16")
@@ -128,7 +129,7 @@ def test_pipelining_pays_for_long_sequences_and_moves_the_same_bytes() -> None:
     assert ir is not None
     piped = Plan(ir, graph, free)
     assert piped.report.bytes_moved == base.report.bytes_moved
-    assert piped.report.seconds < 0.9 * base.report.seconds
+    assert piped.report.seconds < 0.95 * base.report.seconds
     assert max(piped.report.peak_memory.values()) <= max(base.report.peak_memory.values())
     assert piped.report.seconds < Plan(ir, graph, machine).report.seconds
 
