@@ -21,6 +21,7 @@ Array = npt.NDArray[np.float64]
 SMALL: dict[str, tuple[dict[str, int], dict[str, tuple[str, ...]]]] = {
     "attention.edl": ({"B": 2, "S": 5, "D": 12, "H": 3}, {"y": ("B", "S", "D")}),
     "gpt2_block.edl": ({"B": 2, "S": 5, "D": 15, "H": 3, "F": 7}, {"y": ("B", "S", "D")}),
+    "gpt2.edl": ({"B": 2, "S": 5, "D": 12, "H": 3, "F": 7, "L": 2, "V": 11, "P": 8}, {"logits": ("B", "S", "V")}),
     "llama_block.edl": ({"B": 2, "S": 5, "D": 12, "H": 3, "KVH": 1, "F": 7}, {"y": ("B", "S", "D")}),
     "llama.edl": ({"S": 5, "D": 12, "H": 3, "KVH": 1, "F": 7, "L": 2, "V": 11}, {"logits": ("B", "S", "V")}),
     "llama_decode.edl": (
