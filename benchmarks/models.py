@@ -8,10 +8,11 @@ Two parts, each printed as a table:
    their ratio, and the model's predicted time beside one layer's times L.
 2. Generation (measured on this machine's CPU): greedy decoding of --new tokens after a prompt,
    a small random LLaMA saved by transformers, an ``edatalog.Generator`` (torch runtime, one
-   process, --compile mode) against ``LlamaForCausalLM.generate``, in one run, both warm:
-   tokens per second of each and the ratio (prefill and every decode step counted); the token
-   ids must agree.  The generator's warm-up (two short generations, which compile its graphs)
-   is timed apart.
+   process, each --compile mode) against ``LlamaForCausalLM.generate``, in one run, all warm:
+   tokens per second of each and the ratio (prefill and every decode step counted), at each
+   --threads count (torch's intra-op threads, the same for all), the median of --repeat rounds
+   that take turns; the token ids must agree.
+   The generator's warm-up (two short generations, which compile its graphs) is timed apart.
 
     .venv/bin/python benchmarks/models.py                 # both parts
     .venv/bin/python benchmarks/models.py --part plan --time-limit 10
@@ -21,6 +22,7 @@ Two parts, each printed as a table:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -71,7 +73,10 @@ def plan_part(time_limit: float, layers: int) -> list[list[str]]:
     ]
 
 
-def generate_part(new: int, compile_mode: str) -> list[list[str]]:
+def generate_part(new: int, modes: list[str], threads: list[int], repeat: int) -> list[list[str]]:
+    """transformers and a generator per compile mode in ``modes``, at each torch thread count in
+    ``threads`` (the same for all, set before they run); ratios against transformers at the
+    same count, in the same run: the median of ``repeat`` rounds each."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -87,35 +92,55 @@ def generate_part(new: int, compile_mode: str) -> list[list[str]]:
     }
     model: Any = cast(Any, LlamaForCausalLM)(LlamaConfig(**settings)).eval()
     prompt = list(range(1, 33))
+    rows: list[list[str]] = []
+    default_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as where:
         model.save_pretrained(where)
-        gen = edatalog.Generator(MODEL, where, compile=compile_mode)
-        # Warm, as transformers is after its first call: a generator's first call interprets its
-        # prefill and compiles its decode step, its second compiles the prefill (each graph is
-        # compiled once per prompt and cache bucket: 32 + 3 and 32 + 32 positions share them).
-        start = time.perf_counter()
-        for _ in range(2):
-            gen(prompt, 3)
-        warm_s = time.perf_counter() - start
-        run = gen(prompt, new)
-        with torch.no_grad():
-            model.generate(torch.tensor([prompt]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        gens, warm_s = {}, {}
+        for mode in modes:
+            gens[mode] = edatalog.Generator(MODEL, where, compile=mode)
+            # Warm, as transformers is after its first call: a generator's first call interprets
+            # its prefill and compiles its decode step, its second compiles the prefill (each
+            # graph is compiled once per prompt and cache bucket: 32 + 3 and 32 + 32 positions
+            # share them).
             start = time.perf_counter()
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            hf_s = time.perf_counter() - start
-    hf_ids = ids[0, len(prompt) :].tolist()
-    hf_tps = new / hf_s
-    same = "yes" if hf_ids == run.ids else "NO"
-    return [
-        ["transformers generate", f"{hf_tps:.1f}", "1.00", "", ""],
-        [
-            f"edatalog Generator (torch, {compile_mode})",
-            f"{run.tokens_per_second:.1f}",
-            f"{run.tokens_per_second / hf_tps:.2f}",
-            same,
-            f"{warm_s:.1f}",
-        ],
-    ]
+            for _ in range(2):
+                gens[mode](prompt, 3)
+            warm_s[mode] = time.perf_counter() - start
+        for count in threads:
+            torch.set_num_threads(count)
+            with torch.no_grad():
+                model.generate(torch.tensor([prompt]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+            # Rounds interleave the contenders, so that a slow spell of the machine hits them alike.
+            rates: dict[str, list[float]] = {name: [] for name in ["transformers", *gens]}
+            ids: dict[str, list[int]] = {}
+            for _ in range(repeat):
+                with torch.no_grad():
+                    start = time.perf_counter()
+                    out = model.generate(
+                        torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False
+                    )
+                    rates["transformers"].append(new / (time.perf_counter() - start))
+                ids["transformers"] = out[0, len(prompt) :].tolist()
+                for mode, gen in gens.items():
+                    run = gen(prompt, new)
+                    rates[mode].append(run.tokens_per_second)
+                    ids[mode] = run.ids
+            hf_tps = statistics.median(rates["transformers"])
+            rows.append([f"transformers generate, {count} thread(s)", f"{hf_tps:.1f}", "1.00", "", ""])
+            for mode in gens:
+                tps = statistics.median(rates[mode])
+                rows.append(
+                    [
+                        f"edatalog Generator (torch, {mode}), {count} thread(s)",
+                        f"{tps:.1f}",
+                        f"{tps / hf_tps:.2f}",
+                        "yes" if ids[mode] == ids["transformers"] else "NO",
+                        f"{warm_s[mode]:.1f}" if count == threads[0] else "",
+                    ]
+                )
+    torch.set_num_threads(default_threads)
+    return rows
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -133,9 +158,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument(
         "--compile",
-        choices=("graph", "inductor", "none"),
-        default="graph",
-        help="edatalog's compile mode for generation (default graph)",
+        default="graph,inductor",
+        help="edatalog's compile modes for generation, comma-separated, of graph, inductor and none "
+        "(default graph,inductor; inductor's first compile takes tens of seconds, then it is cached)",
+    )
+    p.add_argument("--repeat", type=int, default=7, help="generation rounds per contender, the median kept (default 7)")
+    p.add_argument(
+        "--threads",
+        default="1,2",
+        help="torch thread counts, comma-separated: each contender runs at each, the same for both (default 1,2)",
     )
     return p.parse_args(argv)
 
@@ -148,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(["program", "rules", "plan s", "/block", "pred ms", "one layer x L (pred ms)", "stages"], rows))
         print()
     if args.part in ("all", "generate"):
-        rows = generate_part(args.new, args.compile)
+        modes = args.compile.split(",")
+        unknown = sorted(set(modes) - {"graph", "inductor", "none"})
+        if unknown:
+            raise SystemExit(f"unknown compile mode {unknown[0]!r}: choose among graph, inductor, none")
+        rows = generate_part(args.new, modes, [int(t) for t in args.threads.split(",")], args.repeat)
         print(f"generation: {args.new} new tokens after 32, measured on this machine (CPU, f32)")
         print(_table(["", "tokens/s", "/transformers", "same ids", "warm-up s"], rows))
     return 0
