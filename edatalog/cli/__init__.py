@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from edatalog import __version__
 from edatalog.backend.running.runtime import RUNTIMES
 from edatalog.cli import calibrate, generate, plans, programs, show
-from edatalog.cli.common import command_began, positive_int, seed
+from edatalog.cli.common import COMPILE_MODES, command_began, positive_int, seed
 from edatalog.errors import EdlError
 from edatalog.ir.dtypes import FLOATS
 
@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--compile",
-        choices=("auto", "graph", "inductor", "none"),
+        choices=COMPILE_MODES,
         default="auto",
         help="torch: how each device's program runs: recorded once as a graph and replayed (auto, graph), that "
         "graph compiled by inductor (tens of seconds cold, cached), or interpreted op by op (none); the first "

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from edatalog.cli.common import Progress, table
+from edatalog.cli.common import COMPILE_MODES, Progress, table
 
 EPILOG_CALIBRATE = """\
 Measures this machine with torch and writes what it measured as a machine file (-o), for
@@ -78,7 +78,7 @@ def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
     )
     c.add_argument(
         "--compile",
-        choices=("auto", "graph", "inductor", "none"),
+        choices=COMPILE_MODES,
         default="auto",
         help="how the runtime whose floor is measured runs programs, as edl run --compile (default auto: graph)",
     )

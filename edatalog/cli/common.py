@@ -13,8 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from edatalog.backend.running.compiled import Compile
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
+
+COMPILE_MODES = tuple(mode.value for mode in Compile)  # --compile's choices: the runtime's modes
 
 STARTUP_SECONDS = 2.0  # a process older than this when a command begins was not started for it
 _began = time.monotonic()  # when the running command began (set by ``command_began``)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from edatalog.cli.common import overrides
+from edatalog.cli.common import COMPILE_MODES, overrides
 from edatalog.errors import EdlError
 from edatalog.ir.dtypes import FLOATS
 
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
     g.add_argument("--device", metavar="DEV", help="torch: where to run (cpu, cuda, cuda:1); default: a GPU if any")
     g.add_argument(
         "--compile",
-        choices=("auto", "graph", "inductor", "none"),
+        choices=COMPILE_MODES,
         default="auto",
         help="torch: how the decode step runs: a traced graph replayed per token (auto, graph), that graph "
         "compiled by inductor (tens of seconds cold, cached; on a CPU about 1.6x the tokens per second of "
