@@ -19,10 +19,11 @@ What goes where:
   ``efficiency = 1.0``: there is nothing left to discount.
 - ``device.bandwidth``: a large copy (larger than the caches), bytes read + written per second,
   as the cost model counts a kernel's bytes (everything it reads and writes).
-- ``kernel_floor`` and ``call_overhead``: the least a kernel launch costs in edatalog's torch runtime,
-  in the mode it will run (``Options.compile``: interpreted, or replayed as a recorded graph), and
-  what a call of a device's program costs beyond its launches: chains of one-cell rules of two lengths
-  run by that runtime, the difference per kernel launch and the rest of the shorter chain's time
+- ``kernel_floor`` and ``call_overhead``: what a small kernel launch costs in edatalog's torch
+  runtime, in the mode it will run (``Options.compile``: interpreted, or replayed as a recorded
+  graph), and what a call of a device's program costs beyond its launches: chains of small
+  model-like rules of two lengths run by that runtime, the difference per kernel launch and the
+  rest of the shorter chain's time
   (:mod:`~edatalog.backend.calibrating.probe`; the command line compiles the probes and passes them
   as ``Options.probe``).  Without probes the floor falls back to torch's dispatch of a 1-element
   add (no overhead), which is recorded either way as ``[measured] torch_dispatch``, and
