@@ -133,8 +133,9 @@ class Plan:
             "refine_seconds": sol.refine_seconds,
             "plan_seconds": sol.total_seconds,
             "unchecked": sol.unchecked,
-            "solver_estimate_ms": sol.predicted_ms,
-            "lower_bound_ms": sol.lower_bound_ms,
+            "searched": sol.searched,  # false: building took the time, the best baseline is kept
+            "solver_estimate_ms": sol.predicted_ms if sol.searched else None,
+            "lower_bound_ms": sol.lower_bound_ms if sol.searched else None,
             "optimal": sol.optimal,
             "gap": sol.gap,
             "memory_estimate": sol.memory_estimate,

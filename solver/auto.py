@@ -39,7 +39,7 @@ from edatalog.solver import starts
 from edatalog.solver.blocks import Box, Layout, candidates, dim_order
 from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
 from edatalog.solver.plan import Plan, Tile
-from edatalog.solver.strategies import plan_of
+from edatalog.solver.strategies import build, plan_of
 from edatalog.solver.topology import Topology
 
 SPACES = ("join", "mesh")
@@ -109,10 +109,13 @@ class Solution:
     # next to a choice of picks: what the caller's search in the timeline moves through.
     picks: tuple[dict[str, int] | None, ...] = field(default=(), repr=False)
     neighbours: Neighbours | None = field(default=None, repr=False)
+    # False when building the model took all the time: nothing was searched, the shortlist is
+    # the baselines as built, and there is no estimate (``predicted_ms`` and the bound are 0).
+    searched: bool = True
 
     @property
     def gap(self) -> float:
-        if self.optimal or self.predicted_ms <= 0:
+        if self.optimal or not self.searched or self.predicted_ms <= 0:
             return 0.0
         return max(0.0, 1 - self.lower_bound_ms / self.predicted_ms)
 
@@ -125,17 +128,27 @@ def solve(
     seed: int = 0,
     space: str = "join",
     on_progress: Callable[[Progress], None] | None = None,
+    build_limit: float | None = None,
 ) -> Solution:
     """The fastest plan the solver finds in ``time_limit`` seconds, keeping every device under
     ``memory`` bytes (default: each device's capacity).  The limit covers costing the candidates
-    and building the model too; when that alone takes longer, the best starting plan is returned
-    unsearched (``build_seconds`` says how long it took)."""
+    and building the model too.  Building may take up to ``build_limit`` seconds (default
+    ``time_limit``; a model built past ``time_limit`` is not searched, but its starting plans are
+    shortlisted); when it takes longer, it stops there and the baselines are returned
+    unsearched, as built (``searched`` is False), for the caller to check."""
     start = time.monotonic()
     n = topo.n
     limit = memory if memory is not None else min(d.memory for d in topo.devices)
     if on_progress is not None:
         on_progress(Progress(0.0, None, 0.0, 0, "building"))
-    setup = _Setup(graph, topo, limit, space)
+    need, _ = least_bytes(graph, n)
+    cap = memory if memory is not None else max(d.memory for d in topo.devices)
+    if need > cap:  # a bound, not an estimate: inputs and params do not fit (checked before building)
+        _infeasible(_no_fit(graph, n, limit, space), space)
+    try:
+        setup = _Setup(graph, topo, limit, space, deadline=start + (time_limit if build_limit is None else build_limit))
+    except _OutOfTime:
+        return _unsearched(graph, topo, start)
     built = time.monotonic() - start
     # The mesh space's model is built on its thread while this one searches (its Python and this
     # build would share one interpreter lock); it is not built when too little time is left.
@@ -162,17 +175,11 @@ def solve(
     if best is None:
         # Nothing fits by the estimate, which errs high: hand the leanest starts to the caller to
         # check exactly, with the message to give if none of them fits either.
-        need, top = least_bytes(graph, n)
-        heavy = ", ".join(f"{name} {_fmt(b)}" for name, b in top[:3])
         starts.sort(key=model.memory)
-        where = "" if space == "join" else " in the mesh space (even splits that divide the extents)"
         infeasible = (
-            f"no plan{where} fits in {_fmt(limit)} per device: any plan needs at least {_fmt(need)} per device "
-            f"for inputs and params split {n} ways ({heavy}), plus live activations; the leanest plan "
-            f"the solver started from needs about {_fmt(model.memory(starts[0]))} by its estimate"
+            f"{_no_fit(graph, n, limit, space)}; the leanest plan the solver started from needs about "
+            f"{_fmt(model.memory(starts[0]))} by its estimate"
         )
-        if need > max(d.memory for d in topo.devices):  # a bound, not an estimate: inputs and params do not fit
-            _infeasible(infeasible, space)
         best = starts[0]
         picks = starts[:3]
         shortlist = tuple(_plan(graph, topo, options, c, space) for c in picks)
@@ -218,10 +225,44 @@ def solve(
     )
 
 
-class _Setup:
-    """What a solve starts from: every node's costed candidates, the model, and starting plans."""
+class _OutOfTime(Exception):
+    """Building a solve's model passed its deadline (caught in :func:`solve`)."""
 
-    def __init__(self, graph: Graph, topo: Topology, limit: int, space: str) -> None:
+
+def _unsearched(graph: Graph, topo: Topology, start: float) -> Solution:
+    """A solve whose model could not be built in its time: the baselines as built (megatron,
+    megatron-sp and data where the program has their shape, else everything on one device),
+    unsearched, for the caller to check in the timeline.  Costing every candidate of every node
+    is what takes the time, and these need none of it."""
+    built: list[tuple[str, Plan]] = []
+    for name in ("megatron", "megatron-sp", "data"):
+        try:
+            built.append((name, replace(build(graph, topo, name), strategy="auto")))
+        except EdlError:
+            continue
+    if not built:
+        built.append(("replicate", replace(build(graph, topo, "replicate"), strategy="auto")))
+    seconds = time.monotonic() - start
+    return Solution(
+        built[0][1],
+        0.0,
+        0.0,
+        False,
+        seconds,
+        0,
+        shortlist=tuple(p for _, p in built),
+        origins=tuple(f"baseline: {name}" for name, _ in built),
+        build_seconds=seconds,
+        picks=tuple(None for _ in built),
+        searched=False,
+    )
+
+
+class _Setup:
+    """What a solve starts from: every node's costed candidates, the model, and starting plans.
+    Building stops with :class:`_OutOfTime` once ``deadline`` (a ``time.monotonic()``) passes."""
+
+    def __init__(self, graph: Graph, topo: Topology, limit: int, space: str, deadline: float = math.inf) -> None:
         if space not in SPACES:
             raise EdlError(f"unknown search space '{space}'", help="spaces: join (any partition) or mesh (GSPMD-style)")
         costs = Costs(graph, topo)
@@ -235,9 +276,15 @@ class _Setup:
         self.tiles: dict[str, dict[Tile, int]] = {}
         for node in graph.nodes:
             cands = candidates(node, topo.n, mesh=space == "mesh", balance=balance)
-            opts = [costs.option(node, Layout(node, c, rank)) for c in cands]
+            opts = []
+            for c in cands:
+                if time.monotonic() > deadline:
+                    raise _OutOfTime
+                opts.append(costs.option(node, Layout(node, c, rank)))
             self.options[node.name], self.tiles[node.name] = _prune(opts)
         self.model = Model(graph, costs, self.options, limit)
+        if time.monotonic() > deadline:
+            raise _OutOfTime
         self.baselines, self.built = starts.baselines(graph, topo, self.tiles)
         self.starts: list[starts.Start] = [
             *starts.simple(graph, self.model, self.baselines),
@@ -314,6 +361,17 @@ def _infeasible(message: str, space: str) -> None:
         message,
         help="give each device more memory (--memory), use more devices, shrink the dims"
         + (", or search the join space (--space join)" if space == "mesh" else ""),
+    )
+
+
+def _no_fit(graph: Graph, n: int, limit: int, space: str) -> str:
+    """Why no plan fits in ``limit`` bytes per device: the floor every plan pays."""
+    need, top = least_bytes(graph, n)
+    heavy = ", ".join(f"{name} {_fmt(b)}" for name, b in top[:3])
+    where = "" if space == "join" else " in the mesh space (even splits that divide the extents)"
+    return (
+        f"no plan{where} fits in {_fmt(limit)} per device: any plan needs at least {_fmt(need)} per device "
+        f"for inputs and params split {n} ways ({heavy}), plus live activations"
     )
 
 

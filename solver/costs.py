@@ -171,12 +171,15 @@ class Costs:
         )
 
     def _tiled(self, node: JoinAgg, ranges: dict[str, tuple[int, int]]) -> int:
-        """:func:`tiled_points` of a block, cached: candidates of a node share most blocks."""
-        key = (node.name, *sorted(ranges.items()))
+        """:func:`tiled_points` of a block, cached by the guard and its variables' ranges: the
+        candidates of a node share most blocks, and the rules of an attention chain share the
+        guard (the other indices only multiply the count)."""
+        gvars = sorted(node.guard.vars & ranges.keys())
+        key = (node.guard, *(ranges[v] for v in gvars))
         hit = self._tiles.get(key)
         if hit is None:
-            hit = self._tiles[key] = tiled_points(node, ranges)
-        return hit
+            hit = self._tiles[key] = tiled_points(node, {v: ranges[v] for v in gvars})
+        return hit * math.prod(hi - lo for v, (lo, hi) in ranges.items() if v not in gvars)
 
     def _reach(self, axes: tuple[AxisMap, ...], ranges: dict[str, tuple[int, int]]) -> tuple[Box, int]:
         """:func:`through` and its size, cached: candidates of a node share most block ranges."""

@@ -25,6 +25,9 @@ from edatalog.solver.plan import Plan
 from edatalog.solver.topology import Topology
 
 SOLVE_SHARE = 0.6  # of the time left, for building and searching; checking, searching the timeline, refining: the rest
+# Of the time left, what building the model may take before the baselines are checked instead:
+# a model built late is still worth its starting plans (greedy, two-level...), checked in what is left.
+BUILD_SHARE = 0.85
 REFINE_TRIES = 3  # the fastest shortlisted plans whose refinements are checked
 ATTEMPTS = 4  # solves at most: the first, then re-solves under a cut memory budget
 TIMELINE_SHARE = 0.6  # of the time left after checking the shortlist, for the search in the timeline
@@ -134,7 +137,10 @@ def solve(
     leanest: tuple[C, auto.Solution] | None = None  # the least peak checked, should nothing fit
     for attempt in range(ATTEMPTS):
         clock.solve_began = clock.elapsed()
-        solution = auto.solve(graph, machine, budget, clock.left() * SOLVE_SHARE, seed, space, clock.solving)
+        left = clock.left()
+        solution = auto.solve(
+            graph, machine, budget, left * SOLVE_SHARE, seed, space, clock.solving, build_limit=left * BUILD_SHARE
+        )
         solve_seconds += solution.seconds
         build_seconds += solution.build_seconds
         checked: list[C] = []

@@ -309,6 +309,17 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
 
 def _print_solver(sol: auto.Solution) -> None:
     """How the solve went: its time, gap, memory estimate, where the kept plan came from."""
+    if not sol.searched:
+        print(
+            f"solver: building the model took the {sol.build_seconds:.1f} s the time limit left, so nothing "
+            f"was searched: the fastest baseline checked is kept; planned in {sol.total_seconds:.1f} s "
+            f"(checking {sol.check_seconds:.1f}, refining {sol.refine_seconds:.1f})"
+            + (f", {sol.unchecked} baselines unchecked at the time limit" if sol.unchecked else "")
+            + "\nhint: give --time-limit a few seconds more to search"
+        )
+        if sol.origin:
+            print(f"origin: {sol.origin}")
+        return
     proof = "optimal" if sol.optimal else f"gap at most {sol.gap:.0%} (lower bound {sol.lower_bound_ms:.4g} ms)"
     print(
         f"solver: {sol.plans_found} improving plan{'s' if sol.plans_found != 1 else ''} in {sol.seconds:.1f} s, "

@@ -158,7 +158,7 @@ def _plans(prog: edatalog.Program, n: int, strategies: Sequence[str]) -> Iterato
     for strategy in strategies:
         seed = seeds[strategy] = seeds.get(strategy, -1) + 1
         label = f"{strategy}{seed}" if strategies.count(strategy) > 1 else strategy
-        yield label, edatalog.plan(prog, topology=f"cpux{n}", strategy=strategy, seed=seed + 10 * n, time_limit=0.5)
+        yield label, edatalog.plan(prog, topology=f"cpux{n}", strategy=strategy, seed=seed + 10 * n, time_limit=1.0)
 
 
 def _save_values(path: Path, values: dict[str, np.ndarray]) -> str:

@@ -137,7 +137,10 @@ def test_random_plans_of_llama_equal_the_reference(heads: str, n: int, seed: int
 @pytest.mark.parametrize("n", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 def test_solved_plans_of_llama_equal_the_reference(heads: str, n: int) -> None:
-    plan = edatalog.plan(_llama(heads), topology=MACHINES[n], strategy="auto", time_limit=0.5)
+    # The limit covers building the solver's model (about a second on 4 devices here, two on 8)
+    # and a search; on 8 devices a busy machine may leave only the baselines (unsearched).
+    plan = edatalog.plan(_llama(heads), topology=MACHINES[n], strategy="auto", time_limit=max(1.0, 0.5 * n))
+    assert plan.solution is not None and (plan.solution.searched or n == 8)
     assert plan.ir.strategy == "auto" and plan.ir.n_devices == n
     _check_llama(heads, plan)
 
@@ -147,7 +150,7 @@ def test_a_solved_plan_that_must_split_the_weights_equals_the_reference() -> Non
     FFN columns, as Megatron does): partial sums are reduced across the two devices."""
     prog = _llama("gqa")
     weights = sum(v.nbytes for k, v in _values("gqa").items() if k != "x")
-    plan = edatalog.plan(prog, topology="cpux2", strategy="auto", memory="100KB", time_limit=0.5)
+    plan = edatalog.plan(prog, topology="cpux2", strategy="auto", memory="100KB", time_limit=1.0)
     assert weights > 100_000 and not plan.over_memory()
     split = [p.relation for p in plan.ir.inputs if any(s.parts > 1 for s in p.tile.splits)]
     assert split, f"no param is split:\n{plan}"
