@@ -6,7 +6,7 @@ out = prog.run(prog.random_inputs(seed=0))
 print(prog.graph)
 """
 
-from edatalog.api import Program, compile, compile_string, executable
+from edatalog.api import Program, compile, compile_string, executable, grad
 from edatalog.errors import Diagnostic, EdlError, EdlWarning
 from edatalog.generation import Generation, Generator, generate
 from edatalog.plans import Plan, load_plan
@@ -27,6 +27,7 @@ __all__ = [
     "compile_string",
     "executable",
     "generate",
+    "grad",
     "load_plan",
     "plan",
     "topology",

@@ -6,6 +6,7 @@ besides the CLI that imports every stage.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import warnings
@@ -26,6 +27,7 @@ from edatalog.lang import ast
 from edatalog.lang.parser import parse, parse_file
 from edatalog.plans import Plan
 from edatalog.rules import compile_program
+from edatalog.rules.grad import GradError, gradient
 
 
 class Program:
@@ -478,6 +480,29 @@ def retyped(program: ast.Program, dtype: str) -> ast.Program:
     return dataclasses.replace(program, statements=tuple(one(s) for s in program.statements))
 
 
+def grad(prog: Program, loss: str | None = None, wrt: Sequence[str] | None = None) -> Program:
+    """``prog`` with the gradient of its scalar ``loss`` (default: its one output) by each
+    relation of ``wrt`` (default: every float param), as more rules of the same program
+    (:mod:`edatalog.rules.grad`): its outputs are the loss, then ``grad_<name>`` per name, and it
+    is planned and run as any program is."""
+    if loss is None:
+        if len(prog.outputs) != 1:
+            raise EdlError(
+                f"the program has {len(prog.outputs)} outputs ({', '.join(prog.outputs)}): which is the loss?",
+                help="name it: edatalog.grad(prog, loss='loss')",
+            )
+        loss = prog.outputs[0]
+    out = copy.copy(prog)
+    try:
+        out.graph = gradient(prog.graph, loss, wrt)
+    except GradError as exc:  # the IR keeps locations as text: the program knows their spans
+        raise EdlError(
+            exc.text, prog._spans.get(exc.origin) or prog._decl_spans.get(loss), help=exc.help_text
+        ) from None
+    out._valid, out._lookups = set(), None
+    return out
+
+
 def executable(
     prog: Program,
     plan: Plan | Lowered | None = None,
@@ -492,4 +517,4 @@ def executable(
     return prog.executable(plan, backend=backend, device=device, collectives=collectives, compile=compile)
 
 
-__all__ = ["EdlError", "EdlWarning", "Note", "Program", "compile", "compile_string", "executable"]
+__all__ = ["EdlError", "EdlWarning", "Note", "Program", "compile", "compile_string", "executable", "grad"]
