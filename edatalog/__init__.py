@@ -11,10 +11,14 @@ from edatalog.errors import Diagnostic, EdlError, EdlWarning
 from edatalog.generation import Generation, Generator, generate
 from edatalog.plans import Plan, load_plan
 from edatalog.plans import make_plan as plan
+from edatalog.rules.optim import SGD, AdamW
 from edatalog.solver.topology import Topology
 from edatalog.solver.topology import resolve as topology
+from edatalog.training import Trainer, step_program
 
 __all__ = [
+    "SGD",
+    "AdamW",
     "Diagnostic",
     "EdlError",
     "EdlWarning",
@@ -23,6 +27,7 @@ __all__ = [
     "Plan",
     "Program",
     "Topology",
+    "Trainer",
     "compile",
     "compile_string",
     "executable",
@@ -30,6 +35,7 @@ __all__ = [
     "grad",
     "load_plan",
     "plan",
+    "step_program",
     "topology",
 ]
 __version__ = "0.1.0"

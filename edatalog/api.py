@@ -50,6 +50,15 @@ class Program:
     def name(self) -> str:
         return self.source.name
 
+    def with_graph(self, graph: Graph) -> Program:
+        """This program's source, spans and warnings with another graph of it (its gradients,
+        its training step), whose errors then point into this program's text."""
+        graph.verify()
+        out = copy.copy(self)
+        out.graph = graph
+        out._valid, out._lookups = set(), None
+        return out
+
     @property
     def arguments(self) -> tuple[Relation, ...]:
         """Inputs and params: everything ``run`` must be given."""
@@ -492,15 +501,12 @@ def grad(prog: Program, loss: str | None = None, wrt: Sequence[str] | None = Non
                 help="name it: edatalog.grad(prog, loss='loss')",
             )
         loss = prog.outputs[0]
-    out = copy.copy(prog)
     try:
-        out.graph = gradient(prog.graph, loss, wrt)
+        return prog.with_graph(gradient(prog.graph, loss, wrt))
     except GradError as exc:  # the IR keeps locations as text: the program knows their spans
         raise EdlError(
             exc.text, prog._spans.get(exc.origin) or prog._decl_spans.get(loss), help=exc.help_text
         ) from None
-    out._valid, out._lookups = set(), None
-    return out
 
 
 def executable(

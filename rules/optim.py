@@ -1,0 +1,240 @@
+"""A training step as one program: the forward, its gradients, clipping and the optimizer's
+update, all rules of one graph (so that one plan places all of it).
+
+:func:`training_step` takes a program with a scalar loss and adds, after the gradient rules of
+:mod:`edatalog.rules.grad`:
+
+- global gradient-norm clipping (``clip > 0``), as torch's ``clip_grad_norm_``: the squares of
+  every gradient summed into one cell, and every gradient scaled by
+  ``min(1, clip / (norm + 1e-6))``;
+- the update of every param, as torch's optimizers compute it (single-tensor, not fused):
+
+  - :class:`AdamW`: ``p * (1 - lr * wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``
+    with ``m = b1 m + (1 - b1) g`` and ``v = b2 v + (1 - b2) g^2``;
+  - :class:`SGD`: ``g + wd * p`` into the momentum buffer ``b = momentum * b + g``, then
+    ``p - lr * b`` (torch's first step sets ``b = g``: a zero buffer gives the same).
+
+The optimizer's state (moments, buffers) and the step count ``t`` are inputs of the step, and
+its new values outputs, named ``<state>_<param>`` and ``next_<name>``; the caller feeds them
+back (:class:`edatalog.training.Trainer`).  The step's outputs are the loss, then for each param
+its next value, then each state's next value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from edatalog.errors import EdlError
+from edatalog.ir import dtypes
+from edatalog.ir.affine import Guard
+from edatalog.ir.graph import Access, AxisMap, Graph, Index, JoinAgg, Part, Relation
+from edatalog.ir.scalar import Load
+from edatalog.rules.derivative import Builder
+from edatalog.rules.grad import gradient
+
+STEP = "step"  # the scalar input counting steps from 1 (bias corrections read it)
+NEXT = "next_"  # the prefix of a param's or a state's next value
+CLIP_EPS = 1e-6  # torch's clip_grad_norm_ adds this to the norm
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """torch.optim.AdamW's update (defaults as torch's)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    state = ("adam_m", "adam_v")
+
+
+@dataclass(frozen=True)
+class SGD:
+    """torch.optim.SGD's update, with momentum and weight decay (no dampening, not Nesterov)."""
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum else ()
+
+
+Optimizer = AdamW | SGD
+
+
+@dataclass(frozen=True)
+class StepNames:
+    """What a training step reads and writes, by role."""
+
+    loss: str
+    params: tuple[str, ...]
+    state: tuple[tuple[str, str], ...]  # (state relation, the param it belongs to)
+    step: str | None  # the step-count input, when the optimizer reads it
+
+    def next(self, name: str) -> str:
+        return f"{NEXT}{name}"
+
+
+def training_step(
+    graph: Graph, loss: str, optimizer: Optimizer, clip: float = 0.0, params: Sequence[str] | None = None
+) -> tuple[Graph, StepNames]:
+    """``graph`` with its gradients (:func:`edatalog.rules.grad.gradient`), clipping and the
+    optimizer's update of ``params`` (default: every float param) as more rules."""
+    if clip < 0 or not math.isfinite(clip):
+        raise EdlError(f"the clipping norm must be 0 (no clipping) or positive, not {clip}")
+    if optimizer.lr <= 0:
+        raise EdlError(f"the learning rate must be positive, not {optimizer.lr}")
+    if params is None:
+        params = [r.name for r in graph.relations if r.kind == "param" and dtypes.kind(r.dtype) == "float"]
+    params_ = tuple(params)
+    with_grads = gradient(graph, loss, params_)
+    b = _Rules(with_grads)
+    grads = dict(zip(params_, with_grads.outputs[1:], strict=True))  # in the order asked
+    if clip > 0:
+        norm = b.scalar("grad_norm_sq", "f64", aggop="+=")
+        for p in params_:
+            b.reduce_squares(norm, grads[p])
+        coef = b.scalar("clip_coef", "f64")
+
+        def clip_coef(e: Builder, n: int) -> int:
+            return e.op("min", e.const(1.0), e.div(e.const(clip), e.add(e.op("sqrt", n), e.const(CLIP_EPS))))
+
+        b.scalar_rule(coef, [norm], clip_coef)
+        for p in params_:
+            clipped = b.like(f"clipped_{p}", p)
+            b.elementwise(clipped, [grads[p]], [coef], lambda e, g, c: e.mul(g, c))
+            grads[p] = clipped
+    state: list[tuple[str, str]] = []
+    step: str | None = None
+    outputs = [loss]
+    if isinstance(optimizer, AdamW):
+        step = b.input_scalar(STEP, "f64")
+        b1, b2 = optimizer.betas
+        lr, eps, wd = optimizer.lr, optimizer.eps, optimizer.weight_decay
+        bc1 = b.scalar("adam_bc1", "f64")
+        b.scalar_rule(bc1, [step], lambda e, t: e.sub(e.const(1.0), e.op("pow", e.const(b1), t)))
+        bc2 = b.scalar("adam_bc2", "f64")
+        b.scalar_rule(bc2, [step], lambda e, t: e.sub(e.const(1.0), e.op("pow", e.const(b2), t)))
+        for p in params_:
+            m, v = b.input_like(f"adam_m_{p}", p), b.input_like(f"adam_v_{p}", p)
+            state += [(m, p), (v, p)]
+            m2, v2, p2 = b.like(NEXT + m, p), b.like(NEXT + v, p), b.like(NEXT + p, p)
+            b.elementwise(
+                m2, [m, grads[p]], [], lambda e, m_, g: e.add(e.mul(e.const(b1), m_), e.mul(e.const(1 - b1), g))
+            )
+            b.elementwise(
+                v2,
+                [v, grads[p]],
+                [],
+                lambda e, v_, g: e.add(e.mul(e.const(b2), v_), e.mul(e.const(1 - b2), e.mul(g, g))),
+            )
+
+            def update(e: Builder, p_: int, m_: int, v_: int, c1: int, c2: int) -> int:
+                decayed = e.mul(p_, e.const(1 - lr * wd))
+                denom = e.add(e.div(e.op("sqrt", v_), e.op("sqrt", c2)), e.const(eps))
+                return e.sub(decayed, e.mul(e.div(e.const(lr), c1), e.div(m_, denom)))
+
+            b.elementwise(p2, [p, m2, v2], [bc1, bc2], update)
+    else:
+        lr, mom, wd = optimizer.lr, optimizer.momentum, optimizer.weight_decay
+        for p in params_:
+            g = grads[p]
+            if wd:
+                decayed = b.like(f"decayed_{p}", p)
+                b.elementwise(decayed, [g, p], [], lambda e, g_, p_: e.add(g_, e.mul(e.const(wd), p_)))
+                g = decayed
+            if mom:
+                buf = b.input_like(f"momentum_{p}", p)
+                state.append((buf, p))
+                buf2 = b.like(NEXT + buf, p)
+                b.elementwise(buf2, [buf, g], [], lambda e, b_, g_: e.add(e.mul(e.const(mom), b_), g_))
+                g = buf2
+            p2 = b.like(NEXT + p, p)
+            b.elementwise(p2, [p, g], [], lambda e, p_, g_: e.sub(p_, e.mul(e.const(lr), g_)))
+    outputs += [NEXT + p for p in params_] + [NEXT + s for s, _ in state]
+    out = dataclasses.replace(b.graph(), outputs=tuple(outputs))
+    out.verify()
+    return out, StepNames(loss, params_, tuple(state), step)
+
+
+class _Rules:
+    """Adds relations and elementwise rules over whole relations to a graph."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.base = graph
+        self.relations = {r.name: r for r in graph.relations}
+        self.nodes: list[JoinAgg] = list(graph.nodes)
+
+    def graph(self) -> Graph:
+        return dataclasses.replace(self.base, relations=tuple(self.relations.values()), nodes=tuple(self.nodes))
+
+    def _new(self, name: str, kind: str, like: Relation | None, dtype: str, aggop: str | None) -> str:
+        if name in self.relations:
+            raise EdlError(
+                f"the training step needs a relation '{name}', which the program already has",
+                help="rename the program's relation",
+            )
+        shape, symbols, axes = (like.shape, like.symbols, like.axis_names) if like else ((), (), ())
+        self.relations[name] = Relation(name, kind, shape, symbols, dtype, axes, Guard.true(), True, aggop)
+        return name
+
+    def like(self, name: str, of: str) -> str:
+        rel = self.relations[of]
+        return self._new(name, "derived", rel, rel.dtype, "=")
+
+    def input_like(self, name: str, of: str) -> str:
+        rel = self.relations[of]
+        return self._new(name, "input", rel, rel.dtype, None)
+
+    def input_scalar(self, name: str, dtype: str) -> str:
+        return self._new(name, "input", None, dtype, None)
+
+    def scalar(self, name: str, dtype: str, aggop: str = "=") -> str:
+        return self._new(name, "derived", None, dtype, aggop)
+
+    def scalar_rule(self, out: str, reads: list[str], body: Callable[..., int]) -> None:
+        self._rule(out, (), reads, [], body)
+
+    def elementwise(self, out: str, whole: list[str], scalars: list[str], body: Callable[..., int]) -> None:
+        """``out[i...] = body(whole[k][i...] ..., scalars[k][] ...)`` over ``out``'s box."""
+        self._rule(out, self.relations[out].shape, whole, scalars, body)
+
+    def reduce_squares(self, out: str, of: str) -> None:
+        """``out[] += of[i...] ^ 2``: one more rule of a sum over several relations."""
+        self._rule(out, self.relations[of].shape, [of], [], lambda e, g: e.mul(g, g), head=False)
+
+    def _rule(
+        self,
+        out: str,
+        shape: tuple[int, ...],
+        whole: list[str],
+        scalars: list[str],
+        body: Callable[..., int],
+        head: bool = True,
+    ) -> None:
+        idx = tuple(Index(f"i{k}", n, str(n)) for k, n in enumerate(shape))
+        axes = tuple(AxisMap((Part.of_index(i.name, i.extent),)) for i in idx)
+        inputs = tuple(Access(r, axes) for r in whole) + tuple(Access(r, ()) for r in scalars)
+        e = Builder()
+        root = body(e, *(e.node(Load(k)) for k in range(len(inputs))))
+        count = sum(1 for n in self.nodes if n.out == out)
+        rel = self.relations[out]
+        self.nodes.append(
+            JoinAgg(
+                name=out if count == 0 else f"{out}#{count + 1}",
+                out=out,
+                indices=idx,
+                inputs=inputs,
+                expr=e.build(root),
+                aggop=rel.aggop or "=",
+                out_axes=axes if head else (),
+                guard=Guard.true(),
+                dtype=rel.dtype,
+            )
+        )
