@@ -62,6 +62,11 @@ class Trainer:
         self.state: dict[str, Any] = {}
         self.steps = 0
 
+    @property
+    def last_peak(self) -> dict[int, int]:
+        """Measured: the most bytes each device held in the last step (empty on the reference)."""
+        return self._exe.peak_memory() if self._exe is not None and self.steps else {}
+
     def load(self, params: Mapping[str, Any]) -> None:
         """The params to start from (every param of the program), and a fresh optimizer state."""
         self.params = self.program.prepare(dict(params), kinds=("param",))  # every param, checked

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from edatalog import __version__
 from edatalog.backend.running.runtime import RUNTIMES
-from edatalog.cli import calibrate, generate, plans, programs, show
+from edatalog.cli import calibrate, generate, plans, programs, show, train
 from edatalog.cli.common import COMPILE_MODES, command_began, positive_int, seed
 from edatalog.errors import EdlError
 from edatalog.ir.dtypes import FLOATS
@@ -227,6 +227,7 @@ def _parser() -> argparse.ArgumentParser:
 
     calibrate.add_parser(sub, _RAW)
     generate.add_parser(sub, _RAW)
+    train.add_parser(sub, _RAW)
     return p
 
 
@@ -240,6 +241,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "show": show.cmd_show,
     "calibrate": calibrate.cmd_calibrate,
     "generate": generate.cmd_generate,
+    "train": train.cmd_train,
 }
 
 

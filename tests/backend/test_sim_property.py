@@ -57,7 +57,7 @@ from edatalog.solver.strategies import random_plan
 from edatalog.solver.topology import preset
 from tests.strategies import GeneratedProgram, example_settings, programs
 
-_SETTINGS = example_settings("EDL_SIM_EXAMPLES", 150)
+_SETTINGS = example_settings("EDL_SIM_EXAMPLES", 100)
 RTOL, ATOL = 1e-9, 1e-12
 
 

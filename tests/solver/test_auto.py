@@ -162,7 +162,7 @@ def test_every_starting_plan_equals_the_reference(topology: str) -> None:
 
 # -- b. random programs on 1-8 devices ----------------------------------------------------------------
 
-_SETTINGS = example_settings("EDL_AUTO_EXAMPLES", 100)
+_SETTINGS = example_settings("EDL_AUTO_EXAMPLES", 60)
 _DEVICES = (8, 3, 4, 5, 2, 6, 7, 1)  # several devices first: hypothesis favours the first options
 
 

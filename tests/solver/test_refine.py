@@ -27,7 +27,7 @@ LLAMA = (ROOT / "programs" / "llama_block.edl").read_text()
 SMALL = {"B": 1, "S": 8, "D": 32, "H": 4, "KVH": 2, "F": 48}
 RTOL, ATOL = 1e-9, 1e-12
 
-_SETTINGS = example_settings("EDL_REFINE_EXAMPLES", 150)
+_SETTINGS = example_settings("EDL_REFINE_EXAMPLES", 80)
 
 
 def _cells_per_device(graph: edatalog.ir.graph.Graph, ir: PlanIR) -> dict[str, Counter[int]]:
