@@ -50,7 +50,7 @@ def test_resuming_gives_the_losses_of_an_uninterrupted_run(
     assert set(whole[0]) >= {"step", "loss", "ms", "predicted_ms", "peak_bytes"}
     assert {p.name for p in (tmp_path / "a").iterdir()} >= {"config.json", "model.safetensors", "optimizer.safetensors"}
 
-    loaded: Any = LlamaForCausalLM.from_pretrained(tmp_path / "a", torch_dtype=torch.float64).eval()
+    loaded: Any = LlamaForCausalLM.from_pretrained(tmp_path / "a", torch_dtype=torch.float64).eval()  # type: ignore[no-untyped-call]
     dims, consts = _config(tmp_path / "a")
     prog = edatalog.compile(LLAMA, dims={**dims, "S": 5}, consts=consts, dtype="f64")
     ids = [[3, 1, 4, 1, 5]]
