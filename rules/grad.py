@@ -157,7 +157,8 @@ class _Backward:
                 self._backward(node)
         outputs = [self.loss]
         for name in self.wrt:
-            if name not in self.grad or not self.pending.get(self.grad[name]):
+            grad = self.grad.get(name)
+            if grad is None or (grad in self.pending and not self.pending[grad]):
                 self._zero(name)  # the loss does not read it: its gradient is 0
             self._finish(self.grad[name])
             outputs.append(self.grad[name])

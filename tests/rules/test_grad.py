@@ -211,6 +211,15 @@ def test_an_unused_param_has_a_zero_gradient() -> None:
     np.testing.assert_array_equal(got["grad_b"], np.zeros(3))
 
 
+def test_the_gradient_by_an_intermediate_relation() -> None:
+    prog = edatalog.compile_string(
+        "dim I = 3.\nparam a[I] : f64.\noutput loss.\nh[i] = a[i] * 2.0.\nloss[] += h[i] * h[i].\n", name="mid.edl"
+    )
+    got = edatalog.grad(prog, wrt=["h", "a"]).run({"a": np.array([1.0, 2.0, 3.0])})
+    np.testing.assert_allclose(got["grad_h"], [4.0, 8.0, 12.0])
+    np.testing.assert_allclose(got["grad_a"], [8.0, 16.0, 24.0])
+
+
 # -- errors --------------------------------------------------------------------------------------------
 
 
