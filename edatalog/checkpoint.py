@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edatalog.errors import EdlError, did_you_mean
+from edatalog.errors import EdlError, Source, did_you_mean
 from edatalog.ir.graph import Graph, Relation
 from edatalog.lang import ast
+from edatalog.lang.parser import parse, parse_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -204,12 +205,14 @@ def _pattern(source: str) -> re.Pattern[str] | None:
 CONFIG = "config.json"
 
 
-def configured(program: ast.Program, path: str | os.PathLike[str]) -> tuple[dict[str, int], dict[str, float]]:
+def configured(program: Any, path: str | os.PathLike[str]) -> tuple[dict[str, int], dict[str, float]]:
     """The dims and consts that a model's configuration sets (``config.json`` in the
     checkpoint's directory, as ``save_pretrained`` writes it), for the bindings that name their
     key: ``dim L = 32 from "num_hidden_layers"``, ``const theta = 1e4 from
     "rope_parameters.rope_theta", "rope_theta"`` (``a.b``: key ``b`` of ``a``; the first key
-    present).  Nothing when there is no configuration."""
+    present).  Nothing when there is no configuration.  ``program`` is a compiled program
+    (``edatalog.compile(...)``), a ``.edl`` file's path, or its syntax tree."""
+    program = _syntax_tree(program)
     where = Path(path)
     file = (where if where.is_dir() else where.parent) / CONFIG
     if not file.exists():
@@ -236,6 +239,21 @@ def configured(program: ast.Program, path: str | os.PathLike[str]) -> tuple[dict
                     raise EdlError(f"{file}: '{b.sources[0][0]}' is {value!r}, not a number", b.span)
                 consts[b.name] = float(value)
     return dims, consts
+
+
+def _syntax_tree(program: Any) -> ast.Program:
+    """The syntax tree of a program given as a tree, a compiled program or a file's path."""
+    if isinstance(program, ast.Program):
+        return program
+    if isinstance(program, str | os.PathLike):
+        return parse_file(str(program))
+    source = getattr(program, "source", None)
+    if isinstance(source, Source):
+        return parse(source.text, source.name)
+    raise EdlError(
+        "configured() takes a program (edatalog.compile(...)), a .edl path or a syntax tree, "
+        f"not {type(program).__name__}"
+    )
 
 
 def _key(data: Any, key: str) -> Any:

@@ -9,6 +9,7 @@ factors in order.  Every extent remembers where it came from, so a conflict name
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -109,12 +110,24 @@ def _mismatch(
         Note(f"extent {first} comes from {c.origin.what}", c.origin.span),
         Note(f"extent {second} comes from {origin.what}", origin.span),
     ]
+    prefix = _PREFIX.fullmatch(what)
+    advice = help
+    if advice is None and prefix is not None and c.value is not None and value > c.value:
+        index, axis, rel = prefix.groups()
+        advice = (
+            f"to read the first {c.value} of the {value} places of {rel}'s axis {axis} (a position table longer "
+            f"than the sequence), write the index as an expression, which reads wherever it lands: "
+            f"{rel}[..., {index} + 0, ...]; else use {index} only at axes of the same size"
+        )
     return EdlError(
         f"extent mismatch for {what}: {first} from {c.origin.what}, but {second} from {origin.what}",
         span,
-        help=help or "an index has one extent in a rule: use it only at axes of the same size, or use another index",
+        help=advice or "an index has one extent in a rule: use it only at axes of the same size, or use another index",
         notes=notes,
     )
+
+
+_PREFIX = re.compile(r"index '(\w+)' at axis (\d+) of (\w+)")
 
 
 def _factors(expr: ast.Expr) -> list[ast.Expr]:

@@ -79,10 +79,16 @@ def lower_rule(
         k = load_of[id(lk.atom)]
         kind = dtypes.kind(rel_dtype[accesses[k].relation])
         if kind != "int":
+            name = lk.atom.relation
+            declared = name in scope.decls
             raise EdlError(
-                f"'{lk.atom.relation}' is {rel_dtype[accesses[k].relation]}: a lookup needs integer values",
+                f"'{name}' is {rel_dtype[accesses[k].relation]}: a lookup needs integer values",
                 lk.atom.span,
-                help=f"declare '{lk.atom.relation}' as i64 or i32 (token ids, positions)",
+                help=f"declare '{name}' as i64 or i32 (token ids, positions)"
+                if declared
+                else f"'{name}' is computed by rules, and takes their dtype: a lookup reads integers that "
+                "rules compute from integer relations (i64 inputs and params, or index values: "
+                f"'{name}[i] max= j where ...'); the language has no float-to-integer conversion",
             )
         lookups.append(Lookup(lk.var, k, ext.var[(info.index, lk.var)][0]))
     # A looked-up index not in the head is summed over its one value: '=' is '+=' of one term,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import edatalog
@@ -194,3 +195,31 @@ def test_every_shipped_program_compiles_at_default_dims() -> None:
         g.verify()
         assert g.outputs
         assert all(c.flops > 0 for c in g.costs.values()), path.name
+
+
+# -- what a new user meets first (issue 23) -------------------------------------------------------------
+
+
+def test_a_prefix_of_a_longer_table_is_read_through_an_index_expression() -> None:
+    """A position table longer than the sequence: the plain index is an extent mismatch whose
+    help says how to read the prefix, and the way it says works."""
+    head = "dim S = 3, P = 8, D = 2.\ninput x[S, D] : f64.\nparam wpe[P, D] : f64.\noutput h.\n"
+    with pytest.raises(EdlError) as info:
+        edatalog.compile_string(head + "h[s, d] = x[s, d] + wpe[s, d].\n", name="pos.edl")
+    text = str(info.value)
+    assert "extent mismatch for index 's' at axis 0 of wpe" in text
+    assert "to read the first 3 of the 8 places of wpe's axis 0" in text and "wpe[..., s + 0, ...]" in text
+    prog = edatalog.compile_string(head + "h[s, d] = x[s, d] + wpe[s + 0, d].\n", name="pos.edl")
+    values = prog.random_inputs(seed=0)
+    np.testing.assert_array_equal(prog.run(values)["h"], values["x"] + values["wpe"][:3])
+
+
+def test_a_lookup_of_computed_floats_says_where_integers_come_from() -> None:
+    src = "dim V = 4, D = 2, S = 3.\ninput x[S] : f32.\nparam t[V, D] : f32.\noutput e.\n"
+    with pytest.raises(EdlError) as info:
+        edatalog.compile_string(src + "top[s] = x[s] * 2.0.\ne[s, d] = t[v, d] where top[s] = v.\n", name="f.edl")
+    text = str(info.value)
+    assert "'top' is f32: a lookup needs integer values" in text and "f.edl:6:25" in text
+    assert "no float-to-integer conversion" in text and "declare 'top'" not in text
+    with pytest.raises(EdlError, match="declare 'x' as i64 or i32"):
+        edatalog.compile_string(src + "e[s, d] = t[v, d] where x[s] = v.\n", name="f.edl")
