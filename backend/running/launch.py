@@ -139,18 +139,36 @@ def leave_group() -> None:
 
 
 def _failure_text(exc: Any, nproc: int) -> str:
+    """Which ranks failed and why: a user's error (an EdlError raised on a rank) as it reads in
+    one process (its location, cell and rule), once for the ranks that raised the same."""
     failures = dict(exc.failures)
-    lines = []
+    said: dict[str, list[int]] = {}
     for rank in sorted(failures):
         f = failures[rank]
         why = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
-        detail = _last_line(_message(f))
-        lines.append(f"rank {rank} failed ({why})" + (f": {detail}" if detail else ""))
+        user = _user_error(_message(f))
+        detail = user[0] if user is not None else _last_line(_message(f))
+        said.setdefault(f"({why})" + (f": {detail}" if detail else ""), []).append(rank)
+    lines = [f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))} failed {text}" for text, r in said.items()]
     return f"the job of {nproc} processes stopped: " + "; ".join(lines)
+
+
+def _user_error(message: str) -> tuple[str, str | None] | None:
+    """An EdlError's error line and help line, from a rank's message (``EdlError: FILE:L:C: error:
+    ...``, its source snippet, ``help: ...``); None for any other error."""
+    text = message.strip()
+    if not text.startswith("EdlError: "):
+        return None
+    lines = text.removeprefix("EdlError: ").splitlines()
+    help_line = next((ln.strip().removeprefix("help: ") for ln in lines if ln.strip().startswith("help: ")), None)
+    return lines[0].strip().replace(" error: ", " ", 1) if lines else "", help_line
 
 
 def _failure_help(exc: Any) -> str:
     failures = dict(exc.failures)
+    helps = [u[1] for f in failures.values() if (u := _user_error(_message(f))) is not None and u[1]]
+    if helps:
+        return helps[0]
     if any(f.exitcode < 0 for f in failures.values()):
         return "a rank was killed (out of memory, or by a signal); the other ranks were stopped"
     if any(TIMED_OUT.search(_message(f)) for f in failures.values()):

@@ -22,6 +22,12 @@ from edatalog.ir.dtypes import FLOATS
 _RAW = argparse.RawDescriptionHelpFormatter
 
 
+WEIGHTS_HELP = (
+    "a checkpoint (a .safetensors file, or a model directory as save_pretrained writes it): params load by "
+    "the checkpoint names the program declares, dims and consts from its config.json where the program names keys"
+)
+
+
 def _program_args(sp: argparse.ArgumentParser, json_help: str) -> None:
     sp.add_argument("file", metavar="FILE", help="the .edl program")
     sp.add_argument(
@@ -75,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _program_args(r, "print the output summary as JSON instead of a table")
     r.add_argument("--inputs", metavar="PATH", help="input and param values: a .npz or .safetensors file")
+    r.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
     r.add_argument("--random", metavar="SEED", type=seed, help="random values for inputs not given by --inputs")
     r.add_argument("-o", "--output", metavar="PATH", help="save the outputs to PATH (.npz or .safetensors)")
     r.add_argument("--plan", metavar="PLAN", help="run this plan (a file from 'edl plan -o')")
@@ -122,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
         "plan", help="plan a program on a machine and predict its cost", epilog=plans.EPILOG_PLAN, formatter_class=_RAW
     )
     _program_args(pl, "print the summary and the plan as JSON")
+    pl.add_argument(
+        "--weights", metavar="PATH", help="a checkpoint whose config.json sets the dims and consts (as edl run's)"
+    )
     pl.add_argument(
         "--topology",
         "-t",

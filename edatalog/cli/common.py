@@ -89,16 +89,34 @@ def compile_args(args: argparse.Namespace) -> Any:
 
     from edatalog.api import compile as compile_program
 
+    dims, consts = configured_args(args)
     with warnings.catch_warnings():  # the CLI prints warnings itself, as diagnostics
         warnings.simplefilter("ignore")
         outputs = getattr(args, "outputs", None)
         return compile_program(
             args.file,
-            dims=overrides(args.dim, "dim"),
-            consts=overrides(args.const, "const"),
+            dims=dims,
+            consts=consts,
             dtype=args.dtype,
             outputs=[n.strip() for n in outputs.split(",") if n.strip()] if outputs else None,
         )
+
+
+def configured_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dims and consts of a command: those a ``--weights`` checkpoint's config.json sets
+    (where the program names their keys), then ``--dim`` and ``--const``, which win."""
+    dims, consts = overrides(args.dim, "dim"), overrides(args.const, "const")
+    weights = getattr(args, "weights", None)
+    if weights is None:
+        return dims, consts
+    from edatalog.checkpoint import configured
+
+    if not Path(weights).exists():
+        raise EdlError(f"no such checkpoint: {weights}", help="give a .safetensors file or a model directory")
+    if not Path(args.file).is_file():
+        raise EdlError(f"no such program file: {args.file}")
+    got_dims, got_consts = configured(args.file, weights)
+    return {**got_dims, **dims}, {**got_consts, **consts}
 
 
 def print_warnings(prog: Any) -> None:
@@ -185,6 +203,22 @@ def check_array_file(path: str, what: str, must_exist: bool) -> Path:
 
 
 _ARRAYS_HELP = "write inputs with numpy.savez(path, x=x, ...) or safetensors' save_file(tensors, path)"
+
+
+def load_program_inputs(path: str, prog: Any) -> dict[str, np.ndarray]:
+    """``--inputs``: the values of the file whose names are the program's inputs and params.  A
+    checkpoint given here (names the program declares as checkpoint names, not as its own) is an
+    error that says to pass it as ``--weights``."""
+    values = load_inputs(path)
+    own = {r.name for r in prog.arguments}
+    foreign = [k for k in values if k not in own]
+    declared = {src for r in prog.arguments for src in r.sources}
+    if foreign and any(k in declared for k in foreign):
+        raise EdlError(
+            f"{path} holds checkpoint names ('{foreign[0]}'), not the program's own",
+            help=f"pass a checkpoint as --weights {path}: params load by the names the program declares",
+        )
+    return values
 
 
 def load_inputs(path: str) -> dict[str, np.ndarray]:

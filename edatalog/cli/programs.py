@@ -23,8 +23,8 @@ from edatalog.cli.common import (
     check_array_file,
     check_writable,
     compile_args,
-    load_inputs,
-    overrides,
+    configured_args,
+    load_program_inputs,
     print_warnings,
     save_outputs,
     shape_text,
@@ -56,7 +56,10 @@ examples:
 EPILOG_RUN = """\
 Inputs come from --inputs (a .npz or .safetensors file whose names match the program's inputs
 and params) and/or --random SEED (random values for everything --inputs does not give: inputs
-~ N(0,1), matrix params ~ N(0, 1/fan_in), vector params ~ 1 + N(0, 0.1²)).
+~ N(0,1), matrix params ~ N(0, 1/fan_in), vector params ~ 1 + N(0, 0.1²)).  --weights takes a
+checkpoint (a .safetensors file, or a directory as transformers' save_pretrained writes it):
+params load by the checkpoint names the program declares, dims and consts from its config.json
+(edl plan takes --weights too, for the same dims).
 
 With --backend torch the program runs for real: on one device without --plan; with --plan, the
 plan's devices as logical devices of this process (--device cuda:0,cuda:1 or cpu), or one process
@@ -70,6 +73,7 @@ the job; a rank that hangs does so after EDL_DIST_TIMEOUT seconds (default 45).
 examples:
   edl run programs/llama_block.edl --dim S=64 --dim D=256 --dim H=4 --dim KVH=2 --dim F=512 --random 0
   edl run programs/mlp.edl --inputs weights.safetensors -o out.npz
+  edl run programs/gpt2.edl --weights gpt2_dir --dim S=8 --inputs ids.npz -o logits.npz
   edl plan programs/mlp.edl -t cpux2 -o plan.json
   edl run programs/mlp.edl --plan plan.json --backend torch --nproc 2 --random 0 --repeat 10
   torchrun --nproc-per-node 2 -m edatalog.cli run programs/mlp.edl --plan plan.json --backend torch --random 0
@@ -176,8 +180,10 @@ def _warm_up(graph: Graph) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if args.inputs is None and args.random is None:
-        raise EdlError("no input values", help="pass --inputs FILE (.npz or .safetensors) or --random SEED")
+    if args.inputs is None and args.random is None and args.weights is None:
+        raise EdlError(
+            "no input values", help="pass --inputs FILE (.npz or .safetensors), --weights CHECKPOINT or --random SEED"
+        )
     if args.output:
         check_array_file(args.output, "output", must_exist=False)
     if args.trace:
@@ -201,7 +207,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_torch(args)
     prog = compile_args(args)
     plan = load_plan(args.plan, prog) if args.plan else None
-    values: dict[str, Any] = load_inputs(args.inputs) if args.inputs is not None else {}
+    values: dict[str, Any] = prog.load_checkpoint(args.weights) if args.weights is not None else {}
+    values |= load_program_inputs(args.inputs, prog) if args.inputs is not None else {}
     missing = [r for r in prog.arguments if r.name not in values]
     if plan is None:  # before drawing a byte: will the inputs and the evaluation fit?
         prog.check_memory(draw_inputs=args.random is not None and bool(missing))
@@ -263,10 +270,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run_torch(args: argparse.Namespace) -> int:
     """``--backend torch``: run for real (here, or on --nproc new processes), timed."""
+    dims, consts = configured_args(args)
     job = torch_run.Job(
         args.file,
-        overrides(args.dim, "dim"),
-        overrides(args.const, "const"),
+        dims,
+        consts,
         args.dtype,
         args.plan,
         args.inputs,
@@ -277,6 +285,7 @@ def _run_torch(args: argparse.Namespace) -> int:
         args.trace is not None,
         args.collectives,
         args.compile,
+        weights=args.weights,
     )
     prog = compile_args(args)  # errors in the program are reported here, once, not by every rank
     plan = load_plan(args.plan, prog) if args.plan else None

@@ -44,6 +44,7 @@ class Job:
     record: bool
     collectives: str = "auto"
     compile: str = "auto"
+    weights: str | None = None  # a checkpoint: params by their declared checkpoint names
     lowered: str | None = None  # the plan lowered, as JSON: made once, by the launcher or by rank 0
 
 
@@ -83,12 +84,16 @@ def _program_and_plan(job: Job) -> tuple[Any, Any]:
 
 
 def _values(job: Job, prog: Any) -> dict[str, Any]:
-    from edatalog.cli.common import load_inputs
+    from edatalog.cli.common import load_program_inputs
 
-    values: dict[str, Any] = load_inputs(job.inputs) if job.inputs is not None else {}
+    values: dict[str, Any] = prog.load_checkpoint(job.weights) if job.weights is not None else {}
+    values |= load_program_inputs(job.inputs, prog) if job.inputs is not None else {}
     missing = {r.name for r in prog.arguments if r.name not in values}
     if missing and job.random is None:
-        raise EdlError(f"no values for {', '.join(sorted(missing))}", help="pass --random SEED or --inputs FILE")
+        raise EdlError(
+            f"no values for {', '.join(sorted(missing))}",
+            help="pass --random SEED, --inputs FILE or --weights CHECKPOINT",
+        )
     if missing:
         values.update(prog.random_inputs(job.random, names=missing))  # the same on every rank: seeded
     return values
