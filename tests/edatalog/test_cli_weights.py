@@ -22,7 +22,7 @@ IDS = np.array([[3, 17, 40, 0, 9, 9, 25, 1]])
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=41, n_positions=16, n_embd=12, n_layer=2, n_head=3, n_inner=37)
-    model: Any = GPT2LMHeadModel(config).eval()
+    model: Any = GPT2LMHeadModel(config).eval()  # type: ignore[no-untyped-call]
     where = tmp_path_factory.mktemp("gpt2")
     model.save_pretrained(where / "model")
     return where, model
