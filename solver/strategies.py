@@ -2,7 +2,8 @@
 
 - ``replicate``: device 0 computes everything.
 - ``data``: split the batch index (the first axis of the first input) across devices.
-- ``megatron``: Megatron-LM tensor parallelism for transformer programs: attention heads split
+- ``megatron``: Megatron-LM tensor parallelism for transformer programs, recognized by structure
+  (:mod:`edatalog.solver.structure`), never by dim names: attention heads split
   for q, k, v and attention (key/value heads replicated on the devices whose query heads share
   them), the FFN dimension split (column-parallel ``w_gate``/``w_up``, row-parallel ``w_down``), the
   output projection row-parallel, norms and residuals replicated; partial sums are reduced, and
@@ -27,6 +28,7 @@ from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Access, Graph
 from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
+from edatalog.solver.structure import transformer_dims
 from edatalog.solver.topology import Topology
 
 STRATEGIES = ("replicate", "data", "megatron", "megatron-sp", "random")
@@ -99,15 +101,19 @@ def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
 
 
 def megatron_tiles(graph: Graph, n: int) -> dict[str, Tile]:
-    """Heads: the key/value head index (symbol KVH, else H) is split first; when it has fewer heads
-    than devices, the query heads that share a key/value head (symbol G) are split too."""
-    symbols = {i.symbol for node in graph.nodes for i in node.indices}
-    major = "KVH" if "KVH" in symbols else "H" if "H" in symbols else None
-    minor = "G" if "G" in symbols and major == "KVH" else None
+    """Heads and FFN columns as the program's structure shows them
+    (:func:`edatalog.solver.structure.transformer_dims`): the key/value heads are split first;
+    when there are fewer than devices, the query heads that share a key/value head are split
+    too; rules without heads but with an FFN column dim split it."""
+    dims = transformer_dims(graph)
+    major, minor = dims.major, dims.minor
     extent = {i.symbol: i.extent for node in graph.nodes for i in node.indices}
-    if major is None and "F" not in symbols:
+    if major is None and not dims.ffn:
         raise EdlError(
-            "the megatron strategy needs a transformer: head indices (dims H or KVH) or an FFN index (dim F)"
+            "the megatron strategy needs a transformer: attention heads (an index that the attention's "
+            "contractions keep apart and its projections' weights carry) or an FFN (a pair of weight "
+            "contractions, one keeping an index that the next sums)",
+            help="plan it with -s auto, data or replicate",
         )
     g_parts = min(n, extent[major]) if major else 1
     r_parts = min(max(1, n // g_parts), extent[minor]) if minor else 1
@@ -128,8 +134,8 @@ def megatron_tiles(graph: Graph, n: int) -> dict[str, Tile]:
                 else:  # key/value heads: on every device whose query heads use them
                     devices.append(tuple(gi * r_parts + k for k in range(r_parts)))
             tiles[node.name] = Tile(splits, tuple(devices))
-        elif "F" in by_symbol:
-            f = by_symbol["F"]
+        elif any(i.symbol in dims.ffn for i in node.indices):
+            f = next(i for i in node.indices if i.symbol in dims.ffn)
             count = min(n, f.extent)
             splits = tuple(Split.even(i.name, i.extent, count if i is f else 1) for i in node.indices)
             tiles[node.name] = Tile(splits, tuple((k,) for k in range(count)))
