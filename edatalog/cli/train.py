@@ -90,6 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise EdlError(f"--{flag} must be at least 1, not {getattr(args, flag)}")
     if args.nproc is not None and args.nproc < 1:
         raise EdlError(f"--nproc must be at least 1, not {args.nproc}")
+    if args.nproc is None and (args.memory is not None or args.topology is not None):
+        raise EdlError("--memory and -t plan the step for --nproc processes", help="add --nproc N, or drop them")
     if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
         raise EdlError(f"--save {args.save} is a file", help="give a directory to write the checkpoint into")
     req = Request(

@@ -90,6 +90,7 @@ def test_two_ranks_train_to_the_one_process_losses(
         (["--lr", "-1"], "--lr must be a positive number"),
         (["--betas", "0.9"], "bad --betas '0.9'"),
         (["--seq", "600"], "has 500 tokens: a sequence needs 601"),
+        (["--memory", "1GB"], "--memory and -t plan the step for --nproc processes"),
     ],
 )
 def test_bad_flags_are_errors(
