@@ -110,19 +110,24 @@ def _mismatch(
         Note(f"extent {first} comes from {c.origin.what}", c.origin.span),
         Note(f"extent {second} comes from {origin.what}", origin.span),
     ]
+    # A longer first axis read at a shorter index: maybe a table of positions (rows) read for a
+    # sequence shorter than it, which an index expression reads (a longer inner axis is far more
+    # likely a mix-up of indices, and gets no such note).
     prefix = _PREFIX.fullmatch(what)
-    advice = help
-    if advice is None and prefix is not None and c.value is not None and value > c.value:
+    if prefix is not None and prefix.group(2) == "0" and c.value is not None and value > c.value:
         index, axis, rel = prefix.groups()
-        advice = (
-            f"to read the first {c.value} of the {value} places of {rel}'s axis {axis} (a position table longer "
-            f"than the sequence), write the index as an expression, which reads wherever it lands: "
-            f"{rel}[..., {index} + 0, ...]; else use {index} only at axes of the same size"
+        notes.append(
+            Note(
+                f"to read only the first {c.value} of the {value} places of {rel}'s axis {axis} (a position "
+                f"table longer than the sequence), write the index as an expression there, which reads "
+                f"wherever it lands: {index} + 0",
+                span,
+            )
         )
     return EdlError(
         f"extent mismatch for {what}: {first} from {c.origin.what}, but {second} from {origin.what}",
         span,
-        help=advice or "an index has one extent in a rule: use it only at axes of the same size, or use another index",
+        help=help or "an index has one extent in a rule: use it only at axes of the same size, or use another index",
         notes=notes,
     )
 

@@ -1,4 +1,4 @@
-"""``benchmarks/kernels.py`` at tiny dims, one round: both contenders reproduce the f32
+"""``benchmarks/block_kernels.py`` at tiny dims, one round: both contenders reproduce the f32
 transformers layer in every case (f32 MHA and GQA to 1e-4, bf16 to 3e-2), and edatalog's time
 is split by kernel class, fused attention included."""
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "kernels.py"
+SCRIPT = ROOT / "benchmarks" / "block_kernels.py"
 
 
 def test_every_case_matches_transformers() -> None:

