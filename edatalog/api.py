@@ -50,6 +50,17 @@ class Program:
     def name(self) -> str:
         return self.source.name
 
+    def loss_name(self, loss: str | None = None) -> str:
+        """``loss``, or by default the program's one output (an error when it has several)."""
+        if loss is not None:
+            return loss
+        if len(self.outputs) != 1:
+            raise EdlError(
+                f"the program has {len(self.outputs)} outputs ({', '.join(self.outputs)}): which is the loss?",
+                help="name it: loss='loss'",
+            )
+        return self.outputs[0]
+
     def with_graph(self, graph: Graph) -> Program:
         """This program's source, spans and warnings with another graph of it (its gradients,
         its training step), whose errors then point into this program's text."""
@@ -494,13 +505,7 @@ def grad(prog: Program, loss: str | None = None, wrt: Sequence[str] | None = Non
     relation of ``wrt`` (default: every float param), as more rules of the same program
     (:mod:`edatalog.rules.grad`): its outputs are the loss, then ``grad_<name>`` per name, and it
     is planned and run as any program is."""
-    if loss is None:
-        if len(prog.outputs) != 1:
-            raise EdlError(
-                f"the program has {len(prog.outputs)} outputs ({', '.join(prog.outputs)}): which is the loss?",
-                help="name it: edatalog.grad(prog, loss='loss')",
-            )
-        loss = prog.outputs[0]
+    loss = prog.loss_name(loss)
     try:
         return prog.with_graph(gradient(prog.graph, loss, wrt))
     except GradError as exc:  # the IR keeps locations as text: the program knows their spans

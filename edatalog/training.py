@@ -31,7 +31,7 @@ def step_program(
 ) -> tuple[Program, StepNames]:
     """``prog``'s training step as a program of its own (to plan, inspect or run), and the names
     of what it reads and writes."""
-    loss = _loss(prog, loss)
+    loss = prog.loss_name(loss)
     graph, names = training_step(prog.graph, loss, optimizer or AdamW(), clip)
     return prog.with_graph(graph), names
 
@@ -96,14 +96,3 @@ class Trainer:
 
 def _host(value: Any) -> Any:
     return value.detach().cpu().numpy() if hasattr(value, "detach") else value
-
-
-def _loss(prog: Program, loss: str | None) -> str:
-    if loss is not None:
-        return loss
-    if len(prog.outputs) != 1:
-        raise EdlError(
-            f"the program has {len(prog.outputs)} outputs ({', '.join(prog.outputs)}): which is the loss?",
-            help="name it: loss='loss'",
-        )
-    return prog.outputs[0]
