@@ -208,15 +208,18 @@ def _check_lookups(rule: ast.Rule, atoms: list[ast.Atom], scope: Scope) -> None:
                 lk.atom.span,
                 help="the relation a lookup reads must be indexed by other indices: 'where ids[b, s] = v'",
             )
-        if any(c.var == v for c in _vars_of(rule.head)):
+        in_head = [c for c in _vars_of(rule.head) if c.var == v]
+        if in_head and rule.aggop != "+=":
             raise EdlError(
-                f"looked-up index '{v}' in the head",
-                next(c.span for c in _vars_of(rule.head) if c.var == v),
-                help=f"a rule defines every cell of its head; to write one place named by a value, "
-                f"select it in the body: 'new[t, e] = where(t == {v}, k[e], old[t, e]) where pos[] = {v}'",
+                f"looked-up index '{v}' in the head of a '{rule.aggop}' rule",
+                in_head[0].span,
+                help=f"a looked-up index in the head scatters: each point adds to the cell its value names, "
+                f"which only '+=' does ('counts[{v}, d] += x[b, d] where ids[b] = {v}:V'); to write one place "
+                f"named by a value, select it in the body: "
+                f"'new[t, e] = where(t == {v}, k[e], old[t, e]) where pos[] = {v}'",
             )
         others = [a for a in atoms if a is not lk.atom and a not in (o.atom for o in rule.lookups)]
-        plain = [c for a in others for c in _vars_of(a) if c.var == v]
+        plain = [c for a in others for c in _vars_of(a) if c.var == v] + in_head
         if not plain and lk.extent is None:
             raise EdlError(
                 f"looked-up index '{v}' indexes no relation of the rule, so its range is unknown",
@@ -309,6 +312,7 @@ def _check_binding(info: RuleInfo, named: set[str], scope: Scope) -> None:
     head_vars = {c.var for c in _vars_of(rule.head)}
     body_vars = {c.var for a in info.atoms for c in _vars_of(a)}
     body_vars |= {n.ident for a in info.atoms for n in _expr_vars(a, scope)}
+    body_vars |= {lk.var for lk in rule.lookups}  # a value of the body names it (a scatter)
     annotated = {c.var for c in _vars_of(rule.head) if c.extent is not None}
     for c in _vars_of(rule.head):
         if c.var not in body_vars and c.var not in named and c.var not in annotated:

@@ -17,9 +17,9 @@ points cost nothing in the backward either:
   gradient through a fresh index defined by an equality guard, which the compiler's own pass
   substitutes away (:func:`edatalog.rules.eliminate.eliminate_defined`): the transposed
   convolution, as rules;
-- a looked-up table (``emb[b,s,d] += tok[v,d] where ids[b,s] = v``) gets a scatter-add written
-  as a contraction with the one-hot of the ids (``grad_tok[v,d] += grad_emb[b,s,d] *
-  where(ids[b,s] == v, 1, 0)``): exact, at V times the forward's points;
+- a looked-up table (``emb[b,s,d] += tok[v,d] where ids[b,s] = v``) gets a scatter-add: the
+  same lookup with the index in the head (``grad_tok[v,d] += grad_emb[b,s,d] where ids[b,s] =
+  v``), each point adding to the row its id names, at the forward's points;
 - products (``*=``) are refused, as are integer relations and conditions used as numbers.
 
 The result is a graph whose outputs are the loss and ``grad_<param>`` for each param asked for,
@@ -35,7 +35,7 @@ from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine, Constraint, Guard
 from edatalog.ir.graph import Access, AxisMap, Graph, Index, JoinAgg, Part, Relation
-from edatalog.ir.scalar import IndexValue, Load, ScalarExpr
+from edatalog.ir.scalar import Load, ScalarExpr
 from edatalog.rules.derivative import Builder, NotDifferentiable, copy_into, vjp
 from edatalog.rules.eliminate import eliminate_defined
 from edatalog.rules.support import effective_guard, head_support
@@ -320,16 +320,8 @@ class _Backward:
         indices, head, equal = self._head(node, acc)
         guard = node.guard & Guard.of(equal) if equal else node.guard
         expr = bld.build(root)
-        lookups = node.lookups
-        if any(lk.index in {i for ax in head for i in ax.indices} for lk in lookups):
-            # A scatter-add: the looked-up index becomes a join index, each point kept where the
-            # id names it (the IR has no scatter; a one-hot contraction is exact).
-            zero = bld.const(0.0)
-            for lk in lookups:
-                hit = bld.op("eq", bld.node(Load(lk.input)), bld.node(IndexValue(lk.index)))
-                root = bld.where(hit, root, zero)
-            expr = bld.build(root)
-            lookups = ()
+        # A looked-up index of the input's axes (the table of an embedding) stays looked up, now
+        # in the head: a scatter-add, each point adding to the row its id names.
         rule = JoinAgg(
             name=f"{grad_in}#{node.name}" + (f"@{acc.relation}" if acc.relation == node.out else ""),
             out=grad_in,
@@ -341,7 +333,7 @@ class _Backward:
             guard=guard,
             dtype=self.fwd.relation(acc.relation).dtype,
             origin=node.origin,
-            lookups=lookups,
+            lookups=node.lookups,
         )
         rule = _unique_name(rule, self.pending[grad_in])
         self._add(grad_in, self._guarded(eliminate_defined(rule)))

@@ -180,6 +180,11 @@ class ArrayOps:
         """Whether every element is true: a host decision (on CUDA it waits for the device)."""
         raise NotImplementedError
 
+    def all_finite(self, a: Array) -> bool:
+        """Whether every element of ``a`` is finite: a host decision that picks a faster path
+        when it holds.  A tracer may assume it, and check the assumption after the graph runs."""
+        return self.all(self.isfinite(a))
+
     def take_along(self, a: Array, index: Array, axis: int) -> Array:
         """``a`` read along ``axis`` at ``index`` (int64, of size 1 along ``axis``), the other
         axes broadcast between the two: a gather, the result of size 1 along ``axis``."""
@@ -198,6 +203,12 @@ class ArrayOps:
 
     def masked_fill(self, a: Array, mask: Array, value: float | int | bool) -> None:
         """``a = value`` where ``mask`` holds, in place."""
+        raise NotImplementedError
+
+    def add_rows(self, target: Array, index: Array, values: Array) -> None:
+        """``target[index[i], ...] += values[i, ...]`` for every ``i``, in place, repeated rows
+        summed (a scatter-add): ``target`` is 2-d, ``values`` 2-d with as many columns, and
+        ``index`` int64, 1-d (one row per value row) or of ``values``' shape (a row per element)."""
         raise NotImplementedError
 
     def ignore_fp_errors(self) -> AbstractContextManager[object]:
@@ -314,6 +325,12 @@ class NumpyOps(ArrayOps):
 
     def masked_fill(self, a: Array, mask: Array, value: float | int | bool) -> None:
         np.copyto(a, value, where=mask)
+
+    def add_rows(self, target: Array, index: Array, values: Array) -> None:
+        if index.ndim == 1:
+            np.add.at(target, index, values)
+        else:
+            np.add.at(target, (index, np.arange(values.shape[1])[None, :]), values)
 
     def ignore_fp_errors(self) -> AbstractContextManager[object]:
         return np.errstate(all="ignore")
@@ -516,6 +533,12 @@ class TorchOps(ArrayOps):
 
     def masked_fill(self, a: Array, mask: Array, value: float | int | bool) -> None:
         a.masked_fill_(mask, value)
+
+    def add_rows(self, target: Array, index: Array, values: Array) -> None:
+        if index.ndim == 1:
+            target.index_add_(0, index, values)
+        else:
+            target.scatter_add_(0, index, values)
 
 
 NUMPY = NumpyOps()

@@ -40,7 +40,7 @@ from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine
 from edatalog.ir.forms import product_form
-from edatalog.ir.graph import JoinAgg
+from edatalog.ir.graph import JoinAgg, Lookup
 from edatalog.ir.rewrite import reindex_bands
 from edatalog.ir.scalar import Const, IndexValue, Load, Op, ScalarExpr
 
@@ -76,6 +76,7 @@ class _Space:
     owned: frozenset[int] = frozenset()  # inputs whose ``data`` no one else holds (a converted copy)
     looked_up: dict[str, Array] = field(default_factory=dict)  # per looked-up index: its value at each point
     within: Array | None = None  # where the looked-up values fall in the block's part (None: everywhere)
+    hits: Array | None = None  # a scatter's points whose head cell is in the block's part (None: all)
 
     def index_array(self, name: str) -> Array:
         value = self.looked_up.get(name)
@@ -120,6 +121,7 @@ class _Space:
             owned,
             {name: cut(a) for name, a in self.looked_up.items()},
             None if self.within is None else cut(self.within),
+            None if self.hits is None else cut(self.hits),
         )
 
 
@@ -161,17 +163,29 @@ def evaluate_node(
         for p, acc in zip(present, node.inputs, strict=True)
     ]
     looked_up: dict[str, Array] = {}
-    within = None
+    within = hits = None
+    full_box = box
     if node.lookups:
-        box, views, masks, looked_up, within = _gather(node, data, order, box, views, masks, xp, device)
-    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None, owned, looked_up, within)
+        box, views, masks, looked_up, within, hits = _gather(node, data, order, box, views, masks, xp, device)
+    space = _Space(node, order, box, cdt, xp, device, views, masks, {}, known is None, owned, looked_up, within, hits)
     out_vars = [v for v in order if v not in node.agg_indices]
+    if node.looked_up & set(out_vars):
+        value, pres = _scatter(space, out_vars, full_box)
+        return value, (pres if known is None else known.present), out_vars
     result = _contraction(space, out_vars) if node.agg == "sum" and node.agg_indices else None
     if native and result is not None:  # a GEMM: native_gemm saw a product of two loads, nothing absent
         value, pres = result
         return value, pres, out_vars  # already rounded to the node's dtype, once
     value, pres = result if result is not None else _broadcast_reduce(space, out_vars)
     return value, (pres if known is None else known.present), out_vars
+
+
+def gathers(node: JoinAgg) -> tuple[Lookup, ...]:
+    """The lookups of ``node`` that read (the looked-up index is not in the head): over part of
+    the index's range, which cells exist depends on the values.  A scatter's (an index of the
+    head) has every cell of its part, whatever the values."""
+    head = set(node.out_indices)
+    return tuple(lk for lk in node.lookups if lk.index not in head)
 
 
 def _gather(
@@ -183,17 +197,21 @@ def _gather(
     masks: list[Array | None],
     xp: ArrayOps,
     device: Any,
-) -> tuple[dict[str, int], list[Array], list[Array | None], dict[str, Array], Array | None]:
+) -> tuple[dict[str, int], list[Array], list[Array | None], dict[str, Array], Array | None, Array | None]:
     """The join space with each looked-up index resolved: at every point, the index takes the
     value its input holds there, so the inputs it indexes are read there (a gather) and its
     axis shrinks to one place.  A value outside the index's full range is an error; one outside
-    this block's part of it (a block over part of the vocabulary) leaves the point absent here.
-    Returns the space's box, the inputs' views and presence, and each looked-up index's value
-    at every point (relative to the block, as the rule's index values are), and where the
-    values fall in this block's part (None: everywhere), a mask like the guard's."""
+    this block's part of it (a block over part of the vocabulary) leaves the point absent here,
+    or, for an index of the head (a scatter), adds nothing here.  Returns the space's box, the
+    inputs' views and presence, each looked-up index's value at every point (relative to the
+    block, as the rule's index values are; a scatter's clamped into the part), where the
+    gathers' values fall in this block's part and where the scatters' do (None: everywhere),
+    masks like the guard's."""
     box, views, masks = dict(box), list(views), list(masks)
     values: dict[str, Array] = {}
-    within: Array | None = None  # where every looked-up value falls in this block's part
+    within: Array | None = None  # where every gathered value falls in this block's part
+    hits: Array | None = None  # where every scattered value does
+    head = set(node.out_indices)
     i64 = xp.dtype("i64")
     for lk in node.lookups:
         acc = node.inputs[lk.input]
@@ -219,11 +237,88 @@ def _gather(
             views[j] = xp.take_along(views[j], where, axis)
             mask = masks[j]
             masks[j] = None if mask is None else xp.take_along(mask, where, axis)
+        box[lk.index] = 1
+        if lk.index in head:  # a scatter: the point adds to the cell its value names, if here
+            values[lk.index] = where
+            if inside is not None:
+                hits = inside if hits is None else xp.logical_and(hits, inside)
+            continue
         if inside is not None:  # the point's own presence, whether or not an input is gathered
             within = inside if within is None else xp.logical_and(within, inside)
-        box[lk.index] = 1
         values[lk.index] = value
-    return box, views, masks, values, within
+    return box, views, masks, values, within, hits
+
+
+def _scatter(space: _Space, out_vars: list[str], full_box: dict[str, int]) -> tuple[Array, Array | None]:
+    """A ``+=`` rule with looked-up indices in its head (``g_tok[v, d] += g[b, s, d] where
+    ids[b, s] = v``): every point adds its value to the cell its values name (a scatter-add),
+    the cells of the block's part of the looked-up range all exist (0 where no point names
+    them), exactly as the one-hot form ``g_tok[v, d] += where(ids[b, s] == v, g[b, s, d], 0)``
+    whose result this is.  ``full_box``: the block's box before the gather (the head's extents
+    along the looked-up indices).  In chunks along the longest aggregated index."""
+    node, xp = space.node, space.xp
+    targets = [v for v in out_vars if v in node.looked_up]
+    rest = [v for v in out_vars if v not in node.looked_up]
+    agg = list(node.agg_indices)
+    rows = math.prod(full_box[v] for v in targets)
+    width = math.prod(space.box[v] for v in rest)
+    target = xp.full([rows, width], 0, space.cdt, space.device)
+    points = math.prod(space.box.values())
+    var = max(agg, key=lambda v: space.box[v], default=None)
+    parts = [space]
+    if var is not None and points > CHUNK_POINTS:
+        step = max(1, space.box[var] * CHUNK_POINTS // points)
+        parts = [space.chunk(var, lo, min(lo + step, space.box[var])) for lo in range(0, space.box[var], step)]
+    present: Array | None = None
+    for part in parts:
+        p = _scatter_block(part, target, targets, rest, agg, full_box)
+        if p is not None:
+            present = p if present is None else xp.logical_or(present, p)
+    value = target.reshape([full_box[v] for v in targets] + [space.box[v] for v in rest])
+    placed = targets + rest
+    perm = [placed.index(v) for v in out_vars]
+    shape = [full_box[v] if v in targets else space.box[v] for v in out_vars]
+    value = xp.transpose(value, perm)
+    if present is not None:  # over the head's other indices: the same for every looked-up cell
+        present = xp.broadcast_to(xp.transpose(present.reshape([1] * len(targets) + list(present.shape)), perm), shape)
+    return value, present
+
+
+def _scatter_block(
+    space: _Space, target: Array, targets: list[str], rest: list[str], agg: list[str], full_box: dict[str, int]
+) -> Array | None:
+    """Adds a chunk's points into ``target`` (rows: the looked-up cells, columns: the head's
+    other cells); returns where the points exist over ``rest`` (None: everywhere, or not tracked)."""
+    xp, order = space.xp, space.order
+    full = [space.box[v] for v in order]
+    value = xp.broadcast_to(xp.asarray(_eval_dag(space, space.node.expr.root, {})), full)
+    mask = _and(xp, [space.guard_mask(), *space.present])
+    adds = _and(xp, [mask, space.hits])
+    if adds is not None:
+        value = xp.where(xp.broadcast_to(adds, full), value, space.scalar(0))
+    row = None
+    stride = 1
+    for v in reversed(targets):
+        term = space.looked_up[v] * stride if stride != 1 else space.looked_up[v]
+        row = term if row is None else row + term
+        stride *= full_box[v]
+    assert row is not None
+    perm = [order.index(v) for v in (*agg, *targets, *rest)]
+    n_agg = math.prod(space.box[v] for v in agg)
+    width = math.prod(space.box[v] for v in rest)
+    flat = xp.contiguous(xp.transpose(value, perm)).reshape([n_agg, width])
+    varies = any(row.shape[order.index(v)] != 1 for v in rest)
+    if varies:
+        index = xp.contiguous(xp.transpose(xp.broadcast_to(row, full), perm)).reshape([n_agg, width])
+    else:
+        at = [space.box[v] if v in agg else 1 for v in order]
+        index = xp.contiguous(xp.transpose(xp.broadcast_to(row, at), perm)).reshape([n_agg])
+    xp.add_rows(target, index, flat)
+    if mask is None or not space.track_presence:
+        return None
+    axes = tuple(order.index(v) for v in agg)
+    seen = xp.any(xp.broadcast_to(mask, full), axes) if axes else xp.broadcast_to(mask, full)
+    return seen.reshape([space.box[v] for v in rest])
 
 
 def native_gemm(node: JoinAgg, present: Sequence[Array | None], xp: ArrayOps, device: Any) -> bool:
@@ -277,7 +372,7 @@ def known_presence(node: JoinAgg, exact_inputs: bool, xp: ArrayOps = NUMPY, devi
     range has cells only where the values fall in its part: decided at run time."""
     if not exact_inputs:
         return None
-    if any(lk.offset > 0 or node.box[lk.index] < lk.extent for lk in node.lookups):
+    if any(lk.offset > 0 or node.box[lk.index] < lk.extent for lk in gathers(node)):
         return None
     node = prepare(node)
     box = node.box
@@ -393,7 +488,7 @@ def _contraction(space: _Space, out_vars: list[str]) -> tuple[Array, Array | Non
             val = space.scalar(1) / val
         # A guard factor is 0 where it excludes a point: an infinite value there would give
         # inf * 0 = nan.  (Absent cells are set to 0 below, whatever they held.)
-        if guard is not None and not after and xp.is_float(space.cdt) and not xp.all(xp.isfinite(val)):
+        if guard is not None and not after and xp.is_float(space.cdt) and not xp.all_finite(val):
             return None
         m = _and(xp, [space.present[k] for k in _loads_under(space, node_id)])
         if m is not None:

@@ -111,7 +111,7 @@ def _temporaries(graph: Graph, node: JoinAgg) -> list[tuple[tuple[int, ...], int
             out.append((rel.shape, cells * item))
         if any(not _inside(p.expr.bounds(node.box), p.extent) for ax in acc.axes for p in ax.parts):
             out.append((rel.shape, cells * item))  # the zero-padded copy (a little larger)
-    result = tuple(box[v] for v in node.out_indices)
+    result = tuple(node.box[v] for v in node.out_indices)  # a scatter's head spans its looked-up range
     out += [(result, math.prod(result) * item), (result, math.prod(result))]  # values, presence
     form = product_form(node) if node.agg == "sum" and node.agg_indices else None
     if form is not None:

@@ -18,7 +18,7 @@ import functools
 import math
 from collections.abc import Mapping
 
-from edatalog.backend.kernels.joinagg import prepare
+from edatalog.backend.kernels.joinagg import gathers, prepare
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.rewrite import restrict
@@ -92,7 +92,7 @@ def _covers(node: JoinAgg, ranges: ir.Ranges) -> bool:
     """Whether the block's guard leaves no cell of its output region without a point, and its
     head writes every cell it spans (``d[i, i]`` writes a diagonal only)."""
     block = restrict(node, {i: (lo, hi) for i, lo, hi in ranges})
-    if any(lk.offset > 0 or block.box[lk.index] < lk.extent for lk in block.lookups):
+    if any(lk.offset > 0 or block.box[lk.index] < lk.extent for lk in gathers(block)):
         return False  # a block over part of a looked-up range: its cells depend on the values
     heads = [p.index for ax in block.out_axes for p in ax.parts if p.index is not None]
     if len(heads) != len(set(heads)):

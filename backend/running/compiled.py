@@ -93,7 +93,18 @@ def compile_mode(name: str | Compile | None) -> Compile:
 class StaticOps(TorchOps):
     """torch, for tracing: no answer depends on values (see the module docstring).  A presence
     mask is never taken to be all true (the buffer keeps it), and looked-up values are not
-    range-checked here (the API checks a program's inputs before every call)."""
+    range-checked here (the API checks a program's inputs before every call).  A factor of a
+    guarded contraction is assumed finite (the fast path: the guard a 0/1 factor of the
+    product), the check itself recorded into ``assumed``: the graph returns whether every such
+    assumption held, and a call where one did not runs again on the interpreter."""
+
+    def __init__(self, device: Any = None, assumed: list[Any] | None = None) -> None:
+        super().__init__(device)
+        self.assumed = assumed if assumed is not None else []
+
+    def all_finite(self, a: Any) -> bool:
+        self.assumed.append(torch_module().isfinite(a).all())
+        return True
 
     def all(self, a: Any) -> bool:
         return False
@@ -123,6 +134,7 @@ class Replay:
     seconds: float  # tracing, simplifying and compiling
     nodes: int  # ops of the simplified graph
     summary: dict[str, int]
+    checks: bool = False  # the graph's last output: whether its assumptions held (see StaticOps)
 
 
 class CompiledExecutable:
@@ -203,6 +215,8 @@ class CompiledExecutable:
                 while len(_KEPT) > KEPT:
                     _KEPT.popitem(last=False)
                 self.eager.last_times = []
+                if not _held(replay, flat):
+                    return self.eager(whole)
                 return self._outputs(flat)
             _KEPT.move_to_end(key)
             self.replays[sig] = replay
@@ -213,6 +227,8 @@ class CompiledExecutable:
         with torch.no_grad():
             flat = replay.run(*self._state, *(whole[n] for n in replay.names))
         self.eager.last_times = []  # only interpreted calls with ``record`` time their ops
+        if not _held(replay, flat):
+            return self.eager(whole)
         self._replayed = True
         self._peaks = {
             d: int(torch.cuda.max_memory_allocated(dev)) if dev in gpus else peak
@@ -245,11 +261,16 @@ class CompiledExecutable:
         eager = self.eager
         kernels = eager.kernels.fork()  # what the recording run makes stays its own
 
+        assumed: list[Any] = []
+
         def body(*flat: Any) -> list[Any]:
             loaded = dict(zip(keys, flat[:n_state], strict=True))
             given = dict(zip(names, flat[n_state:], strict=True))
-            _, out = eager.run(given, loaded, StaticOps, _Moves(eager.devices), kernels=kernels)
-            return [x for name in self.graph.outputs for x in (out.values[name], out.present[name])]
+            ops = functools.partial(StaticOps, assumed=assumed)
+            _, out = eager.run(given, loaded, ops, _Moves(eager.devices), kernels=kernels)
+            values = [x for name in self.graph.outputs for x in (out.values[name], out.present[name])]
+            held = [torch_module().stack([a.to(assumed[0].device) for a in assumed]).all()] if assumed else []
+            return values + held
 
         args = [*self._state, *(whole[n] for n in names)]
         recording = record(body, args)
@@ -259,7 +280,7 @@ class CompiledExecutable:
             run = inductor(gm, args, summary)
         seconds = time.perf_counter() - start
         LOG.info("compiled %d ops (%s) in %.2f s", summary["nodes"], self.mode.value, seconds)
-        replay = Replay(run, names, self.mode, seconds, summary["nodes"], summary)
+        replay = Replay(run, names, self.mode, seconds, summary["nodes"], summary, checks=bool(assumed))
         self.last_compiled = replay
         return replay, list(recording.outputs)
 
@@ -271,6 +292,15 @@ class CompiledExecutable:
             # The one host synchronization of a call: only an output that may lack cells has a mask.
             present[name] = None if mask is None or bool(mask.all()) else mask
         return Outputs(values, present)
+
+
+def _held(replay: Replay, flat: Sequence[Any]) -> bool:
+    """Whether the assumptions the graph was recorded under held in this run (a host
+    synchronization, only for graphs that assume something)."""
+    if replay.checks and not bool(flat[-1]):
+        LOG.info("a factor of a guarded contraction is not finite: this call runs on the interpreter")
+        return False
+    return True
 
 
 def program_peaks(programs: ir.Programs) -> dict[int, int]:

@@ -448,7 +448,8 @@ class Graph:
             _check(not n.agg_indices, f"{where}: '=' with aggregated indices {n.agg_indices}")
         for lk in n.lookups:
             _check(lk.index in box, f"{where}: lookup of unknown index {lk.index}")
-            _check(lk.index not in n.out_indices, f"{where}: looked-up index {lk.index} in the head")
+            scatter = lk.index in n.out_indices  # each point adds to the cell its value names
+            _check(not scatter or n.aggop == "+=", f"{where}: looked-up {lk.index} in the head of a {n.aggop} rule")
             _check(0 <= lk.input < len(n.inputs), f"{where}: lookup reads input {lk.input}")
             acc = n.inputs[lk.input]
             _check(dtypes.kind(self.relation(acc.relation).dtype) == "int", f"{where}: lookup of a non-integer {acc}")

@@ -182,6 +182,27 @@ def test_outputs_that_may_lack_cells_keep_their_presence() -> None:
     assert _impl(exe).replays and want.present["y"] is not None and want.present["z"] is None
 
 
+def test_a_guarded_contraction_replays_fast_and_falls_back_where_a_factor_is_not_finite() -> None:
+    """The graph takes a guarded sum of products as a contraction with the guard a 0/1 factor,
+    assuming its factors finite (an infinite value at an excluded point would give inf * 0 =
+    nan there); where the assumption fails the call runs on the interpreter, which masks."""
+    prog = _compile(
+        "dim N = 6.\ninput x[N, N] : f32.\ninput w[N] : f32.\noutput y.\ny[i] += x[i, j] * w[j] where j <= i.\n"
+    )
+    exe, ref, _ = _pair(prog)
+    x = torch.randn(6, 6)
+    w = torch.randn(6)
+    for _ in range(3):
+        torch.testing.assert_close(exe({"x": x, "w": w})["y"], ref({"x": x, "w": w})["y"], rtol=0, atol=0)
+    replay = next(iter(_impl(exe).replays.values()))
+    assert replay.checks and _impl(exe)._replayed
+    x[0, 5] = float("inf")  # excluded by the guard: y stays finite
+    want = ref({"x": x, "w": w})["y"]
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(exe({"x": x, "w": w})["y"], want, rtol=0, atol=0)
+    assert not _impl(exe)._replayed
+
+
 def test_lookups_compile_and_out_of_range_ids_are_still_errors() -> None:
     prog = _compile(
         "dim B = 2, S = 3, V = 7, D = 4.\ninput ids[B, S] : i64.\nparam emb[V, D] : f32.\noutput y.\n"
