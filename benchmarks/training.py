@@ -154,8 +154,7 @@ def torch_rank(contender: str, args: argparse.Namespace, work: Path) -> Run:
         losses.append(float(mean) / world)
     peak = torch.tensor([_rss()], dtype=torch.int64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    dist.destroy_process_group()
-    return Run(contender, losses, times, int(peak))
+    return Run(contender, losses, times, int(peak))  # the launcher leaves the group
 
 
 def edatalog_rank(req: Any) -> Run:
