@@ -184,12 +184,21 @@ def run_round(contender: str, args: argparse.Namespace, work: Path, plan: str) -
 
 
 def solve(args: argparse.Namespace, work: Path) -> tuple[str, float]:
-    """edatalog's plan of the step program (saved in ``work``), and the seconds it took."""
+    """edatalog's plan of the step program (saved in ``work``), and the seconds it took: the
+    solver's (``--strategy auto``), or a baseline's."""
     from edatalog import train_job
+    from edatalog.plans import make_plan
+    from edatalog.training import step_program
 
     start = time.perf_counter()
     topology = args.topology or f"cpux{args.nproc}"
-    path = train_job.planned(_request(args, work), args.nproc, topology, None, args.time_limit, work)
+    req = _request(args, work)
+    if args.strategy == "auto":
+        path = train_job.planned(req, args.nproc, topology, None, args.time_limit, work)
+    else:
+        step, _ = step_program(train_job.loss_program(req), optimizer=req.optimizer, clip=req.clip)
+        path = str(work / "step.plan.json")
+        make_plan(step, topology=topology, strategy=args.strategy, refine=args.refine).save(path)
     return path, time.perf_counter() - start
 
 
@@ -249,7 +258,8 @@ def table(report: dict[str, Any]) -> str:
     text.insert(
         0,
         f"{c['nproc']} gloo ranks, 1 thread each; LLaMA D={c['dim']}, {c['layers']} layers, V={c['vocab']}, "
-        f"S={c['seq']}, {c['batch']} sequences/step, f32, AdamW + clip; plan solved in {report['solve_seconds']:.1f} s",
+        f"S={c['seq']}, {c['batch']} sequences/step, f32, AdamW + clip; edatalog's plan: {c['strategy']} on "
+        f"{c['topology'] or 'cpux' + str(c['nproc'])}, made in {report['solve_seconds']:.1f} s",
     )
     return "\n".join(text)
 
@@ -270,6 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--topology", "-t", help="edatalog plans for this machine (default cpuxN)")
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds edatalog's solver may take")
+    p.add_argument("--strategy", default="auto", help="edatalog's plan: the solver's (auto) or a baseline's (data, ...)")
+    p.add_argument("--refine", action="store_true", help="a baseline gets the solver's refinements")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="a comma-separated subset")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)

@@ -55,6 +55,7 @@ class Plan:
         self.solution: auto.Solution | None = None  # how the solver found it, for solved plans
         self.refined = ""  # a baseline's refinement that was kept ("S in 2 chunks"); solved plans: solution.refined
         self.layered: policy.Layered | None = None  # a repeated module solved once: its layer's solve
+        self.picked = ""  # why the solver returned a baseline as built instead of its own plan
         self._lowered: dict[Options, Lowered] = {}
 
     def __str__(self) -> str:
@@ -102,6 +103,7 @@ class Plan:
             "received": dict(sorted(r.received.items())),
             "over_memory": self.over_memory(),
             **({"refined": self.refined} if self.refined else {}),
+            **({"picked": self.picked} if self.picked else {}),
             **(self._solver_summary() if self.solution is not None else {}),
             **(self._layers_summary() if self.layered is not None else {}),
         }
@@ -274,7 +276,35 @@ def _layered(
     plan = made.get(id(lay.plan)) or Plan(lay.plan, graph, machine, reduction, options)
     plan.layered = lay
     plan.solution = lay.layer
+    rep = layers.repeated(graph)
+    assert rep is not None
+    if stages in (None, 1) and len(graph.nodes) > 2 * rep.count * len(rep.instance(0)):
+        return _against_baselines(plan, graph, machine, reduction, options)
     return plan
+
+
+def _against_baselines(plan: Plan, graph: Graph, machine: Topology, reduction: str, options: Options) -> Plan:
+    """``plan`` (a layer solved alone, composed), or a whole-program baseline the timeline
+    predicts faster, within memory.  For programs whose repeated layers are less than half of
+    them (a training step: the backward and the update are outside the layers), a layer solved
+    alone can choose what the rest then pays for (a forward in tensor parallel, a backward in
+    data parallel, and the activations moved between them); the baselines, built whole, do not.
+    Checking them takes a whole-program timeline each, affordable at this size."""
+    best, why = plan, ""
+    for strategy in ("data", "megatron"):
+        try:
+            candidate = Plan(strategies.build(graph, machine, strategy), graph, machine, reduction, options)
+        except EdlError:
+            continue  # no such baseline for this program (megatron without heads)
+        if not candidate.over_memory() and candidate.report.seconds < best.report.seconds:
+            why = (
+                f"the {strategy} baseline as built: predicted {candidate.report.seconds * 1e3:.4g} ms, the layers "
+                f"solved one at a time {plan.report.seconds * 1e3:.4g} ms"
+            )
+            best = candidate
+    if best is not plan:
+        best.picked, best.solution = why, plan.solution
+    return best
 
 
 class _Checked:

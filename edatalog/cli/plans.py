@@ -242,6 +242,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _print_summary(plan, args.full)
         if plan.solution is not None:
             _print_solve(plan, baseline)
+    if plan.picked:
+        print(f"picked: {plan.picked}")
     if plan.solution is None and args.refine:
         print(f"refined: {plan.refined}" if plan.refined else "refined: no refinement was faster; the plan as built")
     for path, what in ((args.output, "plan"), (args.trace, "trace")):

@@ -124,6 +124,19 @@ def test_a_training_step_is_one_program_that_a_plan_splits() -> None:
         np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def test_a_solved_training_step_is_predicted_no_slower_than_data_parallelism(tmp_path: Path) -> None:
+    """A training step's layers are a small part of it (the backward and the update are outside
+    them): the plan of its layers solved one at a time competes with the whole-program baselines
+    as built, and the faster in the timeline is kept, saying why."""
+    _model(layers=2).save_pretrained(tmp_path)
+    step, _ = edatalog.step_program(_llama_loss(tmp_path, 4, 16), optimizer=edatalog.AdamW(), clip=1.0)
+    plan = edatalog.plan(step, topology="a100x2", time_limit=3)
+    data = edatalog.plan(step, topology="a100x2", strategy="data")
+    assert plan.report.seconds <= data.report.seconds
+    if plan.layered is None:
+        assert plan.picked.startswith("the data baseline as built") and plan.summary()["picked"] == plan.picked
+
+
 def test_bad_settings_are_errors() -> None:
     prog = edatalog.compile_string(SGD_MLP, name="mlp.edl")
     with pytest.raises(EdlError, match="clipping norm"):
