@@ -280,7 +280,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--topology", "-t", help="edatalog plans for this machine (default cpuxN)")
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds edatalog's solver may take")
-    p.add_argument("--strategy", default="auto", help="edatalog's plan: the solver's (auto) or a baseline's (data, ...)")
+    p.add_argument("--strategy", default="auto", help="edatalog's plan: auto, or a baseline (data, ...)")
     p.add_argument("--refine", action="store_true", help="a baseline gets the solver's refinements")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="a comma-separated subset")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
