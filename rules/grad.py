@@ -20,7 +20,11 @@ points cost nothing in the backward either:
 - a looked-up table (``emb[b,s,d] += tok[v,d] where ids[b,s] = v``) gets a scatter-add: the
   same lookup with the index in the head (``grad_tok[v,d] += grad_emb[b,s,d] where ids[b,s] =
   v``), each point adding to the row its id names, at the forward's points;
-- products (``*=``) are refused, as are integer relations and conditions used as numbers.
+- products (``*=``) are refused, as are integer relations and conditions used as numbers;
+- the maximum of a softmax (an attention chain, :mod:`edatalog.ir.attention`) gets no gradient:
+  ``p = exp(sc - mx)`` is only read normalized (``o += p * v / l``, ``l += p``), which ``mx``
+  does not change, so its gradient is exactly 0 (what reaches it through ``p`` and through
+  ``l`` cancels) and the winners' rules are not made, as torch's fused attention backward.
 
 The result is a graph whose outputs are the loss and ``grad_<param>`` for each param asked for,
 planned and run as any program is.
@@ -34,8 +38,9 @@ from collections.abc import Callable, Sequence
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine, Constraint, Guard
+from edatalog.ir.attention import attention_chains
 from edatalog.ir.graph import Access, AxisMap, Graph, Index, JoinAgg, Part, Relation
-from edatalog.ir.scalar import Load, ScalarExpr
+from edatalog.ir.scalar import Load, Op, ScalarExpr
 from edatalog.rules.derivative import Builder, NotDifferentiable, copy_into, vjp
 from edatalog.rules.eliminate import eliminate_defined
 from edatalog.rules.support import effective_guard, head_support
@@ -113,7 +118,12 @@ class _Backward:
         self.nodes: list[JoinAgg] = []
         self.grad: dict[str, str] = {}  # relation -> its gradient relation
         self.pending: dict[str, list[JoinAgg]] = {}  # gradient relation -> its rules so far
-        self.active = self._active()
+        # A softmax's maximum only shifts the scores: p / l does not depend on it, so its
+        # gradient is exactly 0 (the terms through p and through l cancel) and is not sent.
+        chains = attention_chains(graph)
+        self.shift_only = {chain.maxima for chain in chains}
+        self.sums_of = {chain.out: chain.sums for chain in chains}
+        self.active = self._active() - self.shift_only
 
     def _active(self) -> set[str]:
         """Relations a gradient must reach: those that depend on a relation of ``wrt`` and that
@@ -259,7 +269,35 @@ class _Backward:
             return
         count = self._winners(node) if node.agg in ("max", "min") else None
         for acc, loads in targets.items():
+            if acc.relation == self.sums_of.get(node.name) and self._softmax_sums(node, acc, grad_out):
+                continue
             self._rule(node, acc, loads, grad_out, count)
+
+    def _softmax_sums(self, node: JoinAgg, acc: Access, grad_out: str) -> bool:
+        """The gradient of an attention's sums ``l`` through its output ``o += p * v / l``,
+        written with ``o`` itself: ``grad_l[s] += -grad_o[s, f] * o[s, f] / l[s]`` (summing
+        ``p * v`` over the keys again is what ``o`` already did), at ``o``'s cells instead of its
+        points, under the shadow of ``o``'s guard on its cells.  False (the general rule then)
+        where that shadow is not exact."""
+        shadow, exact = node.guard.project(list(node.out_indices), node.box)
+        if not exact:
+            return False
+        bld = Builder()
+        value = bld.div(bld.mul(bld.node(Load(0)), bld.node(Load(1))), bld.node(Load(2)))
+        rule = JoinAgg(
+            name=f"{self._gradient_of(acc.relation)}#{node.name}",
+            out=self._gradient_of(acc.relation),
+            indices=tuple(i for i in node.indices if i.name not in node.agg_indices),
+            inputs=(Access(grad_out, node.out_axes), Access(node.out, node.out_axes), acc),
+            expr=bld.build(bld.neg(value)),
+            aggop="+=",
+            out_axes=acc.axes,
+            guard=shadow,
+            dtype=self.fwd.relation(acc.relation).dtype,
+            origin=node.origin,
+        )
+        self._add(rule.out, self._guarded(_unique_name(rule, self.pending[rule.out])))
+        return True
 
     def _winners(self, node: JoinAgg) -> str:
         """A relation counting, per cell of ``node.out``, the points that reach its value (the
@@ -297,6 +335,11 @@ class _Backward:
         new = copy_into(bld, node.expr, _loader(bld))
         extra = [Access(grad_out, node.out_axes)]
         seed = bld.node(Load(n_in))
+        if node.aggop == "=" and not node.agg_indices and isinstance(node.expr.nodes[node.expr.root], Op):
+            # Each cell of an '=' rule is its body's value at one point: a derivative that needs
+            # that value (exp's, rsqrt's, a quotient's) reads the cell instead of recomputing it.
+            extra.append(Access(node.out, node.out_axes))
+            new[node.expr.root] = bld.node(Load(n_in + 1))
         if count is not None:
             # The winners' share: 1 / count where the point reaches the head's value, else 0.
             extra += [Access(node.out, node.out_axes), Access(count, node.out_axes)]
@@ -336,7 +379,38 @@ class _Backward:
             lookups=node.lookups,
         )
         rule = _unique_name(rule, self.pending[grad_in])
-        self._add(grad_in, self._guarded(eliminate_defined(rule)))
+        self._add(grad_in, self._unread_dropped(self._guarded(eliminate_defined(rule))))
+
+    def _unread_dropped(self, node: JoinAgg) -> JoinAgg:
+        """``node`` without the inputs its body does not load (a contraction's gradient by one
+        factor does not read that factor; the forward's output, kept for derivatives that need
+        it, may go unused): a block then neither fetches nor holds them.  An input stays when
+        its absent cells are not all known from its support (its guard, already in ``node``'s,
+        says where it exists only when exact) or when it alone spans an index."""
+        live = node.expr.live()
+        loaded = {n.input for k in live if isinstance(n := node.expr.nodes[k], Load)}
+        keep = list(range(len(node.inputs)))
+        head = {v for ax in node.out_axes for v in ax.indices}
+        for k in reversed(range(len(node.inputs))):
+            acc = node.inputs[k]
+            if k in loaded or any(lk.input == k for lk in node.lookups):
+                continue
+            if not self.relations[acc.relation].support_exact:
+                continue
+            spanned = head.union(*(node.inputs[j].indices for j in keep if j != k))
+            if set(acc.indices) <= spanned:
+                keep.remove(k)
+        if len(keep) == len(node.inputs):
+            return node
+        at = {old: new for new, old in enumerate(keep)}
+        bld = Builder()
+        copied = copy_into(bld, node.expr, lambda k: bld.node(Load(at[k])))
+        return dataclasses.replace(
+            node,
+            inputs=tuple(node.inputs[k] for k in keep),
+            expr=bld.build(copied[node.expr.root]),
+            lookups=tuple(dataclasses.replace(lk, input=at[lk.input]) for lk in node.lookups),
+        )
 
     def _head(self, node: JoinAgg, acc: Access) -> tuple[tuple[Index, ...], tuple[AxisMap, ...], list[Constraint]]:
         """The join indices, head and extra equalities of the rule writing ``acc``'s gradient:
