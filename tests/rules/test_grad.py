@@ -81,6 +81,9 @@ def test_a_contraction_differentiates_to_contractions() -> None:
     )
     text = str(grads.graph)
     assert "grad_w[k,j] += grad_h[i,k] * x[i,j]" in text and "sum i" in text
+    # A factor's gradient does not read the factor: a block of it neither fetches nor holds w.
+    (rule,) = [n for n in grads.graph.nodes if n.out == "grad_w"]
+    assert [a.relation for a in rule.inputs] == ["x", "grad_h"]
     assert grads.outputs == ("loss", "grad_x", "grad_w")
 
 
@@ -120,6 +123,15 @@ def test_a_causal_softmax_with_max_keeps_its_guard_in_the_backward() -> None:
     text = str(grads.graph)
     # Masked points cost nothing in the backward either: the gradients of the scores are causal.
     assert re.search(r"grad_sc\[s,t\] \+= .* where t <= s", text), text
+    # The maximum only shifts the scores: no gradient reaches it, no winners are counted; the
+    # sums' gradient reads the output instead of summing over the keys again; p's derivative
+    # reads p instead of recomputing exp.
+    names = {r.name for r in grads.graph.relations}
+    assert "grad_m" not in names and not any("winners" in n for n in names)
+    (sums,) = [n for n in grads.graph.nodes if n.out == "grad_l"]
+    assert [a.relation for a in sums.inputs] == ["grad_o", "o", "l"] and sums.agg_indices == ("e",)
+    (scores,) = [n for n in grads.graph.nodes if n.out == "grad_sc"]
+    assert "exp" not in str(scores) and {a.relation for a in scores.inputs} == {"grad_p", "p"}
 
 
 def test_a_gradient_program_is_planned_and_run_as_any_program() -> None:
