@@ -256,6 +256,14 @@ def _is_rank_zero() -> bool:
 
 def planned(req: Request, nproc: int, topology: str, memory: str | None, time_limit: float, tmp: Path) -> str:
     """A plan of the step program for ``nproc`` devices, solved and saved in ``tmp``: its path."""
+    return str(solved_plan(req, nproc, topology, memory, time_limit, tmp / "step.plan.json")[0])
+
+
+def solved_plan(
+    req: Request, nproc: int, topology: str, memory: str | None, time_limit: float, path: Path
+) -> tuple[Path, str]:
+    """The step program's plan for ``nproc`` devices, solved and saved at ``path``, and a line
+    saying what it is (its strategy, predicted step time, and why a baseline was kept)."""
     from edatalog.plans import make_plan
     from edatalog.training import step_program
 
@@ -263,9 +271,9 @@ def planned(req: Request, nproc: int, topology: str, memory: str | None, time_li
     plan = make_plan(step_prog, topology=topology, memory=memory, time_limit=time_limit)
     if plan.ir.n_devices != nproc:
         raise EdlError(f"the topology {topology} has {plan.ir.n_devices} devices, not {nproc}")
-    path = tmp / "step.plan.json"
     plan.save(path)
-    return str(path)
+    what = f"the step's plan on {plan.topology.name}: {plan.ir.strategy}, predicted {plan.report.seconds * 1e3:.4g} ms"
+    return path, what + (f" ({plan.picked})" if plan.picked else "")
 
 
 def rank_job(req: Request) -> list[Record]:

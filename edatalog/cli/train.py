@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,12 +30,18 @@ examples:
   edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 10 --batch 4 --seq 64 --save ckpt
   edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 10 --batch 4 --seq 64 --resume ckpt
   edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 20 --batch 4 --seq 64 --nproc 2 --json
+  edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 5 --batch 4 --seq 64 --nproc 2 \
+      --save-plan step.json
+  edl explain step.json grad_layers.0.wq
 
 --save OUT writes a directory transformers' from_pretrained reads (config.json, model.safetensors)
 and the optimizer's state (optimizer.safetensors); --resume OUT continues from it, the same as
 not stopping.  With --nproc N the step program is planned for N devices (on -t, default cpuxN,
-under --memory) unless --plan gives a plan of it, and N processes run it (torch.distributed).
---json prints one object per step: step, loss, ms (measured), predicted_ms, peak_bytes."""
+under --memory) unless --plan gives a plan of it, and N processes run it (torch.distributed);
+the plan's strategy and predicted step time are printed first, and --save-plan FILE keeps the
+plan (edl explain FILE RELATION says why each rule of the step is split as it is; --plan FILE
+runs it again without solving).  --json prints one object per step: step, loss, ms (measured),
+predicted_ms, peak_bytes."""
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:  # type: ignore[type-arg]
@@ -59,6 +67,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
     t.add_argument("--memory", metavar="BYTES", help="with --nproc: plan within this memory per device")
     t.add_argument("--topology", "-t", metavar="T", help="with --nproc: the machine to plan for (default cpuxN)")
     t.add_argument("--time-limit", type=float, default=10.0, metavar="SEC", help="seconds to plan (default 10)")
+    t.add_argument(
+        "--save-plan", metavar="FILE", help="with --nproc: write the step's plan to FILE (for edl explain, --plan)"
+    )
     t.add_argument("--nproc", type=int, metavar="N", help="run on N processes (torch.distributed)")
     t.add_argument("--save", metavar="OUT", help="write the trained model and the optimizer's state to OUT")
     t.add_argument("--resume", metavar="OUT", help="continue from a directory --save wrote")
@@ -90,8 +101,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise EdlError(f"--{flag} must be at least 1, not {getattr(args, flag)}")
     if args.nproc is not None and args.nproc < 1:
         raise EdlError(f"--nproc must be at least 1, not {args.nproc}")
-    if args.nproc is None and (args.memory is not None or args.topology is not None):
-        raise EdlError("--memory and -t plan the step for --nproc processes", help="add --nproc N, or drop them")
+    if args.nproc is None and (args.memory is not None or args.topology is not None or args.save_plan is not None):
+        raise EdlError(
+            "--memory, -t and --save-plan plan the step for --nproc processes", help="add --nproc N, or drop them"
+        )
     if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
         raise EdlError(f"--save {args.save} is a file", help="give a directory to write the checkpoint into")
     req = Request(
@@ -114,6 +127,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
 
     check_resume(req)
+    if not Path(args.data).is_file():  # before any planning
+        raise EdlError(f"no such data file: {args.data}", help="give a .npy of token ids or a nanoGPT .bin")
 
     def show(rec: Record) -> None:
         if args.json:
@@ -127,7 +142,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             def step(rec: Record) -> None:
                 show(rec)
                 done[0] += 1
-                progress.update(task, done[0], f"step {rec.step}: loss {rec.loss:.4g}")
+                tokens = args.batch * args.seq / (rec.ms / 1e3)
+                predicted = "" if rec.predicted_ms is None else f" (predicted {rec.predicted_ms:.0f})"
+                text = f"step {rec.step}: loss {rec.loss:.4g}, {tokens:.0f} tokens/s, {rec.ms:.0f} ms{predicted}"
+                progress.update(task, done[0], text)
 
             records = run(req, step)
     else:
@@ -142,7 +160,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _spawned(req: Request, args: argparse.Namespace) -> list[Record]:
     from dataclasses import replace
 
-    from edatalog.train_job import planned, rank_job
+    from edatalog.train_job import rank_job, solved_plan
 
     if req.backend != "torch":
         raise EdlError("--nproc runs on the torch backend", help="drop --backend reference, or --nproc")
@@ -150,10 +168,14 @@ def _spawned(req: Request, args: argparse.Namespace) -> list[Record]:
 
     with tempfile.TemporaryDirectory() as tmp:
         if req.plan is None:
-            path = planned(
-                req, args.nproc, args.topology or f"cpux{args.nproc}", args.memory, args.time_limit, Path(tmp)
-            )
-            req = replace(req, plan=path)
+            topology = args.topology or f"cpux{args.nproc}"
+            target = Path(args.save_plan) if args.save_plan else Path(tmp) / "step.plan.json"
+            path, what = solved_plan(req, args.nproc, topology, args.memory, args.time_limit, target)
+            if not args.json:
+                print(what + (f"; wrote {path}" if args.save_plan else ""), file=sys.stderr)
+            req = replace(req, plan=str(path))
+        elif args.save_plan:
+            shutil.copyfile(req.plan, args.save_plan)
         return list(spawn(args.nproc, rank_job, (req,))[0])
 
 

@@ -70,17 +70,25 @@ def _config(path: Path) -> tuple[dict[str, int], dict[str, float]]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_train_to_the_one_process_losses(
-    capsys: pytest.CaptureFixture[str], files: tuple[Path, Path]
+    capsys: pytest.CaptureFixture[str], files: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """--nproc 2: the step program solved for two CPU devices, each rank running its part."""
+    """--nproc 2: the step program solved for two CPU devices, each rank running its part; the
+    plan kept with --save-plan, which edl explain reads and --plan runs again."""
     model, data = files
     argv = ["train", str(LLAMA), "--weights", str(model), "--data", str(data), "--steps", "2", *ARGS, "--json"]
     assert main([*argv, "--dtype", "f64"]) == 0
     one = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert main([*argv, "--dtype", "f64", "--nproc", "2", "--time-limit", "3"]) == 0
+    plan = tmp_path / "step.json"
+    assert main([*argv, "--dtype", "f64", "--nproc", "2", "--time-limit", "3", "--save-plan", str(plan)]) == 0
     two = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-10)
     assert all(r["predicted_ms"] is not None and r["peak_bytes"] > 0 for r in two)
+    assert main(["explain", str(plan), "grad_layers.0.wq", "--json"]) == 0
+    assert list(json.loads(capsys.readouterr().out)) == ["grad_layers.0.wq#layers.0.q"]
+    assert main([*argv[:-1], "--dtype", "f64", "--nproc", "2", "--plan", str(plan)]) == 0
+    out = capsys.readouterr()
+    assert "the step's plan" not in out.err  # given, not solved
+    assert "loss" in out.out
 
 
 @pytest.mark.parametrize(
@@ -90,7 +98,8 @@ def test_two_ranks_train_to_the_one_process_losses(
         (["--lr", "-1"], "--lr must be a positive number"),
         (["--betas", "0.9"], "bad --betas '0.9'"),
         (["--seq", "600"], "has 500 tokens: a sequence needs 601"),
-        (["--memory", "1GB"], "--memory and -t plan the step for --nproc processes"),
+        (["--memory", "1GB"], "--memory, -t and --save-plan plan the step for --nproc processes"),
+        (["--data", "missing.npy"], "no such data file: missing.npy"),
     ],
 )
 def test_bad_flags_are_errors(
