@@ -121,8 +121,8 @@ class _Backward:
         # A softmax's maximum only shifts the scores: p / l does not depend on it, so its
         # gradient is exactly 0 (the terms through p and through l cancel) and is not sent.
         chains = attention_chains(graph)
-        self.shift_only = {chain.maxima for chain in chains}
-        self.sums_of = {chain.out: chain.sums for chain in chains}
+        self.shift_only = {graph.node(chain.maxima).out for chain in chains}
+        self.sums_of = {chain.out: graph.node(chain.sums).out for chain in chains}  # out's rule -> l
         self.active = self._active() - self.shift_only
 
     def _active(self) -> set[str]:
