@@ -18,6 +18,16 @@ from edatalog.solver.plan import NodePlan, Split, Tile
 from edatalog.solver.topology import preset
 from tests.strategies import example_settings
 
+# b, s, v, d of a table lookup, devices, seed
+TABLE_SIZES = (
+    st.integers(1, 2),
+    st.integers(1, 4),
+    st.integers(1, 9),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(0, 2**31),
+)
+
 EMBED = """
 dim B = {B}, S = {S}, V = {V}, D = {D}.
 input ids[B, S] : i64.
@@ -38,14 +48,7 @@ top[e] max= m[t, e].
 
 
 @example_settings("EDL_LOOKUP_EXAMPLES", 25)
-@given(
-    st.integers(1, 2),
-    st.integers(1, 4),
-    st.integers(1, 9),
-    st.integers(1, 4),
-    st.integers(1, 3),
-    st.integers(0, 2**31),
-)
+@given(*TABLE_SIZES)
 def test_an_embedding_under_random_plans_equals_numpy(b: int, s: int, v: int, d: int, n: int, seed: int) -> None:
     prog = edatalog.compile_string(EMBED.format(B=b, S=s, V=v, D=d))
     rng = np.random.default_rng(seed)
@@ -81,14 +84,7 @@ def _scattered(ids: np.ndarray, values: np.ndarray, v: int) -> np.ndarray:
 
 
 @example_settings("EDL_LOOKUP_EXAMPLES", 25)
-@given(
-    st.integers(1, 2),
-    st.integers(1, 4),
-    st.integers(1, 9),
-    st.integers(1, 4),
-    st.integers(1, 3),
-    st.integers(0, 2**31),
-)
+@given(*TABLE_SIZES)
 def test_a_scatter_add_under_random_plans_equals_numpy(b: int, s: int, v: int, d: int, n: int, seed: int) -> None:
     """Each point adds to the row its id names (repeated ids sum; rows no id names are 0),
     under a guard, times the looked-up value, and reading the table at the same row."""
