@@ -194,7 +194,7 @@ def solve(args: argparse.Namespace, work: Path) -> tuple[str, float]:
     topology = args.topology or f"cpux{args.nproc}"
     req = _request(args, work)
     if args.strategy == "auto":
-        path = train_job.planned(req, args.nproc, topology, None, args.time_limit, work)
+        path = str(train_job.solved_plan(req, args.nproc, topology, None, args.time_limit, work / "step.plan.json")[0])
     else:
         step, _ = step_program(train_job.loss_program(req), optimizer=req.optimizer, clip=req.clip)
         path = str(work / "step.plan.json")

@@ -23,7 +23,7 @@ from edatalog.backend.predicting.timeline import Report, analyze, write_trace
 from edatalog.backend.running.compiled import Compile
 from edatalog.backend.running.runtime import check_plan, runtime
 from edatalog.errors import EdlError, did_you_mean
-from edatalog.ir.graph import Graph
+from edatalog.ir.graph import Graph, Repeat
 from edatalog.solver import auto, layers, policy, strategies
 from edatalog.solver import topology as machines
 from edatalog.solver.plan import Plan as PlanIR
@@ -242,8 +242,9 @@ def make_plan(
             f"{stages} pipeline stages do not divide the {machine.n} devices of {machine.name}",
             help="choose a number of stages that divides the device count",
         )
-    if layers.repeated(prog.graph) is not None:
-        return _layered(prog.graph, machine, reduction, options, time_limit, seed, space, on_progress, stages)
+    rep = layers.repeated(prog.graph)
+    if rep is not None:
+        return _layered(prog.graph, rep, machine, reduction, options, time_limit, seed, space, on_progress, stages)
     if stages not in (None, 1):
         raise EdlError("pipeline stages split a repeated module's layers; this program has none")
     return _solved(prog.graph, machine, reduction, options, time_limit, seed, space, on_progress)
@@ -251,6 +252,7 @@ def make_plan(
 
 def _layered(
     graph: Graph,
+    rep: Repeat,
     machine: Topology,
     reduction: str,
     options: Options,
@@ -276,8 +278,6 @@ def _layered(
     plan = made.get(id(lay.plan)) or Plan(lay.plan, graph, machine, reduction, options)
     plan.layered = lay
     plan.solution = lay.layer
-    rep = layers.repeated(graph)
-    assert rep is not None
     if stages in (None, 1) and len(graph.nodes) > 2 * rep.count * len(rep.instance(0)):
         return _against_baselines(plan, graph, machine, reduction, options)
     return plan

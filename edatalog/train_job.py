@@ -103,11 +103,17 @@ def loss_program(req: Request) -> Program:
     return prog
 
 
-def tokens(req: Request, vocab: int) -> np.ndarray:
-    """The data file's token ids, checked against the vocabulary and the sequence length."""
+def check_data(req: Request) -> Path:
+    """The data file's path, which must exist (checked before any work: planning takes a while)."""
     path = Path(req.data)
     if not path.is_file():
-        raise EdlError(f"no such data file: {req.data}")
+        raise EdlError(f"no such data file: {req.data}", help="give a .npy of token ids or a nanoGPT .bin")
+    return path
+
+
+def tokens(req: Request, vocab: int) -> np.ndarray:
+    """The data file's token ids, checked against the vocabulary and the sequence length."""
+    path = check_data(req)
     if path.suffix == ".npy":
         try:
             data = np.load(path, allow_pickle=False)
@@ -252,11 +258,6 @@ def _is_rank_zero() -> bool:
     import os
 
     return os.environ.get("RANK", "0") == "0"
-
-
-def planned(req: Request, nproc: int, topology: str, memory: str | None, time_limit: float, tmp: Path) -> str:
-    """A plan of the step program for ``nproc`` devices, solved and saved in ``tmp``: its path."""
-    return str(solved_plan(req, nproc, topology, memory, time_limit, tmp / "step.plan.json")[0])
 
 
 def solved_plan(

@@ -92,7 +92,7 @@ def optimizer_of(args: argparse.Namespace) -> Optimizer:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from edatalog.train_job import check_resume, run
+    from edatalog.train_job import check_data, check_resume, run
 
     if (args.weights is None) == (args.resume is None):
         raise EdlError("give --weights (a checkpoint to start from) or --resume (a directory --save wrote), not both")
@@ -127,8 +127,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
 
     check_resume(req)
-    if not Path(args.data).is_file():  # before any planning
-        raise EdlError(f"no such data file: {args.data}", help="give a .npy of token ids or a nanoGPT .bin")
+    check_data(req)
 
     def show(rec: Record) -> None:
         if args.json:
