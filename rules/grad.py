@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine, Constraint, Guard
-from edatalog.ir.attention import attention_chains
+from edatalog.ir.attention import Chain, attention_chains, exp_of_difference
 from edatalog.ir.graph import Access, AxisMap, Graph, Index, JoinAgg, Part, Relation
 from edatalog.ir.scalar import Load, Op, ScalarExpr
 from edatalog.rules.derivative import Builder, NotDifferentiable, copy_into, vjp
@@ -77,10 +77,15 @@ def gradient(graph: Graph, loss: str, wrt: Sequence[str] | None = None) -> Graph
 
 def grad_name(graph: Graph, relation: str) -> str:
     """The name of ``relation``'s gradient: ``grad_<relation>``, made unique in ``graph``."""
+    return fresh_name(graph, f"{PREFIX}{relation}")
+
+
+def fresh_name(graph: Graph, base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``...: the first that no relation of ``graph`` has."""
     taken = {r.name for r in graph.relations}
-    name, k = f"{PREFIX}{relation}", 1
+    name, k = base, 1
     while name in taken:
-        name, k = f"{PREFIX}{relation}_{k}", k + 1
+        name, k = f"{base}_{k}", k + 1
     return name
 
 
@@ -123,6 +128,7 @@ class _Backward:
         chains = attention_chains(graph)
         self.shift_only = {graph.node(chain.maxima).out for chain in chains}
         self.sums_of = {chain.out: graph.node(chain.sums).out for chain in chains}  # out's rule -> l
+        self.chain_of = {chain.out: chain for chain in chains}  # out's rule -> its chain
         self.active = self._active() - self.shift_only
 
     def _active(self) -> set[str]:
@@ -164,7 +170,9 @@ class _Backward:
         )
         for node in reversed(self.fwd.nodes):
             if node.out in self.active and node.out in self.grad:
-                self._backward(node)
+                chain = self.chain_of.get(node.name)
+                if chain is None or not self._attention_backward(chain):
+                    self._backward(node)
         outputs = [self.loss]
         for name in self.wrt:
             grad = self.grad.get(name)
@@ -273,6 +281,111 @@ class _Backward:
                 continue
             self._rule(node, acc, loads, grad_out, count)
 
+    def _attention_backward(self, chain: Chain) -> bool:
+        """The gradient of a whole attention chain, as flash attention's backward computes it:
+        the scores, maxima, probabilities and sums made again from q and k (``bwd_<name>``: the
+        forward's are read by its own chain only, so a runtime may run the forward as one fused
+        kernel and keep none of them), then
+
+            grad_l[s]     += -(grad_o[s, f] * o[s, f] / l'[s])
+            grad_p[s, t]  += grad_o[s, f] / l'[s] * v[t, f]              where g(s, t)
+            grad_sc[s, t] += p'[s, t] * (grad_p[s, t] + grad_l[s])       where g(s, t)
+
+        and the gradients of q, k (through the scores) and v (through the output) as any rule's.
+        ``grad_p`` is one contraction: the sums' share is added where it is used, never
+        broadcast over the keys and combined.  False (the rule-by-rule gradient then) where the
+        output's guard has no exact shadow on its cells."""
+        fwd = self.fwd
+        o = fwd.node(chain.out)
+        grad_o = self.grad[o.out]
+        self._finish(grad_o)
+        shadow, exact = o.guard.project(list(o.out_indices), o.box)
+        if not exact:
+            return False
+        sc, mx, p, sums = (fwd.node(n) for n in (chain.scores, chain.maxima, chain.probs, chain.sums))
+        again = {n.out: self._copy_relation(n.out) for n in (sc, mx, p, sums)}
+
+        def reading_again(node: JoinAgg, out: str) -> JoinAgg:
+            inputs = tuple(dataclasses.replace(a, relation=again.get(a.relation, a.relation)) for a in node.inputs)
+            return dataclasses.replace(node, name=out, out=out, inputs=inputs)
+
+        for n in (sc, mx, p, sums):  # made again, in the forward's order
+            self.nodes.append(reading_again(n, again[n.out]))
+        o2, sc2 = reading_again(o, o.out), reading_again(sc, sc.out)
+        p_pos = next(k for k, a in enumerate(o.inputs) if a.relation == p.out)
+        l_pos = next(k for k, a in enumerate(o.inputs) if a.relation == sums.out)
+        # grad_l, grad_p and grad_v through the output (the first two named after the forward's).
+        grad_l = self._gradient_named(again[sums.out], sums.out)
+        bld = Builder()
+        value = bld.div(bld.mul(bld.node(Load(0)), bld.node(Load(1))), bld.node(Load(2)))
+        rule = JoinAgg(
+            name=f"{grad_l}#{o.name}",
+            out=grad_l,
+            indices=tuple(i for i in o.indices if i.name not in o.agg_indices),
+            inputs=(Access(grad_o, o.out_axes), Access(o.out, o.out_axes), o2.inputs[l_pos]),
+            expr=bld.build(bld.neg(value)),
+            aggop="+=",
+            out_axes=o2.inputs[l_pos].axes,
+            guard=shadow,
+            dtype=fwd.relation(sums.out).dtype,
+            origin=o.origin,
+        )
+        self._add(grad_l, self._guarded(rule))
+        grad_p = self._gradient_named(again[p.out], p.out)
+        self._rule(o2, o2.inputs[p_pos], [p_pos], grad_o, None)
+        self._rule_for(o2, chain.v, grad_o)
+        self._finish(grad_l)
+        self._finish(grad_p)
+        # grad_sc = p' * (grad_p + grad_l), over the probabilities' cells.
+        _, p_mx = exp_of_difference(p) or (0, 1)
+        grad_sc = self._gradient_named(again[sc.out], sc.out)
+        bld = Builder()
+        total = bld.add(bld.node(Load(1)), bld.node(Load(2)))
+        rule = JoinAgg(
+            name=f"{grad_sc}#{p.name}",
+            out=grad_sc,
+            indices=p.indices,
+            inputs=(Access(again[p.out], p.out_axes), Access(grad_p, p.out_axes), Access(grad_l, p.inputs[p_mx].axes)),
+            expr=bld.build(bld.mul(bld.node(Load(0)), total)),
+            aggop="+=",
+            out_axes=p.out_axes,
+            guard=p.guard,
+            dtype=fwd.relation(sc.out).dtype,
+            origin=p.origin,
+        )
+        self._add(grad_sc, self._guarded(rule))
+        self._finish(grad_sc)
+        for position in dict.fromkeys((chain.q, chain.k)):
+            self._rule_for(sc2, position, grad_sc)
+        return True
+
+    def _copy_relation(self, relation: str) -> str:
+        """A derived relation of ``relation``'s shape, cells and dtype, under a fresh name."""
+        name = fresh_name(self._as_graph(), f"bwd_{relation}")
+        self.relations[name] = dataclasses.replace(self.fwd.relation(relation), name=name, kind="derived", sources=())
+        return name
+
+    def _gradient_named(self, relation: str, like: str) -> str:
+        """The gradient relation of ``relation`` (a copy made for the backward), named after
+        the forward's ``like``."""
+        name = grad_name(self._as_graph(), like)
+        self.grad[relation] = name
+        self.pending[name] = []
+        rel = self.relations[relation]
+        self.relations[name] = Relation(
+            name, "derived", rel.shape, rel.symbols, rel.dtype, rel.axis_names, Guard.true(), False, "+=", rel.origin
+        )
+        return name
+
+    def _rule_for(self, node: JoinAgg, position: int, grad_out: str) -> None:
+        """The rule sending ``grad_out`` back to ``node``'s input at ``position`` (with every
+        load of the same access), when the loss needs that input's gradient."""
+        acc = node.inputs[position]
+        if acc.relation not in self.active or not _floats(self.fwd.relation(acc.relation)):
+            return
+        loads = [k for k, a in enumerate(node.inputs) if a == acc]
+        self._rule(node, acc, loads, grad_out, None)
+
     def _softmax_sums(self, node: JoinAgg, acc: Access, grad_out: str) -> bool:
         """The gradient of an attention's sums ``l`` through its output ``o += p * v / l``,
         written with ``o`` itself: ``grad_l[s] += -grad_o[s, f] * o[s, f] / l[s]`` (summing
@@ -374,7 +487,7 @@ class _Backward:
             aggop="+=",
             out_axes=head,
             guard=guard,
-            dtype=self.fwd.relation(acc.relation).dtype,
+            dtype=self.relations[acc.relation].dtype,
             origin=node.origin,
             lookups=node.lookups,
         )
