@@ -15,6 +15,7 @@ from edatalog.backend.kernels.arrays import Array, ArrayOps
 from edatalog.backend.kernels.operands import access_view
 from edatalog.ir import program as ir
 from edatalog.ir.attention import Chain
+from edatalog.ir.attention_backward import Backward
 from edatalog.ir.graph import Access, JoinAgg
 
 
@@ -68,6 +69,85 @@ class AttentionKernel:
         layout = [*self.o_batch, self.o_s, f]
         res = res.reshape([*o_bsz, o.box[self.o_s], o.box[f]]).permute([layout.index(v) for v in self.o_head])
         return xp.contiguous(xp.cast(res, xp.dtype(self.fused.dtype))).reshape(self.fused.region.shape)
+
+
+class AttentionBackwardKernel:
+    """One block of an attention's backward (:mod:`edatalog.ir.attention_backward`) on torch,
+    prepared once: ``__call__(q, k, v, go)`` takes q and k laid out as the recomputed scores
+    block reads them, v and the output's gradient ``go`` as the ``grad_p`` block reads them, and
+    returns the blocks of the gradients of q, k and v, each laid out as its region.  Torch's
+    attention runs forward and backward (flash attention's recomputation: nothing of the
+    forward is kept); the gradients of k and v come out summed over the query heads that share
+    them, as the rules sum them."""
+
+    def __init__(
+        self,
+        bw: Backward,
+        sc: JoinAgg,
+        gp: JoinAgg,
+        grads: Sequence[tuple[JoinAgg, ir.Kernel]],
+        xp: ArrayOps,
+        device: Any,
+    ) -> None:
+        torch = _torch()
+        self.bw, self.xp, self.device = bw, xp, device
+        self.sc, self.gp = sc, gp
+        head = [str(ax.parts[0].index) for ax in sc.out_axes]
+        self.s, self.t, self.batch = head[-2], head[-1], head[:-2]
+        self.e = sc.agg_indices[0]
+        # grad_p's head is p as the output reads it: (batch.., s, t), the key last.
+        self.o_s, self.o_t = str(gp.out_axes[-2].parts[0].index), str(gp.out_axes[-1].parts[0].index)
+        self.o_batch = [str(ax.parts[0].index) for ax in gp.out_axes[:-2]]
+        self.go_pos = next(k for k, a in enumerate(gp.inputs) if a.relation == bw.grad_out)
+        self.v_pos = next(k for k, a in enumerate(gp.inputs) if k != self.go_pos and self.o_t in a.indices)
+        self.f = gp.agg_indices[0]
+        self.mask = _mask(sc, self.s, self.t, torch, device)
+        self.grads = grads  # (block, kernel) of each result, in the order of ``bw.results``
+
+    def __call__(self, q: Array, k: Array, v: Array, go: Array) -> list[Array]:
+        torch, xp = _torch(), self.xp
+        sc, gp = self.sc, self.gp
+        sc_order, gp_order = [i.name for i in sc.indices], [i.name for i in gp.indices]
+        s, t, e, f, o_s, o_t = self.s, self.t, self.e, self.f, self.o_s, self.o_t
+        cdt = xp.dtype(self.grads[0][1].dtype)
+        bw = self.bw
+        chain = bw.chain
+
+        def leaf(data: Array, acc: Access, order: list[str], box: dict[str, int], want: list[str]) -> Any:
+            view = access_view(xp.asarray(data, cdt, self.device), acc, order, box, xp=xp)
+            picked = view.permute([order.index(n) for n in want] + [j for j, n in enumerate(order) if n not in want])
+            return picked.reshape(list(picked.shape[: len(want)])).detach()
+
+        q_names, k_names = [*self.batch, s, e], [*self.batch, t, e]
+        v_names, go_names = [*self.o_batch, o_t, f], [*self.o_batch, o_s, f]
+        ql = leaf(q, sc.inputs[chain.q], sc_order, sc.box, q_names).requires_grad_()
+        kl = leaf(k, sc.inputs[chain.k], sc_order, sc.box, k_names).requires_grad_()
+        vl = leaf(v, gp.inputs[self.v_pos], gp_order, gp.box, v_names).requires_grad_()
+        gol = leaf(go, gp.inputs[self.go_pos], gp_order, gp.box, go_names)
+        bsz = [sc.box[b] for b in self.batch]
+        flat = math.prod(bsz)
+        with torch.enable_grad():
+            qf = ql.expand(*bsz, sc.box[s], sc.box[e]).reshape(1, flat, sc.box[s], sc.box[e])
+            kf = kl.expand(*bsz, sc.box[t], sc.box[e]).reshape(1, flat, sc.box[t], sc.box[e])
+            o_bsz = [gp.box[b] for b in self.o_batch]
+            vf = vl.expand(*o_bsz, gp.box[o_t], gp.box[f]).reshape(1, flat, gp.box[o_t], gp.box[f])
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            if self.mask is True:
+                out = sdpa(qf, kf, vf, is_causal=True, scale=chain.scale)
+            else:
+                out = sdpa(qf, kf, vf, attn_mask=self.mask, scale=chain.scale)
+            grad_out = gol.expand(*o_bsz, gp.box[o_s], gp.box[f]).reshape(out.shape)
+            dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), grad_outputs=grad_out)
+        made = {bw.grad_q: (dq, q_names), bw.grad_k: (dk, k_names), bw.grad_v: (dv, v_names)}
+        results = []
+        for block, kernel in self.grads:
+            grad, names = made[kernel.node]
+            head = [str(ax.parts[0].index) for ax in block.out_axes]
+            kept = [n for n in names if n in head]
+            res = grad.reshape([grad.shape[j] for j, n in enumerate(names) if n in head])
+            res = res.permute([kept.index(h) for h in head])
+            results.append(xp.contiguous(xp.cast(res, xp.dtype(kernel.dtype))).reshape(kernel.region.shape))
+        return results
 
 
 def _torch() -> Any:

@@ -51,6 +51,7 @@ direct exchange moved 2.1 GB/s.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -186,8 +187,8 @@ class _Index:
         self.sends_of: dict[int, list[tuple[int, ir.Send]]] = {}  # buf -> (position, send) of it
         self.readers: dict[int, set[tuple[int, int]]] = {}  # buf -> (device, position) reading it (not Frees)
         for d, k, op in programs.ops():
-            if isinstance(op, ir.DEFINES):
-                self.made[op.buf] = (d, k, op)
+            for m in ir.made(op):
+                self.made[m.buf] = (d, k, m)
             if isinstance(op, ir.Send):
                 self.sends[op.tag] = (d, k, op)
                 self.sends_of.setdefault(op.buf, []).append((k, op))
@@ -401,7 +402,7 @@ def _renamed(op: ir.Op, moved: Mapping[int, int]) -> ir.Op:
         return _renamed_kernel(op, moved)
     if isinstance(op, ir.Fused):
         body = tuple(_renamed(k, moved) for k in op.body)
-        return ir.Fused(op.buf, op.kind, body, op.relation, op.region, op.dtype, op.full)  # type: ignore[arg-type]
+        return dataclasses.replace(op, body=body)  # type: ignore[arg-type]
     if isinstance(op, ir.Combine):
         sources = tuple(moved.get(b, b) for b in op.sources)
         return ir.Combine(op.buf, op.relation, op.region, sources, op.dtype, op.full)

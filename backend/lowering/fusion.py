@@ -9,6 +9,16 @@ device: no key index split across devices, no exchange in between) by one
 runs the five kernels in order, which is exactly the rules.  The guard ``g(s, t)`` (causal or any
 other) becomes the attention mask; a block whose guard leaves a query without keys is not fused
 (softmax over nothing is absent in the rules, NaN in the kernel).
+
+The backward of a chain (:mod:`edatalog.ir.attention_backward`: the chain made again, the
+gradients of its sums, probabilities and scores, and those of q, k and v) is fused the same way,
+one block per device into one op of kind :data:`KIND_BACKWARD` that exports the gradients of k
+and v beside its own of q.  Torch runs it as one attention forward and backward (the
+recomputation of flash attention's backward: the scores are never kept); other runtimes run its
+kernels.  A block is fused when each of its rules has one kernel on the device, each
+intermediate is read whole by the block alone (no key index or feature split off), and nothing
+reads the gradients before the fused op, which stands at the first of its kernels that comes
+after everything it reads.
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ import math
 from edatalog.backend.kernels.joinagg import prepare
 from edatalog.ir import program as ir
 from edatalog.ir.attention import Chain, attention_chains, exp_of_difference
+from edatalog.ir.attention_backward import Backward, attention_backwards
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.regions import Region
 from edatalog.ir.rewrite import restrict
 
 KIND = "attention"
+KIND_BACKWARD = "attention backward"
 
 
 # -- programs --------------------------------------------------------------------------------------
@@ -34,11 +46,14 @@ def fuse_programs(programs: ir.Programs, graph: Graph) -> ir.Programs:
     chains = attention_chains(graph)
     if not chains:
         return programs
-    devices = tuple(_fuse_device(p, graph, chains) for p in programs.devices)
+    backwards = attention_backwards(graph)
+    devices = tuple(_fuse_device(p, graph, chains, backwards) for p in programs.devices)
     return ir.Programs(programs.graph, programs.relations, devices, programs.outputs)
 
 
-def _fuse_device(program: ir.DeviceProgram, graph: Graph, chains: list[Chain]) -> ir.DeviceProgram:
+def _fuse_device(
+    program: ir.DeviceProgram, graph: Graph, chains: list[Chain], backwards: list[Backward]
+) -> ir.DeviceProgram:
     ops = list(program.ops)
     made = {op.buf: k for k, op in enumerate(ops) if isinstance(op, ir.DEFINES)}
     readers: dict[int, list[int]] = {}
@@ -64,6 +79,19 @@ def _fuse_device(program: ir.DeviceProgram, graph: Graph, chains: list[Chain]) -
                     fused = ir.Fused(last.buf, KIND, inner, last.relation, last.region, last.dtype, last.full)
                     replace[k] = fused
                     drop.update(j for j in group if j != k)
+    for backward in backwards:
+        for k in outs.get(backward.results[0], ()):
+            found = _backward_group(graph, ops, k, backward, made, readers)
+            if found is not None and not drop.intersection(found[0]):
+                group, host = found
+                inner = tuple(op for j in group if isinstance(op := ops[j], ir.Kernel))
+                last = inner[-1]
+                results = [op.buf for op in inner if isinstance(op, ir.Kernel) and op.node in backward.results]
+                exports = tuple(b for b in results if b != last.buf)
+                replace[host] = ir.Fused(
+                    last.buf, KIND_BACKWARD, inner, last.relation, last.region, last.dtype, last.full, exports
+                )
+                drop.update(j for j in group if j != host)
     if not replace:
         return program
     freed = {op.buf for op in ops if isinstance(op, ir.Free)}
@@ -130,6 +158,107 @@ def _group(
         if any(r not in group for r in readers.get(b, [])):
             return None  # sent, or read elsewhere
     return sorted(group)
+
+
+def _backward_group(
+    graph: Graph, ops: list[ir.Op], k_first: int, bw: Backward, made: dict[int, int], readers: dict[int, list[int]]
+) -> tuple[list[int], int] | None:
+    """The positions of the kernels of one block of an attention's backward
+    (:mod:`edatalog.ir.attention_backward`) whose first result (the gradient of q, else of k,
+    else of v) is the kernel at ``k_first``, and where the fused op stands: one kernel per rule,
+    each intermediate read whole by the block's kernels only, every query of the block with a
+    key, and every reader of the results after the fused op."""
+    inner = {graph.node(n).out: n for n in bw.inner}  # intermediate relation -> its rule
+    group: dict[str, int] = {bw.results[0]: k_first}
+    todo = [k_first]
+    while todo:
+        kernel = ops[todo.pop()]
+        assert isinstance(kernel, ir.Kernel)
+        node = graph.node(kernel.node)
+        for acc, parts in zip(node.inputs, kernel.reads, strict=True):
+            rule = inner.get(acc.relation)
+            if rule is None:
+                continue  # read from outside the block
+            bufs = {b for b, _ in parts}
+            if len(bufs) != 1:
+                return None
+            buf, need = bufs.pop(), Region.through(acc.axes, kernel.range_map)
+            j = made.get(buf)
+            maker = None if j is None else ops[j]
+            if not isinstance(maker, ir.Kernel) or maker.node != rule or maker.region != need:
+                return None
+            assert j is not None
+            if rule not in group:
+                group[rule] = j
+                todo.append(j)
+            elif group[rule] != j:
+                return None
+    # The other results: the one kernel of each that reads this block's gsc or p'.
+    for rule in bw.results[1:]:
+        source = bw.source(rule)
+        if source not in group:
+            return None
+        found = [j for j in readers.get(ops[group[source]].buf, []) if _kernel_of(ops[j], rule)]
+        if len(found) != 1:
+            return None
+        group[rule] = found[0]
+        kernel = ops[found[0]]
+        assert isinstance(kernel, ir.Kernel)
+        for acc, parts in zip(graph.node(rule).inputs, kernel.reads, strict=True):
+            if acc.relation in inner:
+                want = group.get(inner[acc.relation])
+                if want is None or {made.get(b) for b, _ in parts} != {want}:
+                    return None
+                if ops[want].region != Region.through(acc.axes, kernel.range_map):  # type: ignore[union-attr]
+                    return None
+    if set(group) != set(bw.nodes):
+        return None
+    positions = sorted(group.values())
+    inside = set(positions)
+    # The fused op stands at the first kernel of the group after everything it reads from outside
+    # is made: before any other op reads what it exports (a combine of partials of k's gradient
+    # may come right after that kernel, before the gradient of q).
+    made_inside = {b for j in positions for b in _bufs(ops[j])}
+    outer = {b for j in positions for b in ir.reads(ops[j]) if b not in made_inside}
+    ready = max((made[b] for b in outer if b in made), default=-1)
+    host = next((j for j in positions if j > ready), None)
+    if host is None:
+        return None
+    for rule, j in group.items():
+        outside = [r for b in _bufs(ops[j]) for r in readers.get(b, []) if r not in inside]
+        if rule in bw.results:
+            if any(r < host for r in outside):
+                return None  # read before the fused op would make it
+        elif outside:
+            return None
+    # The gradients are of what the kernel reads: q and k as the scores block reads them, v as
+    # grad_p's block does (no feature index split off).
+    kernels = {rule: ops[j] for rule, j in group.items()}
+    sc, gp = kernels[bw.scores], kernels[bw.grad_probs]
+    assert isinstance(sc, ir.Kernel) and isinstance(gp, ir.Kernel)
+    chain = bw.chain
+    o = graph.node(chain.out)
+    scores = graph.node(bw.scores)
+    for rule, axes, block in (
+        (bw.grad_q, scores.inputs[chain.q].axes, sc),
+        (bw.grad_k, scores.inputs[chain.k].axes, sc),
+        (bw.grad_v, o.inputs[chain.v].axes, gp),
+    ):
+        if rule is not None and kernels[rule].region != Region.through(axes, block.range_map):  # type: ignore[union-attr]
+            return None
+    sums = kernels[bw.sums]
+    assert isinstance(sums, ir.Kernel)
+    if not (sums.full or _all_rows(graph, sums)):
+        return None  # a query without keys: absent in the rules, NaN in the kernel
+    return positions, host
+
+
+def _bufs(op: ir.Op) -> tuple[int, ...]:
+    return tuple(m.buf for m in ir.made(op))
+
+
+def _kernel_of(op: ir.Op, rule: str) -> bool:
+    return isinstance(op, ir.Kernel) and op.node == rule
 
 
 def _input_positions(

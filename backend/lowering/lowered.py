@@ -266,7 +266,7 @@ def op_costs(s: Schedule, programs: ir.Programs) -> dict[tuple[int, int], OpCost
         for k, op in enumerate(prog.ops):
             if isinstance(op, ir.Fused):
                 if dtype_of is None:
-                    dtype_of = {o.buf: o.dtype for o in prog.ops if isinstance(o, ir.DEFINES)}
+                    dtype_of = {m.buf: m.dtype for o in prog.ops for m in ir.made(o)}
                 inner = {part.buf: made[(device, part.buf)] for part in op.body}
                 out[(device, k)] = flash_cost(s.graph, op, inner, dtype_of)
             elif isinstance(op, ir.Collective):
@@ -288,9 +288,10 @@ def flash_cost(graph: Graph, op: ir.Fused, inner: Mapping[int, OpCost], dtype_of
     assert isinstance(scores, ir.Kernel), "a fused block starts with its scores kernel"
     ratio = _tiled_share(graph.node(scores.node).anonymous, scores.ranges)
     flops = math.ceil(sum(c.flops for c in inner.values()) * ratio)
-    read = {(b, region) for k in op.body for parts in _reads(k) for b, region in parts if b not in op.internal}
+    inside = {k.buf for k in op.body}
+    read = {(b, region) for k in op.body for parts in _reads(k) for b, region in parts if b not in inside}
     nbytes = sum(region.size * dtypes.itemsize(dtype_of[b]) for b, region in read)
-    nbytes += op.region.size * dtypes.itemsize(op.dtype)
+    nbytes += sum(m.region.size * dtypes.itemsize(m.dtype) for m in ir.made(op))
     return OpCost(flops, nbytes, inner[scores.buf].dtype)
 
 

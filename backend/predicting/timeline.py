@@ -184,8 +184,8 @@ class _Dag:
             key = (device, k)
             self.op[key] = op
             self.deps[key] = sorted({self.maker[b] for b in ir.reads(op)})
-            if isinstance(op, ir.DEFINES):
-                self.maker[op.buf] = key
+            for m in ir.made(op):
+                self.maker[m.buf] = key
             if isinstance(op, ir.Send):
                 send_of[op.tag] = key
             if isinstance(op, ir.Collective):
@@ -258,13 +258,13 @@ def _peak_memory(s: Lowered, dag: _Dag, times: dict[Key, Span]) -> dict[int, int
                 continue
             for b in ir.reads(op):
                 readers.setdefault(b, []).append(key)
-            if isinstance(op, ir.DEFINES):
+            for m in ir.made(op):
                 # Counted in the relation's type, as the solver's memory model counts it.
-                nbytes = region_bytes(op.region, s.graph.relation(op.relation).dtype)
-                born[op.buf] = (times[key].start, nbytes)
+                nbytes = region_bytes(m.region, s.graph.relation(m.relation).dtype)
+                born[m.buf] = (times[key].start, nbytes)
                 events[prog.device].append((times[key].start, nbytes))
-                if op.buf not in readers:
-                    readers[op.buf] = [key]  # unread: gone when the op that made it ends
+                if m.buf not in readers:
+                    readers[m.buf] = [key]  # unread: gone when the op that made it ends
     peak = {}
     for d, evs in events.items():
         live = top = 0

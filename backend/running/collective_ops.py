@@ -136,7 +136,7 @@ class TorchCollectives:
 def _consumed(program: ir.DeviceProgram, kept: set[int]) -> set[int]:
     """The tags of the all-reduces that may overwrite their source: a partial made by a kernel
     (or combine) of this call, no output, that no later op reads."""
-    made = {op.buf: op for op in program.ops if isinstance(op, ir.DEFINES)}
+    made = {m.buf: m for op in program.ops for m in ir.made(op)}
     last: dict[int, int] = {}
     for k, op in enumerate(program.ops):
         if not isinstance(op, ir.Free):

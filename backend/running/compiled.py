@@ -312,8 +312,9 @@ def program_peaks(programs: ir.Programs) -> dict[int, int]:
         live, peak, size = 0, 0, {}
         for op in prog.ops:
             if isinstance(op, ir.DEFINES):
-                size[op.buf] = op.region.size * (dtypes.itemsize(op.dtype) + (0 if op.full else 1))
-                live += size[op.buf]
+                for m in ir.made(op):
+                    size[m.buf] = m.region.size * (dtypes.itemsize(m.dtype) + (0 if m.full else 1))
+                    live += size[m.buf]
                 peak = max(peak, live)
             elif isinstance(op, ir.Free):
                 live -= size.pop(op.buf, 0)

@@ -22,13 +22,14 @@ from typing import Any, Protocol
 
 from edatalog.backend.kernels import ops
 from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
-from edatalog.backend.kernels.attention import AttentionKernel
+from edatalog.backend.kernels.attention import AttentionBackwardKernel, AttentionKernel
 from edatalog.backend.kernels.joinagg import Known, evaluate_node, known_presence
 from edatalog.backend.kernels.prepared import Layout, Prepared, layout_of, prepare_block
 from edatalog.backend.kernels.reference import write_cells
-from edatalog.backend.lowering.fusion import KIND
+from edatalog.backend.lowering.fusion import KIND, KIND_BACKWARD
 from edatalog.ir import program as ir
 from edatalog.ir.attention import Chain, attention_chains
+from edatalog.ir.attention_backward import Backward, attention_backwards
 from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
 from edatalog.ir.regions import Region
 from edatalog.ir.rewrite import restrict
@@ -89,9 +90,10 @@ class Kernels:
         self.direct: dict[tuple[str, ir.Ranges], bool] = {}
         self.onto: dict[tuple[str, ir.Ranges], bool] = {}
         self.placed: dict[tuple[object, ...], Known] = {}
-        self.attention: dict[tuple[object, ...], AttentionKernel] = {}
+        self.attention: dict[tuple[object, ...], AttentionKernel | AttentionBackwardKernel] = {}
         self.tiling: dict[tuple[Region, tuple[Region, ...]], bool] = {}
         self._chains: list[Chain] | None = None
+        self._backwards: list[Backward] | None = None
         self.prepared: dict[tuple[tuple[str, ir.Ranges], str, tuple[Layout, ...]], Prepared | None] = {}
         self.indexes: dict[tuple[object, ...], tuple[Any, ...]] = {}
         self.shapes: dict[tuple[str, ir.Ranges], list[int]] = {}
@@ -134,6 +136,30 @@ class Kernels:
             self.onto[key] = len(heads) == len(set(heads))  # d[i, i] writes a diagonal only
         return node, self.blocks[key], self.needs[key]
 
+    def backward_kernel(self, op: ir.Fused, xp: ArrayOps, device: Any) -> AttentionBackwardKernel | None:
+        """The fast kernel of a fused attention backward on ``xp`` (torch's attention, forward
+        and backward), made once per device; None where there is none."""
+        if xp.name != "torch" or op.kind != KIND_BACKWARD:
+            return None
+        where = (tuple((k.node, k.ranges) for k in op.kernels), str(device))
+        if where not in self.attention:
+            names = {k.node for k in op.kernels}
+            bw = next((b for b in self.backwards() if set(b.nodes) == names), None)
+            if bw is None:
+                return None
+            by_rule = {k.node: k for k in op.kernels}
+            grads = [(self.block(by_rule[r])[1], by_rule[r]) for r in bw.results]
+            sc, gp = self.block(by_rule[bw.scores])[1], self.block(by_rule[bw.grad_probs])[1]
+            self.attention[where] = AttentionBackwardKernel(bw, sc, gp, grads, xp, device)
+        kernel = self.attention[where]
+        assert isinstance(kernel, AttentionBackwardKernel)
+        return kernel
+
+    def backwards(self) -> list[Backward]:
+        if self._backwards is None:
+            self._backwards = attention_backwards(self.graph)
+        return self._backwards
+
     def fused_kernel(self, op: ir.Fused, xp: ArrayOps, device: Any) -> AttentionKernel | None:
         """The fast kernel of a fused op on ``xp`` (torch's attention), made once per device; None
         where there is none."""
@@ -148,7 +174,9 @@ class Kernels:
             _, sc, _ = self.block(op.kernels[0])
             _, out, _ = self.block(op.kernels[-1])
             self.attention[where] = AttentionKernel(chain, op, sc, out, xp, device)
-        return self.attention[where]
+        kernel = self.attention[where]
+        assert isinstance(kernel, AttentionKernel)
+        return kernel
 
     def tiles(self, need: Region, parts: Sequence[tuple[int, Region]]) -> bool:
         """Whether the parts of a read are disjoint and fill its need (decided once per read)."""
@@ -381,7 +409,28 @@ class Device:
 
     def fused(self, op: ir.Fused) -> Buffer:
         """Fused ops: one fast kernel where this namespace has one, else each inner op in turn
-        (exactly the rules), their inner buffers gone when the last one is made."""
+        (exactly the rules), their inner buffers gone when the last one is made.  The buffers
+        it exports are kept here; the last one is returned."""
+        backward = self.kernels.backward_kernel(op, self.xp, self.device)
+        if backward is not None:
+            by_rule = {k.node: k for k in op.kernels}
+            bw = backward.bw
+            sc, gp = by_rule[bw.scores], by_rule[bw.grad_probs]
+            where = ((sc, bw.chain.q), (sc, bw.chain.k), (gp, backward.v_pos), (gp, backward.go_pos))
+            operands = []
+            for kernel, position in where:
+                node, _, needs = self.kernels.block(kernel)
+                dtype = self.graph.relation(node.inputs[position].relation).dtype
+                operands.append(self.assemble(needs[position], kernel.reads[position], dtype)[0])
+            last = None
+            for rule, data in zip(bw.results, backward(*operands), strict=True):
+                kernel = by_rule[rule]
+                if kernel.buf == op.buf:
+                    last = Buffer(op.region, data, None)
+                else:
+                    self.keep(kernel.buf, Buffer(kernel.region, data, None))
+            assert last is not None
+            return last
         fast = self.kernels.fused_kernel(op, self.xp, self.device)
         if fast is None:
             for k in op.body:

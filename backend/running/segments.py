@@ -80,8 +80,8 @@ def segments(program: ir.DeviceProgram) -> list[Segment]:
                 for b in ir.reads(op):
                     if b not in made:
                         read[b] = None
-                if isinstance(op, ir.DEFINES):
-                    made[op.buf] = None
+                for m in ir.made(op):
+                    made[m.buf] = None
             leaving = tuple(b for b in made if b not in freed)
             out.append(Segment(k, j, False, tuple(read), leaving, tuple(b for b in freed if b not in made)))
         k = j
@@ -103,7 +103,7 @@ class CompiledSpmdExecutable:
         self.program = self.eager.program
         self.rank = self.eager.rank
         self.cut = segments(self.program)
-        self.regions = {op.buf: op.region for op in self.program.ops if isinstance(op, ir.DEFINES)}
+        self.regions = {m.buf: m.region for op in self.program.ops for m in ir.made(op)}
         self.functional = copy.copy(self.eager.collective_ops)  # the same process groups
         self.functional.functional = True
         self.replays: dict[tuple[Any, ...], dict[int, _Replay]] = {}  # signature -> segment -> graph

@@ -90,7 +90,7 @@ class SpmdExecutable:
         self.xp = TorchOps(self.device)
         self.kernels = Kernels(graph)
         self.blocks: dict[int, Any] = {}
-        made = [op for _, _, op in programs.ops() if isinstance(op, ir.DEFINES)]
+        made = [m for _, _, op in programs.ops() for m in ir.made(op)]
         self.full = {op.buf: op.full for op in made}
         self.buffer_dtype = {op.buf: op.dtype for op in made}
         self.last_times: list[OpTime] = []

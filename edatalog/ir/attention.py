@@ -113,7 +113,7 @@ def _match(graph: Graph, o: JoinAgg, readers: dict[str, list[JoinAgg]]) -> Chain
         p != 1 or not isinstance(sc_node.expr.nodes[k], Load) for k, p in s_form.factors
     ):
         return None
-    scale = _constant(sc_node, s_form.constants)
+    scale = scale_of(sc_node, s_form.constants)
     if scale is None:
         return None
     q_pos, k_pos = (sc_node.expr.nodes[k].input for k, _ in s_form.factors)  # type: ignore[union-attr]
@@ -183,7 +183,7 @@ def _reduces_one_load(node: JoinAgg, agg: str, relation: str) -> bool:
     )
 
 
-def _constant(node: JoinAgg, constants: Sequence[tuple[int, int]]) -> float | None:
+def scale_of(node: JoinAgg, constants: Sequence[tuple[int, int]]) -> float | None:
     """The product of the constant factors (``1 / sqrt(E)``), folded in Python."""
     value = 1.0
     for k, power in constants:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from edatalog.ir import dtypes, intervals, serialize
@@ -128,7 +128,9 @@ class Combine:
 class Fused:
     """Several ops of one device run as one (``kind`` names how, e.g. ``"attention"``): kernels,
     and the combines of partials among them.  The buffers the inner ops make and read among
-    themselves never exist outside; the last op's buffer is the fused op's."""
+    themselves never exist outside; the last op's buffer is the fused op's, and ``exports``
+    names inner ops' buffers that outlive it too (an attention's backward makes the gradients
+    of q, k and v at once)."""
 
     buf: int
     kind: str
@@ -137,10 +139,16 @@ class Fused:
     region: Region
     dtype: str
     full: bool = False
+    exports: tuple[int, ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})
 
     @property
     def internal(self) -> frozenset[int]:
-        return frozenset(k.buf for k in self.body[:-1])
+        return frozenset(k.buf for k in self.body[:-1] if k.buf not in self.exports)
+
+    @property
+    def exported(self) -> tuple[Kernel | Combine, ...]:
+        """The inner ops whose buffers outlive the fused op, besides the last."""
+        return tuple(k for k in self.body[:-1] if k.buf in self.exports)
 
     @property
     def kernels(self) -> tuple[Kernel, ...]:
@@ -211,6 +219,15 @@ class Free:
 
 Op = Load | Kernel | Send | Recv | Combine | Fused | Collective | Free
 DEFINES = (Load, Kernel, Recv, Combine, Fused, Collective)  # the ops that make a buffer
+Maker = Load | Kernel | Recv | Combine | Fused | Collective
+
+
+def made(op: Op) -> tuple[Maker, ...]:
+    """What defines each buffer ``op`` leaves behind: the op itself where it makes one, and a
+    fused op's exported inner ops (their buffer, relation, region, dtype and fullness)."""
+    if isinstance(op, Fused):
+        return (*op.exported, op)
+    return (op,) if isinstance(op, DEFINES) else ()
 
 
 def reads(op: Op) -> tuple[int, ...]:
@@ -218,7 +235,7 @@ def reads(op: Op) -> tuple[int, ...]:
     if isinstance(op, Kernel):
         return tuple(dict.fromkeys(b for parts in op.reads for b, _ in parts))
     if isinstance(op, Fused):
-        inside = op.internal
+        inside = {k.buf for k in op.body}
         return tuple(dict.fromkeys(b for k in op.body for b in reads(k) if b not in inside))
     if isinstance(op, Combine):
         return op.sources
@@ -314,6 +331,8 @@ class Programs:
                         made_inside[k.buf] = k.region
                     if op.body[-1].buf != op.buf:
                         raise VerifyError(f"{where}: the last inner op's buffer is not the op's")
+                    if len(op.exported) != len(op.exports):
+                        raise VerifyError(f"{where}: exports a buffer no inner op but the last makes")
                 elif isinstance(op, Send):
                     _, rel, region, dtype = defined[op.buf]
                     if not region.contains(op.region):
@@ -342,26 +361,25 @@ class Programs:
                     recvs[op.tag] = (op.peer, p.device, op.region, op.dtype, op.full)
                 if isinstance(op, Combine) and any(full_of[b] for b in op.sources) and not op.full:
                     raise VerifyError(f"{where}: a full source, not full")
-                if isinstance(op, DEFINES):
-                    if op.buf in defined:
-                        raise VerifyError(f"{where}: %{op.buf} defined twice")
-                    if op.relation not in shapes:
-                        raise VerifyError(f"{where}: unknown relation {op.relation}")
-                    shape, _ = shapes[op.relation]
-                    if len(op.region.axes) != len(shape):
-                        raise VerifyError(f"{where}: region of rank {len(op.region.axes)}")
+                for m in made(op):
+                    if m.buf in defined:
+                        raise VerifyError(f"{where}: %{m.buf} defined twice")
+                    if m.relation not in shapes:
+                        raise VerifyError(f"{where}: unknown relation {m.relation}")
+                    shape, _ = shapes[m.relation]
+                    if len(m.region.axes) != len(shape):
+                        raise VerifyError(f"{where}: region of rank {len(m.region.axes)}")
                     if not (
                         all(
-                            not a or (a[0][0] >= 0 and a[-1][1] <= n)
-                            for a, n in zip(op.region.axes, shape, strict=True)
+                            not a or (a[0][0] >= 0 and a[-1][1] <= n) for a, n in zip(m.region.axes, shape, strict=True)
                         )
                     ):
-                        raise VerifyError(f"{where}: region outside {op.relation}{list(shape)}")
-                    if op.dtype not in dtypes.DTYPES:
-                        raise VerifyError(f"{where}: bad dtype {op.dtype}")
-                    defined[op.buf] = (p.device, op.relation, op.region, op.dtype)
-                    full_of[op.buf] = op.full
-                    live.add(op.buf)
+                        raise VerifyError(f"{where}: region outside {m.relation}{list(shape)}")
+                    if m.dtype not in dtypes.DTYPES:
+                        raise VerifyError(f"{where}: bad dtype {m.dtype}")
+                    defined[m.buf] = (p.device, m.relation, m.region, m.dtype)
+                    full_of[m.buf] = m.full
+                    live.add(m.buf)
                 if isinstance(op, Free):
                     live.discard(op.buf)
         if set(sends) != set(recvs):
@@ -433,8 +451,8 @@ def with_frees(body: list[Op], freed: set[int]) -> list[Op]:
     for k, op in enumerate(body):
         for b in reads(op):
             last[b] = k
-        if isinstance(op, DEFINES):
-            last.setdefault(op.buf, k)
+        for m in made(op):
+            last.setdefault(m.buf, k)
     ends: dict[int, list[int]] = {}
     for b, k in last.items():
         if b in freed:
