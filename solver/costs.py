@@ -20,6 +20,7 @@ import numpy as np
 
 from edatalog.ir import dtypes
 from edatalog.ir.attention import attention_chains, key_index
+from edatalog.ir.attention_backward import attention_backwards
 from edatalog.ir.cost import GemmRoles, flops_per_point, gemm_roles, gemm_shape, launches
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
@@ -88,12 +89,19 @@ class Costs:
         # probabilities, sums), which never leave the fused kernel, and the chain's first rule.
         self._fused: dict[str, frozenset[str]] = {}
         self._first: dict[str, str] = {}
-        self._key: dict[str, str] = {}  # per rule of a chain: its key index
+        self._key: dict[str, str | None] = {}  # per rule of a chain: its key index (None: it has none)
         for chain in attention_chains(graph):
             inner = frozenset(graph.node(n).out for n in chain.nodes[:-1])
             for name in chain.nodes:
                 self._fused[name], self._first[name] = inner, chain.scores
                 self._key[name] = key_index(graph, chain, name)
+        # The backward of a chain is fused as well: its rules made again and the gradients of
+        # its sums, probabilities and scores stay inside the kernel.
+        for bw in attention_backwards(graph):
+            inner = frozenset(graph.node(n).out for n in bw.inner)
+            for name in bw.nodes:
+                self._fused[name], self._first[name] = inner, bw.scores
+                self._key[name] = bw.key_of(graph, name)
         self._tiles: dict[tuple[object, ...], int] = {}
 
     def itemsize(self, relation: str) -> int:
@@ -118,8 +126,9 @@ class Costs:
         # A rule of an attention chain is part of one flash kernel, unless the candidate splits
         # its key index (the backend fuses only blocks that hold every key of their queries).
         fused = self._fused.get(node.name)
-        if fused is not None:
-            k = [i.name for i in node.indices].index(self._key[node.name])
+        key = self._key.get(node.name)
+        if fused is not None and key is not None:
+            k = [i.name for i in node.indices].index(key)
             cand = layout.cand
             if cand.parts[k] > 1 or (cand.chunk > 1 and k in cand.chunked):  # the keys cut: no flash kernel
                 fused = None

@@ -29,7 +29,8 @@ class TorchCollectives:
 
     With ``functional``, each collective is torch's functional collective instead (out of place,
     then ``wait_tensor``): ATen ops with no work object, which a recorded graph can replay (the
-    compiled SPMD runtime, :mod:`edatalog.backend.running.segments`)."""
+    compiled SPMD runtime, :mod:`edatalog.backend.running.segments`).  An all-reduce's wait is
+    deferred to the first op that reads its result (:meth:`Device.defer`)."""
 
     def __init__(self, programs: ir.Programs, rank: int, device: Any, timeout: float, functional: bool = False) -> None:
         torch = torch_module()
@@ -61,10 +62,14 @@ class TorchCollectives:
                 data = data.clone(memory_format=torch_module().contiguous_format)
             work, back = self._reducible(data)
             if self.functional:
-                work = self._wait(self._ops().all_reduce(work, self.functional_names[str(op.reduce)], group.group_name))
+                # Waited for where it is first read (in a recorded graph too): the ops in between
+                # run while it travels.
+                issued = self._ops().all_reduce(work, self.functional_names[str(op.reduce)], group.group_name)
+                whole = op.whole
+                dev.defer(op.buf, Buffer(whole, issued, None), lambda: Buffer(whole, back(self._wait(issued)), None))
             else:
                 self.dist.all_reduce(work, op=self.reduce_ops[str(op.reduce)], group=group)
-            dev.keep(op.buf, Buffer(op.whole, back(work), None))
+                dev.keep(op.buf, Buffer(op.whole, back(work), None))
         elif op.kind is Kind.REDUCE_SCATTER:
             dev.keep(op.buf, self._reduce_scatter(dev, op, source, group))
         else:

@@ -249,6 +249,7 @@ class Device:
         self.program, self.graph, self.kernels, self.loader = program, graph, kernels, loader
         self.xp, self.device, self.on_op = xp, device, on_op
         self.store: dict[int, Buffer] = {}
+        self.pending: dict[int, Callable[[], Buffer]] = {}  # see ``defer``
         self.position = 0
         self.live_bytes = 0  # of the buffers in the store (a buffer's cells, and its mask)
         self.peak_bytes = 0  # the most ``live_bytes`` has been
@@ -319,7 +320,16 @@ class Device:
 
     # -- buffers -------------------------------------------------------------------------------
 
+    def defer(self, buf: int, issued: Buffer, finish: Callable[[], Buffer]) -> None:
+        """Hold ``issued`` (a collective's result, under way) as buffer ``buf`` until an op reads
+        it; ``finish`` then waits for it and makes the buffer.  The ops in between run while it
+        travels, as DDP overlaps its gradients' all-reduces with the rest of the backward."""
+        self.keep(buf, issued)
+        self.pending[buf] = finish
+
     def get(self, buf: int) -> Buffer:
+        if buf in self.pending:
+            self.store[buf] = self.pending.pop(buf)()
         if buf not in self.store:
             raise ExecutionError(f"device {self.index} reads buffer %{buf}, which it does not hold")
         return self.store[buf]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from edatalog.ir.attention import Chain, attention_chains, scale_of
+from edatalog.ir.attention import Chain, attention_chains, key_index, scale_of
 from edatalog.ir.forms import product_form
 from edatalog.ir.graph import Access, Graph, JoinAgg
 from edatalog.ir.scalar import Load, Op
@@ -63,6 +63,21 @@ class Backward:
     @property
     def nodes(self) -> tuple[str, ...]:
         return (*self.inner, *self.results)
+
+    def key_of(self, graph: Graph, rule: str) -> str | None:
+        """The key index (``t``) of one of these rules, as it names it; None for the sums'
+        gradient, which has none.  A block that splits it cannot be one flash kernel."""
+        chain = self.chain
+        again = dict(zip((self.scores, self.maxima, self.probs, self.sums), chain.nodes[:4], strict=True))
+        if rule in again:
+            return key_index(graph, chain, again[rule])  # the same indices as the forward's rule
+        if rule == self.grad_sums:
+            return None
+        if rule in (self.grad_probs, self.grad_v):
+            return key_index(graph, chain, chain.out)  # over o's points
+        if rule == self.grad_scores:
+            return key_index(graph, chain, chain.probs)  # over p's points
+        return key_index(graph, chain, chain.scores)  # q's and k's, over the scores' points
 
     def source(self, result: str) -> str:
         """The intermediate rule a result reads: the scores' gradient for q and k, p' for v."""
