@@ -95,31 +95,39 @@ class Program:
 
     # -- running ------------------------------------------------------------------------------
 
-    def prepare(self, values: Mapping[str, Any], *, kinds: Collection[str] = ("input", "param")) -> dict[str, Any]:
+    def prepare(
+        self, values: Mapping[str, Any], *, kinds: Collection[str] = ("input", "param"), optional: Collection[str] = ()
+    ) -> dict[str, Any]:
         """Check names, shapes and dtypes of the given values of the relations of ``kinds``
-        (inputs and params: everything a run needs); convert them to the declared dtypes.
-        Values may be numpy arrays, nested lists, numbers or torch tensors (of any device, with or
-        without ``requires_grad``; converted exactly, bf16 included)."""
-        return self._prepare(values, kinds, keep_torch=False)
+        (inputs and params: everything a run needs, but the names in ``optional``); convert
+        them to the declared dtypes.  Values may be numpy arrays, nested lists, numbers or torch
+        tensors (of any device, with or without ``requires_grad``; converted exactly, bf16
+        included)."""
+        return self._prepare(values, kinds, False, optional)
 
-    def _prepare(self, values: Mapping[str, Any], kinds: Collection[str], keep_torch: bool) -> dict[str, Any]:
+    def _prepare(
+        self, values: Mapping[str, Any], kinds: Collection[str], keep_torch: bool, optional: Collection[str] = ()
+    ) -> dict[str, Any]:
         """:meth:`prepare`; with ``keep_torch``, torch tensors stay torch tensors (in the
         declared dtype, on their device), for the torch runtime.  Torch tensors of names,
         shapes and dtypes already found right are checked once per such signature (a decode
-        loop calls with the same ones every token); looked-up values, on every call."""
+        loop calls with the same ones every token); looked-up values, on every call.  Names in
+        ``optional`` may be left out (state an executable already holds)."""
         _check_mapping(values)
-        sig = _torch_signature(values, tuple(kinds)) if keep_torch else None
+        sig = _torch_signature(values, (*kinds, *sorted(optional))) if keep_torch else None
         if sig is not None and sig in self._valid:
             out = {k: v.detach() for k, v in values.items()}
             self._check_lookups(out)
             return out
-        out = self._prepare_checked(values, kinds, keep_torch)
+        out = self._prepare_checked(values, kinds, keep_torch, optional)
         declared = {r.name: r.dtype for r in self.arguments}
         if sig is not None and all(_torch_dtype_name(v) == declared[k] for k, v in values.items()):
             self._valid.add(sig)  # found right, in the declared dtypes: passed as they are next time
         return out
 
-    def _prepare_checked(self, values: Mapping[str, Any], kinds: Collection[str], keep_torch: bool) -> dict[str, Any]:
+    def _prepare_checked(
+        self, values: Mapping[str, Any], kinds: Collection[str], keep_torch: bool, optional: Collection[str] = ()
+    ) -> dict[str, Any]:
         expected = {r.name: r for r in self.arguments if r.kind in kinds}
         for name in values:
             if name not in expected:
@@ -132,6 +140,8 @@ class Program:
         out: dict[str, Any] = {}
         for name, rel in expected.items():
             span = self._decl_spans.get(name)
+            if name not in values and name in optional:
+                continue
             if name not in values:
                 raise EdlError(
                     f"missing value for {rel.kind} '{name}' ({_shape_text(rel)})",

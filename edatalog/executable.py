@@ -9,6 +9,15 @@ the blocks its program loads); every call checks and runs the inputs.  Inside an
 torch.distributed group as large as the plan, a torch executable is SPMD: this rank runs its
 device's program, and every rank gets the outputs whole (``gather=False``: the pieces it holds,
 the rest reading as absent).
+
+A program that carries state from call to call (``Graph.carries``: a training step's params and
+optimizer state) keeps it where each call leaves it:
+
+    exe.load({**params, **state})   # the params, and the carried inputs to start from
+    out = exe.step(batch)           # the outputs that are not carried; the state stays put
+    exe.state()                     # the carried relations now, whole (every rank asks alike)
+
+A call may still give a carried input; it then replaces what is held.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
 from edatalog.plans import Plan
 
-Prepare = Callable[[Mapping[str, Any], Collection[str], bool], dict[str, Any]]
+Prepare = Callable[[Mapping[str, Any], Collection[str], bool, Collection[str]], dict[str, Any]]
 
 
 class Executable:
@@ -56,6 +65,13 @@ class Executable:
         self._impl: Runnable = rt.build(graph, self.lowered, device, compile_mode(compile))
         self._params = [r.name for r in graph.relations if r.kind == "param"]
         self._loaded = not self._params
+        # Carried state: what the runtime holds now, or (a runtime that does not carry) this
+        # object holds for it, whole.
+        self._carried = graph.carried  # relation -> the output carried into it
+        self._held: set[str] = set()
+        self._native = hasattr(self._impl, "held")
+        self._kept: dict[str, Any] = {}
+        self._lost = ""
 
     def __repr__(self) -> str:
         if self.plan is not None:
@@ -104,22 +120,93 @@ class Executable:
                 self._loaded = True
                 return
             params = {rel: ckpt.read(name) for rel, name in names.items()}
-        values = self._prepare(params, ("param",), self._keep_torch)
+        given = dict(params)
+        state = {k: given.pop(k) for k in list(given) if k in self._carried and self._kind(k) == "input"}
+        values = self._prepare(given, ("param",), self._keep_torch, ())
+        if state:
+            values.update(self._prepare(state, ("input",), self._keep_torch, self._inputs - set(state)))
         self._impl.load(values)
-        self._loaded = True
+        if not self._native:
+            self._kept.update({k: v for k, v in values.items() if k in self._carried})
+        self._held |= {k for k in values if k in self._carried}
+        self._loaded, self._lost = True, ""
+
+    def state(self, names: Collection[str] | None = None) -> dict[str, Any]:
+        """The carried relations (default: all) as held now, whole: torch tensors on the torch
+        backend.  Under SPMD every rank must ask alike (pieces travel between ranks)."""
+        names = list(self._carried) if names is None else list(names)
+        unknown = [n for n in names if n not in self._carried]
+        if unknown:
+            raise EdlError(
+                f"{unknown[0]} is not carried from call to call", help=f"carried: {', '.join(self._carried)}"
+            )
+        self._check_held(names)
+        if self._native:
+            return self._impl.held(names)  # type: ignore[attr-defined]
+        return {n: self._kept[n] for n in names}
+
+    def step(self, inputs: Mapping[str, Any], *, record: bool = False) -> dict[str, Any]:
+        """One call whose carried outputs stay where they are made, for the next call: the
+        other outputs, whole."""
+        keep = [o for o in self.graph.outputs if o not in set(self._carried.values())]
+        return self.run(inputs, record=record, outputs=keep).values
 
     def __call__(self, inputs: Mapping[str, Any], *, gather: bool = True, record: bool = False) -> dict[str, Any]:
         """The outputs for ``inputs`` (absent cells read as 0)."""
         return self.run(inputs, gather=gather, record=record).values
 
-    def run(self, inputs: Mapping[str, Any], *, gather: bool = True, record: bool = False) -> Outputs:
-        """As a call, with which cells of each output exist (``Outputs.present``; None: all)."""
+    def run(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs:
+        """As a call, with which cells of each output exist (``Outputs.present``; None: all);
+        ``outputs`` names the outputs to return (None: all)."""
         if not self._loaded:
             raise EdlError(
                 "the params are not loaded", help="call exe.load(params) first (a dict or a .safetensors path)"
             )
-        values = self._prepare(inputs, ("input",), self._keep_torch)
-        return self._impl(values, gather_outputs=gather, record=record)
+        self._check_held([k for k in self._carried if k not in inputs])
+        held = {k for k in self._held if self._kind(k) == "input"}
+        values = self._prepare(inputs, ("input",), self._keep_torch, held - set(inputs))
+        if not self._carried:
+            return self._impl(values, gather_outputs=gather, record=record, outputs=outputs)
+        if not self._native:
+            values = {**{k: v for k, v in self._kept.items() if k in held}, **values}
+        ask = outputs if self._native else None
+        try:
+            out = self._impl(values, gather_outputs=gather, record=record, outputs=ask)
+        except BaseException:
+            self._held.clear()
+            self._lost = "a call failed after it took the state carried into it"
+            raise
+        if not self._native:
+            carried = {target: out.values[output] for target, output in self._carried.items()}
+            self._kept.update(carried)
+            self._impl.load({k: v for k, v in carried.items() if self._kind(k) == "param"})
+        self._held = set(self._carried)
+        if outputs is not None:  # runtimes in one process have every output whole anyway
+            out = Outputs({k: out.values[k] for k in outputs}, {k: out.present[k] for k in outputs})
+        return out
+
+    def _kind(self, name: str) -> str:
+        return self.graph.relation(name).kind
+
+    @property
+    def _inputs(self) -> set[str]:
+        return {r.name for r in self.graph.relations if r.kind == "input"}
+
+    def _check_held(self, names: Collection[str]) -> None:
+        missing = [n for n in names if n not in self._held]
+        if missing:
+            why = f"{self._lost}: " if self._lost else ""
+            raise EdlError(
+                f"{why}the executable holds no value of the carried {self._kind(missing[0])} '{missing[0]}'",
+                help="load it (exe.load({..., name: value})) or give it among the call's inputs",
+            )
 
 
 def _lowered(plan: Plan | Lowered | None, collectives: str | None) -> Lowered | None:

@@ -24,6 +24,7 @@ from edatalog.backend.running.compiled import Compile
 from edatalog.backend.running.runtime import check_plan, runtime
 from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir.graph import Graph, Repeat
+from edatalog.ir.printer import human
 from edatalog.solver import auto, layers, policy, strategies
 from edatalog.solver import topology as machines
 from edatalog.solver.plan import Plan as PlanIR
@@ -291,17 +292,23 @@ def _against_baselines(plan: Plan, graph: Graph, machine: Topology, reduction: s
     data parallel, and the activations moved between them); the baselines, built whole, do not.
     Checking them takes a whole-program timeline each, affordable at this size."""
     best, why = plan, ""
-    for strategy in ("data", "megatron"):
+    over = bool(plan.over_memory())
+    # ZeRO's shape where the program carries state (a training step): what fits when
+    # replicated params and optimizer state do not.
+    names = ("data", "zero", "megatron") if graph.carries else ("data", "megatron")
+    for strategy in names:
         try:
             candidate = Plan(strategies.build(graph, machine, strategy), graph, machine, reduction, options)
         except EdlError:
             continue  # no such baseline for this program (megatron without heads)
-        if not candidate.over_memory() and candidate.report.seconds < best.report.seconds:
-            why = (
-                f"the {strategy} baseline as built: predicted {candidate.report.seconds * 1e3:.4g} ms, the layers "
-                f"solved one at a time {plan.report.seconds * 1e3:.4g} ms"
-            )
-            best = candidate
+        if candidate.over_memory():
+            continue
+        if over or candidate.report.seconds < best.report.seconds:
+            solved = f"the layers solved one at a time {plan.report.seconds * 1e3:.4g} ms"
+            if over:
+                solved += f", over the memory limit ({human(max(plan.report.peak_memory.values()))}B at peak)"
+            why = f"the {strategy} baseline as built: predicted {candidate.report.seconds * 1e3:.4g} ms, {solved}"
+            best, over = candidate, False
     if best is not plan:
         best.picked, best.solution = why, plan.solution
     return best

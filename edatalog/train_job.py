@@ -173,7 +173,7 @@ def run(req: Request, on_step: Callable[[Record], None] | None = None, device: A
         plan=plan,
         device=None if device is None else str(device),
     )
-    start = _load(trainer, req)
+    start = _load(trainer, req, prog)
     predicted = plan.report.seconds * 1e3 if plan is not None else None
     records = []
     for k in range(start, start + req.steps):
@@ -185,7 +185,7 @@ def run(req: Request, on_step: Callable[[Record], None] | None = None, device: A
         records.append(rec)
         if on_step is not None:
             on_step(rec)
-    if req.save is not None and _is_rank_zero():
+    if req.save is not None:
         save(trainer, req)
     return records
 
@@ -206,32 +206,49 @@ def _vocab(prog: Program) -> int:
     return logits.shape[2]
 
 
-def _load(trainer: Trainer, req: Request) -> int:
+def _load(trainer: Trainer, req: Request, prog: Program) -> int:
     """Params from the weights (or the resumed directory), and the optimizer's state from a
-    resumed directory; returns the steps already taken."""
+    resumed directory; returns the steps already taken.  A half-typed program trains f32
+    master weights: they load from an f32 checkpoint as they are, or from one in the
+    program's own type (``prog``'s), widened."""
     source = req.resume or req.weights
-    params = trainer.program.load_checkpoint(source)
-    trainer.load(params)
+    try:
+        params = trainer.program.load_checkpoint(source)
+    except EdlError:
+        if prog.graph.fingerprint() == trainer.program.graph.fingerprint() or not _halves(prog):
+            raise
+        params = prog.load_checkpoint(source)
     if req.resume is None:
+        trainer.load(params)
         return 0
     path = Path(req.resume) / OPTIMIZER_FILE
     from safetensors import safe_open
 
+    state = {}
     with safe_open(str(path), framework="np") as fh:
         meta = fh.metadata() or {}
         stored = set(fh.keys())
-        for name in trainer.state:
+        for name, _ in trainer.names.state:
             if name not in stored:
                 raise EdlError(f"{path} lacks the optimizer state '{name}'", help="resume with the same --optimizer")
-            trainer.state[name] = fh.get_tensor(name)
-    trainer.steps = int(meta.get("step", "0"))
-    return trainer.steps
+            state[name] = fh.get_tensor(name)
+    steps = int(meta.get("step", "0"))
+    trainer.load(params, state, steps)
+    return steps
+
+
+def _halves(prog: Program) -> bool:
+    return any(r.kind == "param" and r.dtype in ("bf16", "f16") for r in prog.graph.relations)
 
 
 def save(trainer: Trainer, req: Request) -> None:
-    """Write ``req.save``: config.json, the params by their checkpoint names, the optimizer's state."""
+    """Write ``req.save``: config.json, the params by their checkpoint names, the optimizer's
+    state.  Every rank gathers them (their shards travel between ranks); rank 0 writes."""
     from safetensors.numpy import save_file
 
+    params, state = trainer.params, trainer.state
+    if not _is_rank_zero():
+        return
     out = Path(req.save or "")
     out.mkdir(parents=True, exist_ok=True)
     source = Path(req.resume or req.weights)
@@ -239,12 +256,11 @@ def save(trainer: Trainer, req: Request) -> None:
     if config.is_file() and config.resolve() != (out / "config.json").resolve():
         shutil.copyfile(config, out / "config.json")
     names = Checkpoint(source).names_for(trainer.program.graph)
-    tensors = {names[p]: _numpy(v) for p, v in trainer.params.items() if p in names}
+    tensors = {names[p]: _numpy(v) for p, v in params.items() if p in names}
     with tempfile.TemporaryDirectory(dir=out) as tmp:  # written whole, then moved: never half a file
         save_file(tensors, str(Path(tmp) / MODEL_FILE), metadata={"format": "pt"})
-        state = {k: _numpy(v) for k, v in trainer.state.items()}
         meta = {"step": str(trainer.steps), "optimizer": json.dumps(dataclasses.asdict(req.optimizer))}
-        save_file(state, str(Path(tmp) / OPTIMIZER_FILE), metadata=meta)
+        save_file({k: _numpy(v) for k, v in state.items()}, str(Path(tmp) / OPTIMIZER_FILE), metadata=meta)
         for name in (MODEL_FILE, OPTIMIZER_FILE):
             (Path(tmp) / name).replace(out / name)
 

@@ -15,9 +15,17 @@ update, all rules of one graph (so that one plan places all of it).
     ``p - lr * b`` (torch's first step sets ``b = g``: a zero buffer gives the same).
 
 The optimizer's state (moments, buffers) and the step count ``t`` are inputs of the step, and
-its new values outputs, named ``<state>_<param>`` and ``next_<name>``; the caller feeds them
-back (:class:`edatalog.training.Trainer`).  The step's outputs are the loss, then for each param
-its next value, then each state's next value.
+its new values outputs, named ``<state>_<param>`` and ``next_<name>``; the graph carries each
+next value into its relation for the next call (``Graph.carries``; the runtimes keep them on
+the devices).  The step's outputs are the loss, then for each param its next value, then each
+state's next value.
+
+**Mixed precision.**  Params of a half type (a program compiled ``--dtype bf16``) get master
+weights (``master="f32"``, the default): the param itself becomes f32, as do its gradient, its
+optimizer state and its update, and the rules of the program read a half copy of it
+(``half_<param>``, rounded once per step), so the forward and backward compute in the half type
+as before.  Updates smaller than the half type's resolution then accumulate, as torch's
+mixed-precision training (autocast with f32 params) does.
 """
 
 from __future__ import annotations
@@ -82,10 +90,16 @@ class StepNames:
 
 
 def training_step(
-    graph: Graph, loss: str, optimizer: Optimizer, clip: float = 0.0, params: Sequence[str] | None = None
+    graph: Graph,
+    loss: str,
+    optimizer: Optimizer,
+    clip: float = 0.0,
+    params: Sequence[str] | None = None,
+    master: str | None = "f32",
 ) -> tuple[Graph, StepNames]:
     """``graph`` with its gradients (:func:`edatalog.rules.grad.gradient`), clipping and the
-    optimizer's update of ``params`` (default: every float param) as more rules."""
+    optimizer's update of ``params`` (default: every float param) as more rules; half params
+    get ``master`` weights (None: they are updated in their own type)."""
     if clip < 0 or not math.isfinite(clip):
         raise EdlError(f"the clipping norm must be 0 (no clipping) or positive, not {clip}")
     if optimizer.lr <= 0:
@@ -93,6 +107,8 @@ def training_step(
     if params is None:
         params = [r.name for r in graph.relations if r.kind == "param" and dtypes.kind(r.dtype) == "float"]
     params_ = tuple(params)
+    if master is not None:
+        graph = master_weights(graph, params_, master, loss)
     with_grads = gradient(graph, loss, params_)
     b = _Rules(with_grads)
     grads = dict(zip(params_, with_grads.outputs[1:], strict=True))  # in the order asked
@@ -158,9 +174,45 @@ def training_step(
             p2 = b.like(NEXT + p, p)
             b.elementwise(p2, [p, g], [], lambda e, p_, g_: e.sub(p_, e.mul(e.const(lr), g_)))
     outputs += [NEXT + p for p in params_] + [NEXT + s for s, _ in state]
-    out = dataclasses.replace(b.graph(), outputs=tuple(outputs))
+    carries = tuple((NEXT + r, r) for r in (*params_, *(s for s, _ in state)))
+    out = dataclasses.replace(b.graph(), outputs=tuple(outputs), carries=carries)
     out.verify()
     return out, StepNames(loss, params_, tuple(state), step)
+
+
+HALF = ("bf16", "f16")
+HALF_PREFIX = "half_"  # a master weight's copy in the half type, which the program's rules read
+
+
+def master_weights(graph: Graph, params: Sequence[str], master: str = "f32", loss: str | None = None) -> Graph:
+    """``graph`` with each half-typed param of ``params`` made ``master`` (f32): a rule
+    ``half_<p>[i...] = <p>[i...]`` in the param's own type comes first, and every rule that read
+    the param reads that copy instead (their types and results unchanged).  A half ``loss`` is
+    summed in ``master`` too (as autocast computes a loss in f32)."""
+    if dtypes.kind(master) != "float" or master in HALF:
+        raise EdlError(f"master weights must be f32 or f64, not {master}")
+    halves = [p for p in params if graph.relation(p).dtype in HALF]
+    if not halves:
+        return graph
+    if loss is not None and graph.relation(loss).dtype in HALF:
+        relations = tuple(dataclasses.replace(r, dtype=master) if r.name == loss else r for r in graph.relations)
+        summed = tuple(dataclasses.replace(n, dtype=master) if n.out == loss else n for n in graph.nodes)
+        graph = dataclasses.replace(graph, relations=relations, nodes=summed)
+    renamed = {p: HALF_PREFIX + p for p in halves}
+    nodes = [
+        dataclasses.replace(
+            n, inputs=tuple(dataclasses.replace(a, relation=renamed.get(a.relation, a.relation)) for a in n.inputs)
+        )
+        for n in graph.nodes
+    ]
+    b = _Rules(dataclasses.replace(graph, nodes=()))
+    for p in halves:
+        rel = graph.relation(p)
+        b.relations[p] = dataclasses.replace(rel, dtype=master)
+        b._new(renamed[p], "derived", rel, rel.dtype, "=")
+        b.elementwise(renamed[p], [p], [], lambda e, w: w)
+    b.nodes.extend(nodes)
+    return b.graph()
 
 
 class _Rules:

@@ -235,7 +235,7 @@ def _unsearched(graph: Graph, topo: Topology, start: float) -> Solution:
     unsearched, for the caller to check in the timeline.  Costing every candidate of every node
     is what takes the time, and these need none of it."""
     built: list[tuple[str, Plan]] = []
-    for name in ("megatron", "megatron-sp", "data"):
+    for name in ("megatron", "megatron-sp", "data", *(("zero",) if graph.carries else ())):
         try:
             built.append((name, replace(build(graph, topo, name), strategy="auto")))
         except EdlError:

@@ -2,6 +2,8 @@
 
 - ``replicate``: device 0 computes everything.
 - ``data``: split the batch index (the first axis of the first input) across devices.
+- ``zero``: ``data``, with a training step's optimizer update and its state sharded across the
+  devices (ZeRO/FSDP: gradients reduce-scattered, params gathered where read).
 - ``megatron``: Megatron-LM tensor parallelism for transformer programs, recognized by structure
   (:mod:`edatalog.solver.structure`), never by dim names: attention heads split
   for q, k, v and attention (key/value heads replicated on the devices whose query heads share
@@ -31,7 +33,7 @@ from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.structure import transformer_dims
 from edatalog.solver.topology import Topology
 
-STRATEGIES = ("replicate", "data", "megatron", "megatron-sp", "random")
+STRATEGIES = ("replicate", "data", "zero", "megatron", "megatron-sp", "random")
 
 
 def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Plan:
@@ -41,6 +43,8 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
         return plan_of(graph, topology, strategy, tiles, outputs=False)
     if strategy == "data":
         return plan_of(graph, topology, strategy, _data_tiles(graph, n), outputs=False)
+    if strategy == "zero":
+        return plan_of(graph, topology, strategy, zero_tiles(graph, n), outputs=False)
     if strategy == "megatron":
         return plan_of(graph, topology, strategy, megatron_tiles(graph, n), outputs=True)
     if strategy == "megatron-sp":
@@ -62,18 +66,85 @@ def plan_of(
     reduce_axes: Mapping[str, int | None] | None = None,
 ) -> Plan:
     """The plan of these node tiles: inputs and params placed where their readers are
-    (:func:`place_by_consumers`), and with ``outputs``, the outputs gathered onto every device."""
+    (:func:`place_by_consumers`), and with ``outputs``, the outputs gathered onto every device.
+    State carried from call to call (``graph.carries``) lives where its next value is made
+    (:func:`made_tile`), and that output stays there: a call leaves it where the next one reads it."""
     axes = reduce_axes or {}
     nodes = tuple(NodePlan(node.name, tiles[node.name], axes.get(node.name)) for node in graph.nodes)
     readers = readers_of(graph)
-    inputs = tuple(
-        Placement(r.name, place_by_consumers(graph, tiles, r.name, topology.n, readers))
+    carried = {target: made_tile(graph, tiles, out) for out, target in graph.carries}
+    placed = {
+        r.name: carried.get(r.name) or place_by_consumers(graph, tiles, r.name, topology.n, readers)
         for r in graph.relations
         if r.kind != "derived"
-    )
+    }
+    inputs = tuple(Placement(name, tile) for name, tile in placed.items())
     every = list(range(topology.n))
-    outs = tuple(Placement(o, Tile.whole(graph.relation(o).box, every)) for o in graph.outputs) if outputs else ()
+    ends = {out: Placement(out, placed[target]) for out, target in graph.carries}
+    if outputs:
+        outs = tuple(ends.get(o) or Placement(o, Tile.whole(graph.relation(o).box, every)) for o in graph.outputs)
+    else:
+        outs = tuple(ends.values())
     return Plan(graph.fingerprint(), topology.n, topology.name, strategy, nodes, inputs, outs)
+
+
+def made_tile(graph: Graph, tiles: Mapping[str, Tile], relation: str) -> Tile | None:
+    """Where ``relation`` is made, as a tile of the relation: its one rule's blocks, when that
+    rule splits only indices its head names plainly (no partial sums to reduce).  None
+    otherwise (the caller places it by its readers)."""
+    producers = graph.producers(relation)
+    if len(producers) != 1:
+        return None
+    node = producers[0]
+    tile = tiles[node.name]
+    rel = graph.relation(relation)
+    axis_of: dict[str, str] = {}  # node index -> the relation's axis it names
+    for k, ax in enumerate(node.out_axes):
+        if len(ax.parts) != 1 or ax.parts[0].index is None:
+            return None
+        axis_of[ax.parts[0].index] = rel.axis_names[k]
+    if any(s.parts > 1 and s.index not in axis_of for s in tile.splits):
+        return None
+    split_of = {s.index: s for s in tile.splits}
+    index_of = {a: i for i, a in axis_of.items()}
+    splits = tuple(Split(a, split_of[index_of[a]].cuts) for a in rel.axis_names)
+    by_ranges = {tuple(b.ranges[index_of[a]] for a in rel.axis_names): b.devices for b in tile.blocks()}
+    devices = tuple(by_ranges[tuple(b.ranges[a] for a in rel.axis_names)] for b in Tile(splits, ()).blocks())
+    return Tile(splits, devices)
+
+
+# -- ZeRO: data parallel with the optimizer's state and update sharded ------------------------------
+
+
+def zero_tiles(graph: Graph, n: int) -> dict[str, Tile]:
+    """Data parallelism in ZeRO's shape (Rajbhandari et al. 2020; FSDP's): the rules of the
+    batch are split by batch as in ``data``; the rules at the end of the program that have no
+    batch index and feed only each other and the outputs (a training step's clipping and
+    optimizer update) are split across the devices along their largest index instead of
+    replicated.  The state they update then lives sharded (:func:`made_tile`): the gradients
+    are reduce-scattered to the shards, each device updates its shard of the params and
+    optimizer state, and the params are gathered where the batch's rules read them."""
+    tiles = _data_tiles(graph, n)
+    replicated = {name for name, t in tiles.items() if t.n_blocks == 1}
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for acc in node.inputs:
+            readers.setdefault(acc.relation, []).append(node.name)
+    tail: set[str] = set()
+    for node in reversed(graph.nodes):
+        if node.name in replicated and all(r in tail for r in readers.get(node.out, ())):
+            tail.add(node.name)
+    for node in graph.nodes:
+        if node.name not in tail:
+            continue
+        heads = {p.index for ax in node.out_axes for p in ax.parts if p.index is not None}
+        ranked = sorted(node.indices, key=lambda i: (i.name not in heads, -i.extent))
+        best = next((i for i in ranked if i.extent >= n), None)
+        if best is None:
+            continue  # scalars: replicated
+        splits = tuple(Split.even(i.name, i.extent, n if i is best else 1) for i in node.indices)
+        tiles[node.name] = Tile(splits, tuple((k,) for k in range(n)))
+    return tiles
 
 
 # -- data parallel ------------------------------------------------------------------------------

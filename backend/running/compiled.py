@@ -48,7 +48,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -185,17 +185,40 @@ class CompiledExecutable:
         """Keep each device's blocks of each param on its device; compiled graphs take them as
         inputs, so nothing is compiled again."""
         self.eager.load(params)
+        self._refresh()
+
+    def held(self, names: Collection[str]) -> dict[str, Any]:
+        return self.eager.held(names)
+
+    def _refresh(self) -> None:
+        """The held blocks as the graphs' first arguments.  Graphs address views by storage
+        offset: every block starts its own storage."""
         self._keys = sorted(self.eager.loaded)
-        # Graphs address views by storage offset: every block starts its own storage.
         for key in self._keys:
             block = self.eager.loaded[key]
             if block.storage_offset() != 0:
                 self.eager.loaded[key] = block.clone()
         self._state = [self.eager.loaded[k] for k in self._keys]
 
-    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
+    def __call__(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather_outputs: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs:
+        out = self._call(inputs, record)
+        if self.graph.carries:
+            self._refresh()
+        return out
+
+    def _call(self, inputs: Mapping[str, Any], record: bool) -> Outputs:
         whole = {k: at_offset_zero(TorchOps().asarray(v)) for k, v in inputs.items()}
         self._replayed = False
+        if self.graph.carries:
+            self.eager.release(whole)
+            self._refresh()
         if record or self.mode is Compile.NONE:
             return self.eager(whole, record=record)
         sig = _signature(whole)
@@ -219,7 +242,7 @@ class CompiledExecutable:
                 self.eager.last_times = []
                 if not _held(replay, flat):
                     return self.eager(whole)
-                return self._outputs(flat)
+                return self._carried(self._outputs(flat))
             _KEPT.move_to_end(key)
             self.replays[sig] = replay
         torch = torch_module()
@@ -236,7 +259,14 @@ class CompiledExecutable:
             d: int(torch.cuda.max_memory_allocated(dev)) if dev in gpus else peak
             for (d, peak), dev in zip(self._program_peaks.items(), self.eager.devices, strict=True)
         }
-        return self._outputs(flat)
+        return self._carried(self._outputs(flat))
+
+    def _carried(self, out: Outputs) -> Outputs:
+        """``out``, a graph's, its carried outputs kept as the next call's blocks (the
+        interpreter keeps them itself)."""
+        if self.graph.carries:
+            self.eager.carry(out)
+        return out
 
     @functools.cached_property
     def _program_peaks(self) -> dict[int, int]:

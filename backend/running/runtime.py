@@ -14,7 +14,7 @@ their choices from :data:`RUNTIMES`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +38,14 @@ class Executable(Protocol):
 
     def load(self, params: Mapping[str, Any]) -> None: ...
 
-    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs: ...
+    def __call__(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather_outputs: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,14 @@ class _Reference:
     def load(self, params: Mapping[str, Any]) -> None:
         self.params = {k: NUMPY.asarray(v) for k, v in params.items()}
 
-    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
+    def __call__(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather_outputs: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs:
         env = evaluate(self.graph, {**inputs, **self.params}, keep=self.graph.outputs)
         values = {k: env[k].data if k not in inputs and k not in self.params else env[k].data.copy() for k in env}
         return Outputs(values, {k: env[k].present for k in env})
@@ -78,7 +92,14 @@ class _Simulated:
     def load(self, params: Mapping[str, Any]) -> None:
         self.params = {k: NUMPY.asarray(v) for k, v in params.items()}
 
-    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
+    def __call__(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather_outputs: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs:
         got = sim.run(self.lowered, {**{k: NUMPY.asarray(v) for k, v in inputs.items()}, **self.params})
         names = self.lowered.graph.outputs
         return Outputs({k: got[k].data for k in names}, {k: got[k].present for k in names})

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,30 +134,44 @@ class CompiledSpmdExecutable:
         self.eager.load_slices(read)
         self._own_storage()
 
+    def held(self, names: Collection[str]) -> dict[str, Any]:
+        return self.eager.held(names)
+
     def _own_storage(self) -> None:
         """Graphs address views by storage offset: every param block starts its own storage."""
         for b, block in self.eager.blocks.items():
             self.eager.blocks[b] = at_offset_zero(block)
 
-    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
+    def __call__(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather_outputs: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs:
         self._replayed = False
         if record or self.mode is Compile.NONE:
-            return self.eager(inputs, gather_outputs=gather_outputs, record=record)
+            return self.eager(inputs, gather_outputs=gather_outputs, record=record, outputs=outputs)
         whole = {k: at_offset_zero(TorchOps().asarray(v)) for k, v in inputs.items()}
         sig = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(whole.items()))
         if sig not in self._seen:  # the first call: interpreted (every rank alike)
             self._seen.add(sig)
-            return self.eager(whole, gather_outputs=gather_outputs)
-        out = self._run(whole, self.replays.setdefault(sig, {}), gather_outputs)
+            return self.eager(whole, gather_outputs=gather_outputs, outputs=outputs)
+        out = self._run(whole, sig, gather_outputs, outputs)
         self._replayed = True
         return out
 
     # -- running ------------------------------------------------------------------------------------
 
-    def _run(self, whole: Mapping[str, Any], graphs: dict[int, _Replay], gather_outputs: bool) -> Outputs:
+    def _run(
+        self, whole: Mapping[str, Any], sig: tuple[Any, ...], gather_outputs: bool, outputs: Collection[str] | None
+    ) -> Outputs:
         eager = self.eager
         torch = torch_module()
-        dev = Device(self.program, self.graph, eager.kernels, slicer(whole, eager.blocks), eager.xp, eager.device)
+        dev = Device(self.program, self.graph, eager.kernels, eager.loader(whole), eager.xp, eager.device)
+        # The held blocks are the graphs' first arguments: graphs are kept per set of them too.
+        graphs = self.replays.setdefault((sig, tuple(sorted(eager.blocks))), {})
         names = tuple(sorted(whole))
         state_keys = sorted(eager.blocks)
         flat_state = [eager.blocks[b] for b in state_keys]
@@ -205,7 +219,8 @@ class CompiledSpmdExecutable:
                 request.wait()
         eager._in_flight, eager._kept = [], []
         eager.last_times = []
-        return eager._outputs(dev, gather_outputs)
+        eager.carry(dev)
+        return eager._outputs(dev, gather_outputs, outputs)
 
     def _segment_fn(self, seg: Segment, names: tuple[str, ...], state_keys: list[int], masks: tuple[bool, ...]) -> Any:
         """What a segment's graph records: its ops on a device whose store holds what it reads."""

@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from edatalog.backend.kernels.arrays import TorchOps, torch_module, wire_dtype
 from edatalog.backend.lowering.lowered import Lowered
+from edatalog.backend.running.carry import all_local, carried_loads, own, taking
 from edatalog.backend.running.collective_ops import TorchCollectives
 from edatalog.backend.running.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
 from edatalog.backend.running.launch import TIMED_OUT
@@ -99,6 +100,11 @@ class SpmdExecutable:
         self._kept: list[Any] = []  # what they send
         self._agree()
         self.collective_ops = TorchCollectives(programs, self.rank, self.device, TIMEOUT_SECONDS)
+        # State carried from call to call (a training step's params and optimizer state).
+        every = carried_loads(graph, lowered)
+        self.carried = tuple(c for c in every if c.device == self.rank)
+        self.carried_local = all_local(every)  # the same on every rank: the programs decide it
+        self.loadable = {r.name for r in graph.relations if r.kind == "param"} | set(graph.carried)
 
     def _agree(self) -> None:
         """Every rank must hold the same program and plan."""
@@ -116,11 +122,10 @@ class SpmdExecutable:
     # -- weights ----------------------------------------------------------------------------------
 
     def load(self, params: Mapping[str, Any]) -> None:
-        """Keep this rank's blocks of the params, from whole arrays or tensors."""
-        names = {r.name for r in self.graph.relations if r.kind == "param"}
-        self.blocks = {}
+        """Keep this rank's blocks of the params (and of carried state), from whole arrays or
+        tensors; the blocks of relations not given stay as they are."""
         for op in self.program.ops:
-            if isinstance(op, ir.Load) and op.relation in params and op.relation in names:
+            if isinstance(op, ir.Load) and op.relation in params and op.relation in self.loadable:
                 self.blocks[op.buf] = self._block(TorchOps().asarray(params[op.relation]), op)
 
     def load_slices(self, read: Callable[[str, tuple[slice, ...]], Any]) -> None:
@@ -142,14 +147,23 @@ class SpmdExecutable:
 
     # -- running ----------------------------------------------------------------------------------
 
-    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
+    def __call__(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather_outputs: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs:
         """Run this rank's program on ``inputs`` (whole; the same on every rank).  With
         ``gather_outputs``, every rank gets each output whole; else only the pieces it holds
-        (the others read as absent).  With ``record``, each op's time is kept in ``last_times``."""
+        (the others read as absent); ``outputs`` names the outputs to return (None: all).
+        With ``record``, each op's time is kept in ``last_times``.  Carried outputs become
+        the next call's blocks of the relations they are carried into."""
         whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
         start = time.perf_counter()
         times: list[OpTime] = []
-        dev = Device(self.program, self.graph, self.kernels, slicer(whole, self.blocks), self.xp, self.device)
+        dev = Device(self.program, self.graph, self.kernels, self.loader(whole), self.xp, self.device)
         torch = torch_module()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -187,7 +201,60 @@ class SpmdExecutable:
         self.last_times = times
         on_gpu = self.device.type == "cuda"
         self.last_peak = {self.rank: int(torch.cuda.max_memory_allocated(self.device)) if on_gpu else dev.peak_bytes}
-        return self._outputs(dev, gather_outputs)
+        self.carry(dev)
+        return self._outputs(dev, gather_outputs, outputs)
+
+    # -- carried state ------------------------------------------------------------------------------
+
+    def loader(self, whole: Mapping[str, Any]) -> Callable[[ir.Load], Any]:
+        """Loads from the held blocks, else from the whole inputs; a carried relation given
+        among the inputs replaces its held blocks, and carried blocks are taken as loaded."""
+        for c in self.carried:
+            if c.target in whole:
+                self.blocks.pop(c.load.buf, None)
+        return taking(slicer(whole, self.blocks), self.blocks, {c.load.buf for c in self.carried})
+
+    def carry(self, dev: Device) -> None:
+        """The carried outputs as the next call's blocks: cut from this rank's own buffers, or
+        (a plan placing the state elsewhere than where it is made) gathered, on every rank."""
+        if not self.graph.carries:
+            return
+        if self.carried_local:
+            for c in self.carried:
+                assert c.source is not None
+                self.blocks[c.load.buf] = own(dev.cut(dev.get(c.source), c.load.region).data)
+            return
+        gathered = self._outputs(dev, True, [out for out, _ in self.graph.carries]).values
+        self.load({target: gathered[out] for out, target in self.graph.carries})
+
+    def held(self, names: Collection[str]) -> dict[str, Any]:
+        """The held blocks of carried relations and params, whole on every rank (each rank
+        must ask alike: pieces not every rank holds are broadcast from one that does)."""
+        torch = torch_module()
+        out = {}
+        for name in names:
+            rel = self.graph.relation(name)
+            pieces: dict[Region, dict[int, int]] = {}
+            for prog in self.lowered.programs.devices:
+                for op in prog.ops:
+                    if isinstance(op, ir.Load) and op.relation == name:
+                        pieces.setdefault(op.region, {})[prog.device] = op.buf
+            dtype = self.xp.dtype(rel.dtype)
+            whole = torch.zeros(rel.shape, dtype=dtype, device=self.device)
+            for region, holders in pieces.items():
+                if self.rank in holders:
+                    data = self.blocks[holders[self.rank]].to(dtype)
+                if len(holders) < self.world:
+                    holder = min(holders)
+                    if self.rank != holder:
+                        data = self.xp.empty(region.shape, wire_dtype(dtype), self.device)
+                    else:
+                        data = data.contiguous().view(wire_dtype(dtype))
+                    self.dist.broadcast(data, src=holder)
+                    data = data.view(dtype)
+                whole[region.at(Region.whole(rel.shape))] = data
+            out[name] = whole
+        return out
 
     def _exchange(self, dev: Device, ops: Sequence[ir.Op]) -> None:
         """One batch of sends and receives, posted together and waited for together."""
@@ -252,10 +319,12 @@ class SpmdExecutable:
             tensors.append(present.to(device=data.device, dtype=torch.uint8).contiguous())
         return tensors
 
-    def _outputs(self, dev: Device, everywhere: bool) -> Outputs:
+    def _outputs(self, dev: Device, everywhere: bool, names: Collection[str] | None = None) -> Outputs:
         values: dict[str, Any] = {}
         present: dict[str, Any | None] = {}
         for name in self.graph.outputs:
+            if names is not None and name not in names:
+                continue
             entries = self.outputs[name]
             pieces: list[tuple[Region, Buffer]] = []
             for e in entries:

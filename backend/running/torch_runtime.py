@@ -17,13 +17,14 @@ memory and pass their buffers as they are.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from edatalog.backend.kernels.arrays import TorchOps, torch_module
 from edatalog.backend.lowering.exchange import synthesize
 from edatalog.backend.lowering.lowered import Lowered, lower
+from edatalog.backend.running.carry import own, taking
 from edatalog.backend.running.interpreter import Buffer, Device, Kernels, Mailbox, gather, run_devices, slicer
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
@@ -97,6 +98,12 @@ class TorchExecutable:
         self.kernels = Kernels(graph)
         self.loaded: dict[tuple[int, int], Any] = {}  # (device, buffer) -> its block of a param
         self.param_names = {r.name for r in graph.relations if r.kind == "param"}
+        self.loadable = self.param_names | set(graph.carried)  # params, and state carried between calls
+        self.carried = {  # (device, buffer) -> relation, of the loads of carried relations
+            (d, op.buf): op.relation
+            for d, _, op in self.programs.ops()
+            if isinstance(op, ir.Load) and op.relation in graph.carried
+        }
         self.last_times: list[OpTime] = []
         self.last_peak: dict[int, int] = {}  # device -> the most bytes it held in the last call
         self.copy_streams: dict[Any, Any] = {}  # GPU -> the stream copies to and from it run on
@@ -107,29 +114,64 @@ class TorchExecutable:
         return self.devices[0]
 
     def load(self, params: Mapping[str, Any]) -> None:
-        """Keep each device's blocks of each param, on that device."""
-        self.loaded = {}
+        """Keep each device's blocks of each param (and of carried state), on that device; the
+        blocks of relations not given stay as they are."""
         for name, value in params.items():
-            if name not in self.param_names:
+            if name not in self.loadable:
                 continue
             whole = TorchOps().asarray(value)
             for d, _, op in self.programs.ops():
                 if isinstance(op, ir.Load) and op.relation == name:
                     block = whole[op.region.at(Region.whole(tuple(whole.shape)))]
-                    self.loaded[(d, op.buf)] = block.to(self.devices[d]).contiguous()
+                    self.loaded[(d, op.buf)] = own(block.to(self.devices[d]))
 
-    def __call__(self, inputs: Mapping[str, Any], *, gather_outputs: bool = True, record: bool = False) -> Outputs:
+    def carry(self, out: Outputs) -> None:
+        """The carried outputs (whole, on the first device) as the next call's blocks."""
+        self.load({target: out.values[output] for output, target in self.graph.carries})
+
+    def release(self, given: Collection[str]) -> None:
+        """Drop what is held of the carried relations given among a call's inputs."""
+        for key, relation in self.carried.items():
+            if relation in given:
+                self.loaded.pop(key, None)
+
+    def held(self, names: Collection[str]) -> dict[str, Any]:
+        """The held blocks of carried relations and params, whole on the first device."""
+        out = {}
+        for name in names:
+            rel = self.graph.relation(name)
+            whole = torch_module().zeros(rel.shape, dtype=TorchOps().dtype(rel.dtype), device=self.devices[0])
+            for d, _, op in self.programs.ops():
+                if isinstance(op, ir.Load) and op.relation == name:
+                    whole[op.region.at(Region.whole(rel.shape))] = self.loaded[(d, op.buf)].to(whole.device)
+            out[name] = whole
+        return out
+
+    def __call__(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        gather_outputs: bool = True,
+        record: bool = False,
+        outputs: Collection[str] | None = None,
+    ) -> Outputs:
         """Run on ``inputs`` (the program's inputs, whole); with ``record``, the time of every
         op is kept in ``last_times``.  Outputs come whole on the first device (every logical
-        device lives in this process: there is nothing else to gather to)."""
+        device lives in this process: there is nothing else to gather to).  A relation carried
+        between calls given among the inputs replaces what is held of it."""
         whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
+        self.release(whole)
         start = time.perf_counter()
         times: list[OpTime] = []
         recorder = (lambda d: _recorder(d, start, times)) if record else None
         gpus = {dev for dev in self.devices if dev.type == "cuda"}
         for gpu in gpus:
             torch_module().cuda.reset_peak_memory_stats(gpu)
-        devices, out = self.run(whole, self.loaded, TorchOps, CopyStreams(self.devices, self.copy_streams), recorder)
+        devices, out = self.run(
+            whole, self.loaded, TorchOps, CopyStreams(self.devices, self.copy_streams), recorder, take=True
+        )
+        if self.graph.carries:
+            self.carry(out)
         self.last_times = times
         self.last_peak = {
             d.index: int(torch_module().cuda.max_memory_allocated(self.devices[d.index]))
@@ -147,19 +189,27 @@ class TorchExecutable:
         transport: Mailbox,
         recorder: Callable[[int], Callable[[int, ir.Op, str], None]] | None = None,
         kernels: Kernels | None = None,
+        take: bool = False,
     ) -> tuple[list[Device], Outputs]:
         """Every device's program on the whole inputs ``whole`` and the param blocks ``loaded``
         (by device and buffer), each device computing with the array namespace ``ops(its torch
         device)``, messages passed by ``transport``: the devices as they ended, and the outputs.
-        (The compiled runtime traces this very call, with ``kernels`` of its own.)"""
+        (The compiled runtime traces this very call, with ``kernels`` of its own.)  With
+        ``take``, carried blocks leave ``loaded`` as they are loaded (see
+        :func:`edatalog.backend.running.carry.taking`)."""
         kernels = kernels if kernels is not None else self.kernels
         devices = []
         for prog in self.programs.devices:
             d = prog.device
             blocks = {buf: t for (dd, buf), t in loaded.items() if dd == d}
+            carried = {buf for dd, buf in self.carried if dd == d} if take else set()
+            if carried:
+                for buf in carried:
+                    self.loaded.pop((d, buf), None)
             on_op = recorder(d) if recorder is not None else None
             dev = self.devices[d]
-            devices.append(Device(prog, self.graph, kernels, slicer(whole, blocks), ops(dev), dev, on_op))
+            load = taking(slicer(whole, blocks), blocks, carried)
+            devices.append(Device(prog, self.graph, kernels, load, ops(dev), dev, on_op))
         run_devices(devices, transport)
         values, present = {}, {}
         first = self.devices[0]

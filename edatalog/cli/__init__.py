@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         "-s",
         metavar="S",
         default="auto",
-        help="auto (the solver, default), or a baseline: replicate, data, megatron, megatron-sp, random",
+        help="auto (the solver, default), or a baseline: replicate, data, zero, megatron, megatron-sp, random",
     )
     pl.add_argument(
         "--refine",

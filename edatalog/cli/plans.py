@@ -26,7 +26,8 @@ params get a home.  From the plan and the machine, edatalog synthesizes each dev
 
 strategies: auto (default: the Z3 solver chooses every partition and device, minimizing the
 predicted time within each device's memory), or a baseline: replicate (device 0 does
-everything), data (split the batch), megatron (tensor parallelism for transformers),
+everything), data (split the batch), zero (data, with a training step's update and
+optimizer state sharded: ZeRO/FSDP), megatron (tensor parallelism for transformers),
 megatron-sp (megatron with sequence parallelism: norms and residuals split along the
 sequence), random (seeded random uneven blocks, for testing).  An auto plan is shown next to
 megatron's.  --refine gives a baseline the refinements an auto plan gets (below).

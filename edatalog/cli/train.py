@@ -33,6 +33,8 @@ examples:
   edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 5 --batch 4 --seq 64 --nproc 2 \
       --save-plan step.json
   edl explain step.json grad_layers.0.wq
+  edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 5 --batch 4 --seq 64 --nproc 2 \
+      --memory 300MB
 
 --save OUT writes a directory transformers' from_pretrained reads (config.json, model.safetensors)
 and the optimizer's state (optimizer.safetensors); --resume OUT continues from it, the same as
@@ -40,8 +42,12 @@ not stopping.  With --nproc N the step program is planned for N devices (on -t, 
 under --memory) unless --plan gives a plan of it, and N processes run it (torch.distributed);
 the plan's strategy and predicted step time are printed first, and --save-plan FILE keeps the
 plan (edl explain FILE RELATION says why each rule of the step is split as it is; --plan FILE
-runs it again without solving).  --json prints one object per step: step, loss, ms (measured),
-predicted_ms, peak_bytes."""
+runs it again without solving).  The params and the optimizer's state stay on the ranks from
+step to step, each where the plan makes its next value: replicated under data parallelism,
+sharded under a --memory too small for that (the zero plan: each rank updates and keeps its
+shard of every param and moment, gradients are reduce-scattered to the shards and params
+gathered where the batch's rules read them).  --json prints one object per step: step, loss,
+ms (measured), predicted_ms, peak_bytes (measured, the busiest rank)."""
 
 
 def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:  # type: ignore[type-arg]

@@ -343,6 +343,10 @@ class Graph:
     source_name: str = field(default="", compare=False)
     # Repeated modules (layers): their nodes and names.
     repeats: tuple[Repeat, ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})
+    # State carried from call to call: (output, relation) pairs, the output being what the
+    # relation (an input or param) holds on the next call.  A training step carries each
+    # param's and each optimizer state's next value; runtimes keep them where they are made.
+    carries: tuple[tuple[str, str], ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})
 
     @cached_property
     def _by_name(self) -> dict[str, Relation]:
@@ -365,6 +369,11 @@ class Graph:
         for n in self.nodes:
             out.setdefault(n.out, []).append(n)
         return {k: tuple(v) for k, v in out.items()}
+
+    @property
+    def carried(self) -> dict[str, str]:
+        """The relations the next call takes from an output, by relation: ``{target: output}``."""
+        return {target: out for out, target in self.carries}
 
     def producers(self, relation: str) -> tuple[JoinAgg, ...]:
         """The nodes (rules) that write ``relation``, in order."""
@@ -405,6 +414,14 @@ class Graph:
                 done.add(n.out)
         for o in self.outputs:
             _check(o in self._by_name, f"output {o} is not a relation")
+        targets = [t for _, t in self.carries]
+        _check(len(set(targets)) == len(targets), "a relation carried into twice")
+        for out, target in self.carries:
+            _check(out in self.outputs, f"carried {out} is not an output")
+            _check(target in self._by_name and self.relation(target).kind != "derived", f"carried into {target}")
+            if out in self._by_name and target in self._by_name:
+                a, b = self.relation(out), self.relation(target)
+                _check(a.shape == b.shape and a.dtype == b.dtype, f"{out} carried into {target}: shape or dtype")
         every = set(node_names)
         for rep in self.repeats:
             _check(rep.count >= 1, f"repeat {rep.prefix}: count {rep.count}")

@@ -96,18 +96,18 @@ def _compiled(exe: Executable) -> bool:
     return isinstance(exe._impl, CompiledExecutable) and bool(exe._impl.replays)
 
 
-def _check_llama(heads: str, plan: edatalog.Plan, device: Any = "cpu", batch: int = 2) -> None:
+def _check_llama(heads: str, plan: edatalog.Plan, device: Any = "cpu", batch: int = 2, compiled: bool = True) -> None:
     """The plan's outputs equal the reference's, interpreted (the first call), recorded (the
     second: the interpreter's run, traced into a graph) and replayed (the third: that graph,
-    simplified)."""
+    simplified); without ``compiled``, interpreted only."""
     prog = _llama(heads, batch)
     exe = _executable(prog, plan, _values(heads, batch), device)
     want = _reference(heads, batch)["y"]
-    for call in ("interpreted", "recorded", "replayed"):
+    for call in ("interpreted", "recorded", "replayed") if compiled else ("interpreted",):
         out = exe(_split(prog, _values(heads, batch))[1])
         assert set(out) == {"y"}
         _assert_f32_close(out["y"], want, f"{heads} {plan.ir.strategy} on {plan.ir.n_devices}, {call}")
-    assert _compiled(exe)
+    assert _compiled(exe) == compiled
 
 
 # -- LLaMA blocks, every strategy, 1 to 8 logical devices ---------------------------------------------
@@ -128,10 +128,13 @@ def test_baseline_plans_of_llama_equal_the_reference(heads: str, strategy: str, 
 def test_random_plans_of_llama_equal_the_reference(heads: str, n: int, seed: int) -> None:
     """Uneven splits of every index (the key index of the softmax too), random devices,
     replicated blocks: partial maxima and sums cross devices.  (B = 1: random plans cut every
-    index, and each cut of the batch multiplies the ops of every rule.)"""
+    index, and each cut of the batch multiplies the ops of every rule.)  The first seed's
+    plans are also recorded and replayed as graphs; the others' are interpreted only (their
+    graphs take the suite's time: ~5 s each to record and simplify, for what the first seed and
+    the compiled runtime's own tests check)."""
     prog = _llama(heads, batch=1)
     plan = edatalog.plan(prog, topology=MACHINES[n], strategy="random", seed=seed * 10 + n)
-    _check_llama(heads, plan, batch=1)
+    _check_llama(heads, plan, batch=1, compiled=seed == 0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
 from transformers import LlamaForCausalLM
 
 import edatalog
@@ -72,23 +73,48 @@ def _config(path: Path) -> tuple[dict[str, int], dict[str, float]]:
 def test_two_ranks_train_to_the_one_process_losses(
     capsys: pytest.CaptureFixture[str], files: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """--nproc 2: the step program solved for two CPU devices, each rank running its part; the
-    plan kept with --save-plan, which edl explain reads and --plan runs again."""
+    """--nproc 2 with --memory below what data parallelism holds (every param, gradient and
+    AdamW moment on each rank: 515 KB at its predicted peak here, params 86 KB): the solver keeps
+    the zero baseline, the params and moments sharded, and each rank's measured peak stays
+    under the limit.  It trains to the one-process losses and saves the same params and state,
+    gathered from the ranks' shards; edl explain reads the plan --save-plan kept.  A plan given
+    with --plan (run, not solved) that reads the state elsewhere than where the step leaves it
+    has it gathered between steps and trains to the same losses too."""
     model, data = files
-    argv = ["train", str(LLAMA), "--weights", str(model), "--data", str(data), "--steps", "2", *ARGS, "--json"]
-    assert main([*argv, "--dtype", "f64"]) == 0
+    argv = ["train", str(LLAMA), "--weights", str(model), "--data", str(data), "--steps", "3", *ARGS, "--json"]
+    argv += ["--dtype", "f64"]
+    assert main([*argv, "--save", str(tmp_path / "one")]) == 0
     one = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
     plan = tmp_path / "step.json"
-    assert main([*argv, "--dtype", "f64", "--nproc", "2", "--time-limit", "3", "--save-plan", str(plan)]) == 0
+    two_argv = [*argv, "--nproc", "2", "--memory", "300KB", "--time-limit", "3", "--save", str(tmp_path / "two")]
+    assert main([*two_argv, "--save-plan", str(plan)]) == 0
     two = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert json.loads(plan.read_text())["strategy"] == "zero"
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-10)
-    assert all(r["predicted_ms"] is not None and r["peak_bytes"] > 0 for r in two)
+    assert all(r["predicted_ms"] is not None and 0 < r["peak_bytes"] <= 300_000 for r in two), two
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        want, got = load_file(str(tmp_path / "one" / name)), load_file(str(tmp_path / "two" / name))
+        assert set(got) == set(want)
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-10, atol=1e-14, err_msg=key)
     assert main(["explain", str(plan), "grad_layers.0.wq", "--json"]) == 0
     assert list(json.loads(capsys.readouterr().out)) == ["grad_layers.0.wq#layers.0.q"]
-    assert main([*argv[:-1], "--dtype", "f64", "--nproc", "2", "--plan", str(plan)]) == 0
+
+    # The zero plan with the params and moments placed whole on both ranks at the start of a
+    # step, while the update still makes them sharded: the carried shards are gathered.
+    elsewhere = json.loads(plan.read_text())
+    carried = {p["relation"] for p in elsewhere["outputs"]}
+    for p in elsewhere["inputs"]:
+        if f"next_{p['relation']}" in carried:
+            p["splits"] = [{**s, "cuts": [0, s["cuts"][-1]]} for s in p["splits"]]
+            p["devices"] = [[0, 1]]
+    (tmp_path / "elsewhere.json").write_text(json.dumps(elsewhere))
+    assert main([*argv, "--nproc", "2", "--plan", str(tmp_path / "elsewhere.json")]) == 0
     out = capsys.readouterr()
     assert "the step's plan" not in out.err  # given, not solved
-    assert "loss" in out.out
+    gathered = [json.loads(line) for line in out.out.splitlines()]
+    np.testing.assert_allclose([r["loss"] for r in gathered], [r["loss"] for r in one], rtol=1e-10)
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,50 @@ def test_a_solved_training_step_is_predicted_no_slower_than_data_parallelism(tmp
         assert plan.picked.startswith("the data baseline as built") and plan.summary()["picked"] == plan.picked
 
 
+def _llama_loss_in(weights: Path, dtype: str) -> edatalog.Program:
+    dims, consts = configured(parse_file(str(LLAMA)), weights)
+    text = LLAMA.read_text().replace("output logits.", "input labels[B, S] : i64.\noutput loss.") + CROSS_ENTROPY
+    dims = {**dims, "S": 7, "B": 2}
+    return edatalog.compile_string(text, name="llama_loss.edl", dims=dims, consts=consts, dtype=dtype)
+
+
+def test_bf16_training_keeps_f32_master_weights(tmp_path: Path) -> None:
+    """A bf16 program trains with f32 master weights: params, gradients, AdamW's moments, the
+    update and the loss's sum are f32, the rules of the model compute in bf16 on a bf16 copy
+    of each param.  With a learning rate whose steps are below bf16's resolution at the
+    weights' size, the masters move as f32 training moves them; updated in bf16 itself
+    (``master=None``) most weights do not move at all."""
+    model: Any = _model(layers=2)
+    model.float().save_pretrained(tmp_path)
+    f32, bf16 = _llama_loss_in(tmp_path, "f32"), _llama_loss_in(tmp_path, "bf16")
+    start = f32.load_checkpoint(tmp_path)  # f32, as masters load
+    step, names = edatalog.step_program(bf16, optimizer=edatalog.AdamW(), clip=1.0)
+    dtype = {r.name: r.dtype for r in step.graph.relations}
+    assert {dtype[p] for p in names.params} == {"f32"} and {dtype[s] for s, _ in names.state} == {"f32"}
+    assert dtype["half_layers.0.wq"] == "bf16" and dtype["grad_layers.0.wq"] == "f32" and dtype["loss"] == "f32"
+    readers = [n for n in step.graph.nodes if any(a.relation == "layers.0.wq" for a in n.inputs)]
+    assert {n.out for n in readers} == {"half_layers.0.wq", "next_layers.0.wq"}  # the copy and the update
+
+    rng = np.random.default_rng(0)
+    batch = {"ids": rng.integers(0, 37, size=(2, 7)), "labels": rng.integers(0, 37, size=(2, 7))}
+    opt = edatalog.AdamW(lr=2e-5, weight_decay=0.0)
+    moved = {}
+    for name, prog, master in (("f32", f32, "f32"), ("master", bf16, "f32"), ("bf16", bf16, None)):
+        trainer = edatalog.Trainer(prog, optimizer=opt, backend="torch", master=master)
+        trainer.load(start)
+        losses = [trainer.step(batch) for _ in range(8)]
+        w = trainer.params["layers.0.wq"]
+        begun = torch.tensor(start["layers.0.wq"]).to(w.dtype).float()  # as loaded: rounded in bf16
+        moved[name] = ((w.float() - begun).numpy(), losses)
+    want, want_losses = moved["f32"]
+    got, got_losses = moved["master"]
+    np.testing.assert_allclose(got_losses, want_losses, rtol=2e-2)
+    cosine = float(np.sum(got * want) / np.linalg.norm(got) / np.linalg.norm(want))
+    stuck = float(np.mean(moved["bf16"][0] == 0))
+    assert cosine > 0.9, cosine  # the masters follow f32's path
+    assert stuck > 0.5 and np.mean(got == 0) < 0.01, stuck
+
+
 def test_bad_settings_are_errors() -> None:
     prog = edatalog.compile_string(SGD_MLP, name="mlp.edl")
     with pytest.raises(EdlError, match="clipping norm"):
