@@ -65,8 +65,8 @@ class Executable:
         self._impl: Runnable = rt.build(graph, self.lowered, device, compile_mode(compile))
         self._params = [r.name for r in graph.relations if r.kind == "param"]
         self._loaded = not self._params
-        # Carried state: what the runtime holds now, or (a runtime that does not carry) this
-        # object holds for it, whole.
+        # Carried state: what the runtime holds now; for a runtime that does not carry, this
+        # object keeps the params and the carried inputs whole and hands them over each call.
         self._carried = graph.carried  # relation -> the output carried into it
         self._held: set[str] = set()
         self._native = hasattr(self._impl, "held")
@@ -117,7 +117,8 @@ class Executable:
             load_slices = getattr(self._impl, "load_slices", None)
             if load_slices is not None:  # an SPMD rank reads only its slices
                 load_slices(lambda rel, slices: ckpt.read(names[rel], slices))
-                self._loaded = True
+                self._held |= {p for p in self._params if p in self._carried}
+                self._loaded, self._lost = True, ""
                 return
             params = {rel: ckpt.read(name) for rel, name in names.items()}
         given = dict(params)
@@ -126,8 +127,8 @@ class Executable:
         if state:
             values.update(self._prepare(state, ("input",), self._keep_torch, self._inputs - set(state)))
         self._impl.load(values)
-        if not self._native:
-            self._kept.update({k: v for k, v in values.items() if k in self._carried})
+        if not self._native:  # kept whole here: every param, to load again with the carried ones
+            self._kept.update(values)
         self._held |= {k for k in values if k in self._carried}
         self._loaded, self._lost = True, ""
 
@@ -184,9 +185,8 @@ class Executable:
             self._lost = "a call failed after it took the state carried into it"
             raise
         if not self._native:
-            carried = {target: out.values[output] for target, output in self._carried.items()}
-            self._kept.update(carried)
-            self._impl.load({k: v for k, v in carried.items() if self._kind(k) == "param"})
+            self._kept.update({target: out.values[output] for target, output in self._carried.items()})
+            self._impl.load({k: v for k, v in self._kept.items() if self._kind(k) == "param"})
         self._held = set(self._carried)
         if outputs is not None:  # runtimes in one process have every output whole anyway
             out = Outputs({k: out.values[k] for k in outputs}, {k: out.present[k] for k in outputs})

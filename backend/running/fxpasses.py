@@ -376,7 +376,8 @@ def _constants_by_value(graph: Any, module: Any) -> dict[Any, Any]:
         value = _attr(module, node.target)
         if not isinstance(value, torch.Tensor) or value.numel() > 4096 or value.device.type != "cpu":
             continue
-        raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # bf16 has no numpy type
+        exact = value.float() if value.dtype == torch.bfloat16 else value  # bf16 has no numpy type; f32 holds it
+        raw = exact.contiguous().numpy().tobytes()
         key = (value.dtype, tuple(value.shape), tuple(value.stride()), raw)
         out[node] = first.setdefault(key, node)
     return out

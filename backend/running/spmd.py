@@ -132,7 +132,6 @@ class SpmdExecutable:
         """Keep this rank's blocks of the params, reading only those slices: ``read(param,
         slices)`` gives them (a checkpoint's tensors, by slice)."""
         names = {r.name for r in self.graph.relations if r.kind == "param"}
-        self.blocks = {}
         for op in self.program.ops:
             if isinstance(op, ir.Load) and op.relation in names:
                 ranges = tuple(slice(a[0][0], a[-1][1]) for a in op.region.axes)  # loads are boxes
