@@ -19,7 +19,10 @@ and records its graph on the second); the table gives each contender's median, s
 ratio to edatalog's, the rounds taking turns (--repeat).  The losses of every step must agree
 between contenders (f32: 1e-3 relative), and the table says how far they are apart.
 ``predicted`` is edatalog's plan's timeline; ``peak RSS`` is the busiest rank's resident memory
-at its end (measured, whole process).
+at its end (measured, whole process); ``held`` is the most bytes edatalog's busiest rank held
+in its program's buffers (params, state, gradients, activations), as the runtime counts them.
+``--memory`` asks edatalog's solver for a plan within that much per device (the ``zero`` plan,
+sharded like FSDP2, when data parallelism's replicated state does not fit).
 
     .venv/bin/python benchmarks/training.py                     # the dims (minutes)
     .venv/bin/python benchmarks/training.py --dim 256 --seq 64 --steps 5 --repeat 1   # quick
@@ -194,7 +197,9 @@ def solve(args: argparse.Namespace, work: Path) -> tuple[str, float]:
     topology = args.topology or f"cpux{args.nproc}"
     req = _request(args, work)
     if args.strategy == "auto":
-        path = str(train_job.solved_plan(req, args.nproc, topology, None, args.time_limit, work / "step.plan.json")[0])
+        target = work / "step.plan.json"
+        train_job.solved_plan(req, args.nproc, topology, args.memory, args.time_limit, target)
+        path = str(target)
     else:
         step, _ = step_program(train_job.loss_program(req), optimizer=req.optimizer, clip=req.clip)
         path = str(work / "step.plan.json")
@@ -237,7 +242,8 @@ def summarize(runs: list[Run], args: argparse.Namespace, solve_s: float) -> dict
 
 
 def table(report: dict[str, Any]) -> str:
-    head = ["contender", "median ms", "min-max ms", "x edatalog", "predicted ms", "peak RSS MB", "loss rel diff"]
+    head = ["contender", "median ms", "min-max ms", "x edatalog", "predicted ms", "peak RSS MB", "held MB"]
+    head.append("loss rel diff")
     lines = [head]
     for name, r in report["contenders"].items():
         lines.append(
@@ -248,6 +254,7 @@ def table(report: dict[str, Any]) -> str:
                 f"{r['ratio_to_edatalog']:.2f}",
                 "" if r["predicted_ms"] is None else f"{r['predicted_ms']:.0f}",
                 f"{r['peak_rss_bytes'] / 2**20:.0f}",
+                f"{r['program_peak_bytes'] / 2**20:.0f}" if "program_peak_bytes" in r else "",
                 f"{r['loss_rel_diff_vs_edatalog']:.1e}",
             ]
         )
@@ -259,7 +266,9 @@ def table(report: dict[str, Any]) -> str:
         0,
         f"{c['nproc']} gloo ranks, 1 thread each; LLaMA D={c['dim']}, {c['layers']} layers, V={c['vocab']}, "
         f"S={c['seq']}, {c['batch']} sequences/step, f32, AdamW + clip; edatalog's plan: {c['strategy']} on "
-        f"{c['topology'] or 'cpux' + str(c['nproc'])}, made in {report['solve_seconds']:.1f} s",
+        f"{c['topology'] or 'cpux' + str(c['nproc'])}"
+        + (f" within {c['memory']} per device" if c.get("memory") else "")
+        + f", made in {report['solve_seconds']:.1f} s ({report.get('plan_strategy', '?')})",
     )
     return "\n".join(text)
 
@@ -280,7 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--topology", "-t", help="edatalog plans for this machine (default cpuxN)")
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds edatalog's solver may take")
-    p.add_argument("--strategy", default="auto", help="edatalog's plan: auto, or a baseline (data, ...)")
+    p.add_argument("--strategy", default="auto", help="edatalog's plan: auto, or a baseline (data, zero, ...)")
+    p.add_argument("--memory", help="edatalog's solver plans within this memory per device (e.g. 150MB)")
     p.add_argument("--refine", action="store_true", help="a baseline gets the solver's refinements")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="a comma-separated subset")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -301,14 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         make_model(args, work)
         plan, solve_s = solve(args, work)
-        print(f"plan solved in {solve_s:.1f} s", file=sys.stderr)
+        strategy = json.loads(Path(plan).read_text())["strategy"]
+        print(f"plan made in {solve_s:.1f} s: {strategy}", file=sys.stderr)
         runs = []
         for k in range(args.repeat):
             for name in chosen:
                 run = run_round(name, args, work, plan)
                 print(f"round {k + 1} {name}: {[round(m) for m in run.ms]} ms", file=sys.stderr)
                 runs.append(run)
-    report = summarize(runs, args, solve_s)
+    report = {**summarize(runs, args, solve_s), "plan_strategy": strategy}
     print(json.dumps(report, indent=2, default=asdict) if args.json else table(report))
     return 0
 

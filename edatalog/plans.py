@@ -275,13 +275,56 @@ def _layered(
         made[id(ir)] = Plan(ir, graph, machine, reduction, options)
         return not made[id(ir)].over_memory()
 
-    lay = policy.solve_layers(graph, machine, checker_for, fits, time_limit, seed, space, on_progress, stages)
+    whole = stages in (None, 1) and len(graph.nodes) > 2 * rep.count * len(rep.instance(0))
+    try:
+        lay = policy.solve_layers(graph, machine, checker_for, fits, time_limit, seed, space, on_progress, stages)
+    except EdlError as exc:
+        if not whole:
+            raise
+        # No layer plan within the memory (what the rest of the step holds may leave a layer
+        # nothing): the whole-program baselines may still fit.
+        return _fitting_baseline(exc, graph, machine, reduction, options)
     plan = made.get(id(lay.plan)) or Plan(lay.plan, graph, machine, reduction, options)
     plan.layered = lay
     plan.solution = lay.layer
-    if stages in (None, 1) and len(graph.nodes) > 2 * rep.count * len(rep.instance(0)):
+    if whole:
         return _against_baselines(plan, graph, machine, reduction, options)
     return plan
+
+
+def _fitting_baseline(exc: EdlError, graph: Graph, machine: Topology, reduction: str, options: Options) -> Plan:
+    """The fastest whole-program baseline within memory, when the layers found no plan; else
+    an error saying what the leanest of them needs."""
+    built = []
+    for strategy in _BASELINES_WHOLE if graph.carries else _BASELINES_WHOLE[::2]:
+        try:
+            ir = strategies.build(graph, machine, strategy)
+            built.append((strategy, Plan(ir, graph, machine, reduction, options)))
+        except EdlError:
+            continue
+    fitting = [(name, p) for name, p in built if not p.over_memory()]
+    if fitting:
+        name, best = min(fitting, key=lambda c: c[1].report.seconds)
+        best.picked = (
+            f"the {name} baseline as built: predicted {best.report.seconds * 1e3:.4g} ms; "
+            "the layers solved one at a time found no plan within the memory"
+        )
+        return best
+    if not built:
+        raise exc
+    name, lean = min(built, key=lambda c: max(c[1].report.peak_memory.values()))
+    limit = min(d.memory for d in machine.devices)
+    raise EdlError(
+        f"no plan of this program fits in {human(limit)}B per device: the leanest, {name}, holds "
+        f"{human(max(lean.report.peak_memory.values()))}B at its predicted peak",
+        help="give each device more memory (--memory), use more devices, shrink the batch or the sequence"
+        + (", or make the backward recompute activations" if graph.carries else ""),
+    ) from None
+
+
+# The whole-program baselines a training step's layered plan competes with; zero (ZeRO's shape:
+# what fits when replicated params and optimizer state do not) where the program carries state.
+_BASELINES_WHOLE = ("data", "zero", "megatron")
 
 
 def _against_baselines(plan: Plan, graph: Graph, machine: Topology, reduction: str, options: Options) -> Plan:
@@ -293,10 +336,7 @@ def _against_baselines(plan: Plan, graph: Graph, machine: Topology, reduction: s
     Checking them takes a whole-program timeline each, affordable at this size."""
     best, why = plan, ""
     over = bool(plan.over_memory())
-    # ZeRO's shape where the program carries state (a training step): what fits when
-    # replicated params and optimizer state do not.
-    names = ("data", "zero", "megatron") if graph.carries else ("data", "megatron")
-    for strategy in names:
+    for strategy in _BASELINES_WHOLE if graph.carries else _BASELINES_WHOLE[::2]:
         try:
             candidate = Plan(strategies.build(graph, machine, strategy), graph, machine, reduction, options)
         except EdlError:

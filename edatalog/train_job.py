@@ -32,6 +32,7 @@ from edatalog.api import Program, compile_string
 from edatalog.checkpoint import Checkpoint, configured
 from edatalog.errors import EdlError
 from edatalog.lang.parser import parse_file
+from edatalog.plans import Plan
 from edatalog.rules.optim import AdamW, Optimizer
 from edatalog.training import Trainer
 
@@ -65,6 +66,7 @@ class Request:
     consts: dict[str, float] = field(default_factory=dict)
     backend: str = "torch"
     plan: str | None = None  # a plan file of the step program
+    recompute: bool = False  # the backward makes each layer's activations again (memory)
     save: str | None = None
     resume: str | None = None
 
@@ -160,11 +162,7 @@ def run(req: Request, on_step: Callable[[Record], None] | None = None, device: A
     data = tokens(req, vocab)
     plan = None
     if req.plan is not None:
-        from edatalog.plans import load_plan
-        from edatalog.training import step_program
-
-        step_prog, _ = step_program(prog, optimizer=req.optimizer, clip=req.clip)
-        plan = load_plan(req.plan, step_prog)
+        req, plan = _planned(req, prog)
     trainer = Trainer(
         prog,
         optimizer=req.optimizer,
@@ -172,6 +170,7 @@ def run(req: Request, on_step: Callable[[Record], None] | None = None, device: A
         backend=req.backend,
         plan=plan,
         device=None if device is None else str(device),
+        recompute=req.recompute,
     )
     start = _load(trainer, req, prog)
     predicted = plan.report.seconds * 1e3 if plan is not None else None
@@ -276,21 +275,54 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _planned(req: Request, prog: Program) -> tuple[Request, Plan]:
+    """The request's plan file, loaded for its step program: the one the request says, or the
+    same step recomputing activations (a plan solved under a tight --memory may be of that)."""
+    from edatalog.plans import load_plan
+    from edatalog.training import step_program
+
+    assert req.plan is not None
+    try:
+        step, _ = step_program(prog, optimizer=req.optimizer, clip=req.clip, recompute=req.recompute)
+        return req, load_plan(req.plan, step)
+    except EdlError as exc:
+        other, _ = step_program(prog, optimizer=req.optimizer, clip=req.clip, recompute=not req.recompute)
+        try:
+            return dataclasses.replace(req, recompute=not req.recompute), load_plan(req.plan, other)
+        except EdlError:
+            raise exc from None
+
+
 def solved_plan(
     req: Request, nproc: int, topology: str, memory: str | None, time_limit: float, path: Path
-) -> tuple[Path, str]:
-    """The step program's plan for ``nproc`` devices, solved and saved at ``path``, and a line
-    saying what it is (its strategy, predicted step time, and why a baseline was kept)."""
+) -> tuple[Request, str]:
+    """The step program's plan for ``nproc`` devices, solved and saved at ``path``; the request
+    to run it (its ``plan`` that file), and a line saying what it is (its strategy, predicted
+    step time, and why a baseline was kept).  When no plan of the step fits ``memory``, the
+    step that recomputes each layer's activations in the backward is planned instead."""
     from edatalog.plans import make_plan
     from edatalog.training import step_program
 
-    step_prog, _ = step_program(loss_program(req), optimizer=req.optimizer, clip=req.clip)
-    plan = make_plan(step_prog, topology=topology, memory=memory, time_limit=time_limit)
+    prog = loss_program(req)
+    try:
+        step_prog, _ = step_program(prog, optimizer=req.optimizer, clip=req.clip, recompute=req.recompute)
+        plan = make_plan(step_prog, topology=topology, memory=memory, time_limit=time_limit)
+    except EdlError as exc:
+        if memory is None or req.recompute or not any(r.count > 1 for r in prog.graph.repeats):
+            raise
+        req = dataclasses.replace(req, recompute=True)
+        step_prog, _ = step_program(prog, optimizer=req.optimizer, clip=req.clip, recompute=True)
+        try:
+            plan = make_plan(step_prog, topology=topology, memory=memory, time_limit=time_limit)
+        except EdlError:
+            raise exc from None
     if plan.ir.n_devices != nproc:
         raise EdlError(f"the topology {topology} has {plan.ir.n_devices} devices, not {nproc}")
     plan.save(path)
     what = f"the step's plan on {plan.topology.name}: {plan.ir.strategy}, predicted {plan.report.seconds * 1e3:.4g} ms"
-    return path, what + (f" ({plan.picked})" if plan.picked else "")
+    if req.recompute:
+        what += ", activations recomputed in the backward (nothing fits the memory without)"
+    return dataclasses.replace(req, plan=str(path)), what + (f" ({plan.picked})" if plan.picked else "")
 
 
 def rank_job(req: Request) -> list[Record]:

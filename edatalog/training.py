@@ -34,13 +34,15 @@ def step_program(
     optimizer: Optimizer | None = None,
     clip: float = 0.0,
     master: str | None = "f32",
+    recompute: bool = False,
 ) -> tuple[Program, StepNames]:
     """``prog``'s training step as a program of its own (to plan, inspect or run), and the names
     of what it reads and writes.  Params of a half type (bf16, f16) get ``master`` weights:
     f32 params, gradients and optimizer state, the rules computing in the half type (None:
-    everything in the half type)."""
+    everything in the half type).  With ``recompute``, the backward makes each layer's
+    intermediates again instead of keeping them from the forward (activation checkpointing)."""
     loss = prog.loss_name(loss)
-    graph, names = training_step(prog.graph, loss, optimizer or AdamW(), clip, master=master)
+    graph, names = training_step(prog.graph, loss, optimizer or AdamW(), clip, master=master, recompute=recompute)
     return prog.with_graph(graph), names
 
 
@@ -58,8 +60,9 @@ class Trainer:
         plan: Plan | None = None,
         device: str | Sequence[str] | None = None,
         master: str | None = "f32",
+        recompute: bool = False,
     ) -> None:
-        self.program, self.names = step_program(prog, loss, optimizer, clip, master)
+        self.program, self.names = step_program(prog, loss, optimizer, clip, master, recompute)
         self.optimizer = optimizer or AdamW()
         self.backend = backend
         self._exe: Executable | None = None

@@ -42,6 +42,7 @@ from edatalog.ir.graph import Access, AxisMap, Graph, Index, JoinAgg, Part, Rela
 from edatalog.ir.scalar import Load
 from edatalog.rules.derivative import Builder
 from edatalog.rules.grad import gradient
+from edatalog.rules.recompute import recompute_layers
 
 STEP = "step"  # the scalar input counting steps from 1 (bias corrections read it)
 NEXT = "next_"  # the prefix of a param's or a state's next value
@@ -96,10 +97,12 @@ def training_step(
     clip: float = 0.0,
     params: Sequence[str] | None = None,
     master: str | None = "f32",
+    recompute: bool = False,
 ) -> tuple[Graph, StepNames]:
     """``graph`` with its gradients (:func:`edatalog.rules.grad.gradient`), clipping and the
     optimizer's update of ``params`` (default: every float param) as more rules; half params
-    get ``master`` weights (None: they are updated in their own type)."""
+    get ``master`` weights (None: they are updated in their own type); with ``recompute``, the
+    backward reads each layer's intermediates made again (:mod:`edatalog.rules.recompute`)."""
     if clip < 0 or not math.isfinite(clip):
         raise EdlError(f"the clipping norm must be 0 (no clipping) or positive, not {clip}")
     if optimizer.lr <= 0:
@@ -110,8 +113,11 @@ def training_step(
     if master is not None:
         graph = master_weights(graph, params_, master, loss)
     with_grads = gradient(graph, loss, params_)
-    b = _Rules(with_grads)
     grads = dict(zip(params_, with_grads.outputs[1:], strict=True))  # in the order asked
+    if recompute:
+        with_grads = recompute_layers(with_grads, len(graph.nodes))
+    with_grads = earliest(with_grads, set(grads.values()))
+    b = _Rules(with_grads)
     if clip > 0:
         norm = b.scalar("grad_norm_sq", "f64", aggop="+=")
         for p in params_:
@@ -178,6 +184,24 @@ def training_step(
     out = dataclasses.replace(b.graph(), outputs=tuple(outputs), carries=carries)
     out.verify()
     return out, StepNames(loss, params_, tuple(state), step)
+
+
+def earliest(graph: Graph, relations: set[str]) -> Graph:
+    """``graph`` with the rules writing ``relations`` (the params' gradients) moved to just
+    after the rules they read, in order otherwise.  The rules' order is the programs' schedule:
+    a layer's weight gradients then follow its activations' gradients, as autograd computes
+    them, so each step frees what a layer's backward read as it goes, and the gradients'
+    reductions (an all-reduce under data parallelism) start while the backward goes on,
+    instead of all of it waiting for the end."""
+    order: list[JoinAgg] = [n for n in graph.nodes if n.out not in relations]
+    for node in (n for n in graph.nodes if n.out in relations):
+        reads = {a.relation for a in node.inputs}
+        after = max((k for k, n in enumerate(order) if n.out in reads), default=-1)
+        # After the rules already moved there: the producers of one relation keep their order.
+        while after + 1 < len(order) and order[after + 1].out in relations:
+            after += 1
+        order.insert(after + 1, node)
+    return dataclasses.replace(graph, nodes=tuple(order))
 
 
 HALF = ("bf16", "f16")

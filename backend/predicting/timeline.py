@@ -17,8 +17,8 @@ CPU cores) communication also holds back each end's compute engine by that share
 the kernel running then ends that much later, or the next one starts that much later.  A send
 itself takes no time (it hands its data to the transfer).  What ops cost comes from the
 schedule's cost table, not from the ops; a device's compute engine is first free after the
-topology's ``call_overhead`` (the runtime taking the call).  Memory counts every buffer from the start of the op
-that makes it until the end of the last op that reads it before its ``Free``; buffers never
+topology's ``call_overhead`` (the runtime taking the call).  Memory counts every buffer from the op that
+makes it to its ``Free``, in program order (as the runtimes run a device's ops); buffers never
 freed (loaded inputs and params, outputs) stay.
 """
 
@@ -115,7 +115,7 @@ def analyze(s: Lowered) -> Report:
         traffic.sent,
         traffic.received,
         traffic.per_link,
-        _peak_memory(s, graph, times),
+        _peak_memory(s),
         _computed_blocks(s),
         s,
     )
@@ -244,36 +244,26 @@ def _cost(s: Lowered, key: Key, op: ir.Op) -> tuple[float, list[tuple[tuple[Any,
     return 0.0, []  # loads and sends
 
 
-def _peak_memory(s: Lowered, dag: _Dag, times: dict[Key, Span]) -> dict[int, int]:
-    events: dict[int, list[tuple[float, int]]] = {d: [] for d in range(s.programs.n_devices)}
+def _peak_memory(s: Lowered) -> dict[int, int]:
+    """Each device's most bytes held, in the order its program runs: a device runs its ops one
+    after another as the program lists them (the interpreter, a recorded graph, a CUDA
+    stream), whatever order the timeline's overlap would allow, so a buffer lives from the op
+    that makes it to its ``Free``.  (Rules that the program places late on purpose, such as
+    recomputed activations, are late in memory too.)"""
+    peak = {}
     for prog in s.programs.devices:
-        readers: dict[int, list[Key]] = {}
-        born: dict[int, tuple[float, int]] = {}
-        for k, op in enumerate(prog.ops):
-            key = (prog.device, k)
+        live = top = 0
+        size: dict[int, int] = {}
+        for op in prog.ops:
             if isinstance(op, ir.Free):
-                start, nbytes = born.pop(op.buf)
-                end = max((times[r].end for r in readers.get(op.buf, ())), default=start)
-                events[prog.device].append((end, -nbytes))
+                live -= size.pop(op.buf, 0)
                 continue
-            for b in ir.reads(op):
-                readers.setdefault(b, []).append(key)
             for m in ir.made(op):
                 # Counted in the relation's type, as the solver's memory model counts it.
-                nbytes = region_bytes(m.region, s.graph.relation(m.relation).dtype)
-                born[m.buf] = (times[key].start, nbytes)
-                events[prog.device].append((times[key].start, nbytes))
-                if m.buf not in readers:
-                    readers[m.buf] = [key]  # unread: gone when the op that made it ends
-    peak = {}
-    for d, evs in events.items():
-        live = top = 0
-        # At equal times frees go first: a buffer read by the op that makes the next one is
-        # gone when that op ends, and a new buffer starts when its op starts.
-        for _, delta in sorted(evs, key=lambda e: (e[0], e[1])):
-            live += delta
+                size[m.buf] = region_bytes(m.region, s.graph.relation(m.relation).dtype)
+                live += size[m.buf]
             top = max(top, live)
-        peak[d] = top
+        peak[prog.device] = top
     return peak
 
 

@@ -46,7 +46,8 @@ runs it again without solving).  The params and the optimizer's state stay on th
 step to step, each where the plan makes its next value: replicated under data parallelism,
 sharded under a --memory too small for that (the zero plan: each rank updates and keeps its
 shard of every param and moment, gradients are reduce-scattered to the shards and params
-gathered where the batch's rules read them).  --json prints one object per step: step, loss,
+gathered where the batch's rules read them); when nothing fits even so, the backward recomputes
+each layer's activations instead of keeping them.  --json prints one object per step: step, loss,
 ms (measured), predicted_ms, peak_bytes (measured, the busiest rank)."""
 
 
@@ -163,7 +164,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _spawned(req: Request, args: argparse.Namespace) -> list[Record]:
-    from dataclasses import replace
 
     from edatalog.train_job import rank_job, solved_plan
 
@@ -175,10 +175,9 @@ def _spawned(req: Request, args: argparse.Namespace) -> list[Record]:
         if req.plan is None:
             topology = args.topology or f"cpux{args.nproc}"
             target = Path(args.save_plan) if args.save_plan else Path(tmp) / "step.plan.json"
-            path, what = solved_plan(req, args.nproc, topology, args.memory, args.time_limit, target)
+            req, what = solved_plan(req, args.nproc, topology, args.memory, args.time_limit, target)
             if not args.json:
-                print(what + (f"; wrote {path}" if args.save_plan else ""), file=sys.stderr)
-            req = replace(req, plan=str(path))
+                print(what + (f"; wrote {target}" if args.save_plan else ""), file=sys.stderr)
         elif args.save_plan:
             shutil.copyfile(req.plan, args.save_plan)
         return list(spawn(args.nproc, rank_job, (req,))[0])
