@@ -142,8 +142,10 @@ def test_random_plans_of_llama_equal_the_reference(heads: str, n: int, seed: int
 def test_solved_plans_of_llama_equal_the_reference(heads: str, n: int) -> None:
     # The limit covers building the solver's model (about a second on 4 devices here, two on 8,
     # twice that on a busy machine) and a search; on 8 devices a busy machine may leave only the
-    # baselines (unsearched).  A full suite's run once left 2 devices unsearched in 2 s.
-    plan = edatalog.plan(_llama(heads), topology=MACHINES[n], strategy="auto", time_limit=max(3.0, 1.5 * n))
+    # baselines (unsearched).  A full suite's run once left 2 devices unsearched in 2 s.  (On
+    # 8 devices, where the baselines are accepted, 4 s: the solve takes all of its limit.)
+    limit = 4.0 if n == 8 else max(3.0, 1.5 * n)
+    plan = edatalog.plan(_llama(heads), topology=MACHINES[n], strategy="auto", time_limit=limit)
     assert plan.solution is not None and (plan.solution.searched or n == 8)
     assert plan.ir.strategy == "auto" and plan.ir.n_devices == n
     _check_llama(heads, plan)

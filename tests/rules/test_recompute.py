@@ -21,7 +21,7 @@ from tests.programs.test_llama_model import LLAMA, _model
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("recompute")
-    net: Any = _model(layers=4)
+    net: Any = _model(layers=2)
     net.save_pretrained(where)
     return where
 
