@@ -314,9 +314,11 @@ class Device:
             agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
             self.keep(op.buf, self.fold(parts, agg, op.dtype, op.full))
         else:
-            assert isinstance(op, ir.Free)
-            self.live_bytes -= _nbytes(self.get(op.buf))
-            del self.store[op.buf]
+            assert isinstance(op, ir.Free)  # what is still under way is dropped, not waited for
+            if op.buf not in self.store:
+                raise ExecutionError(f"device {self.index} frees buffer %{op.buf}, which it does not hold")
+            self.pending.pop(op.buf, None)
+            self.live_bytes -= _nbytes(self.store.pop(op.buf))
 
     # -- buffers -------------------------------------------------------------------------------
 
@@ -326,6 +328,20 @@ class Device:
         travels, as DDP overlaps its gradients' all-reduces with the rest of the backward."""
         self.keep(buf, issued)
         self.pending[buf] = finish
+
+    def combine_later(self, op: ir.Combine) -> None:
+        """Defer a combine of partials some of which are still under way (a received piece of a
+        reduce-scatter): it runs, after waiting for them, where its result is first read, so a
+        backward's gradient reductions travel while the rest of it runs.  The sources are taken
+        as they stand, so that their ``Free`` right after does not wait for them."""
+        sources = [(self.pending.pop(b, None), self.store[b]) for b in op.sources]
+        agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
+
+        def finish() -> Buffer:
+            parts = [self.cut(later() if later is not None else held, op.region) for later, held in sources]
+            return self.fold(parts, agg, op.dtype, op.full)
+
+        self.defer(op.buf, sources[0][1], finish)
 
     def get(self, buf: int) -> Buffer:
         if buf in self.pending:

@@ -1,9 +1,11 @@
 """The compiled SPMD runtime: this rank's program as graphs between its point-to-point exchanges.
 
 A rank's program (:mod:`edatalog.backend.running.spmd`) alternates runs of kernels, combines
-and collectives with runs of sends and receives.  The exchanges stay as they are (one batch of
-``batch_isend_irecv`` each, waited for together: point-to-point messages cannot live in a
-graph); every run in between is a *segment*, recorded once per input signature as a graph
+and collectives with runs of exchanges: sends, receives and the combines of received partials
+(:func:`edatalog.backend.running.spmd.exchanged`).  The exchanges stay as they are (one batch of
+``batch_isend_irecv`` each, every receive, and every combine of one, run before the first
+segment that reads it: point-to-point messages cannot live in a graph); every run in between
+is a *segment*, recorded once per input signature as a graph
 (:func:`edatalog.backend.running.tracer.record`), simplified and replayed, as the one-process
 compiled runtime does with a whole program (:mod:`edatalog.backend.running.compiled`).  The
 collectives of a segment are torch's functional collectives (``_c10d_functional``: an
@@ -37,7 +39,7 @@ from edatalog.backend.running.compiled import (
 )
 from edatalog.backend.running.fxpasses import simplify
 from edatalog.backend.running.interpreter import NO_MESSAGES, Buffer, Device, slicer
-from edatalog.backend.running.spmd import SpmdExecutable
+from edatalog.backend.running.spmd import SpmdExecutable, exchanged
 from edatalog.backend.running.torch_runtime import OpTime, Outputs
 from edatalog.backend.running.tracer import TraceError, record
 from edatalog.ir import program as ir
@@ -60,12 +62,13 @@ class Segment:
 def segments(program: ir.DeviceProgram) -> list[Segment]:
     """The program cut at its exchanges (see the module docstring)."""
     ops = program.ops
+    outside = exchanged(program)
     out: list[Segment] = []
     k = 0
     while k < len(ops):
-        exchange = isinstance(ops[k], ir.Send | ir.Recv)
+        exchange = outside[k]
         j = k
-        while j < len(ops) and isinstance(ops[j], ir.Send | ir.Recv) == exchange:
+        while j < len(ops) and outside[j] == exchange:
             j += 1
         if exchange:
             out.append(Segment(k, j, True))

@@ -7,7 +7,8 @@ device ``r``'s program; gloo on CPU, NCCL on CUDA; one node or many (``torchrun 
 - **Weights** are loaded once; each rank keeps only the blocks its program loads.  From a
   safetensors file it reads only those slices.
 - **Exchanges.** Each run of consecutive sends and receives in a program is posted as one batch
-  of point-to-point ops (``batch_isend_irecv``) and waited for together.  Every receive follows
+  of point-to-point ops (``batch_isend_irecv``); each receive is waited for where an op first
+  reads it, so the ops in between run while it travels.  Every receive follows
   its send in one global order (see :mod:`edatalog.backend.lowering.exchange`), so the batches cannot
   wait for each other forever.  Buffers that are not *full* send which cells exist with them.
 - **Collectives.** Exchanges that the lowering made collectives (all-reduce, reduce-scatter,
@@ -62,6 +63,26 @@ def init_group(device: str | None = None) -> str:
     return "cpu"
 
 
+def exchanged(program: ir.DeviceProgram) -> tuple[bool, ...]:
+    """Per op of a rank's program, whether it runs with the exchanges, outside any graph: a send,
+    a receive, or a combine of partials that reads a received one (a reduce-scatter's), which
+    runs where its result is first read (:meth:`Device.combine_later`), not where it stands.
+    The programs place such a combine right after its receive, so waiting there would hold the
+    rank until the message came; deferred, the reduction travels while later ops run, as the
+    timeline predicts it."""
+    received = {op.buf for op in program.ops if isinstance(op, ir.Recv)}
+    out: list[bool] = []
+    for op in program.ops:
+        if isinstance(op, ir.Free):  # the Frees right after such ops go with them
+            out.append(bool(out) and out[-1])
+        else:
+            out.append(
+                isinstance(op, ir.Send | ir.Recv)
+                or (isinstance(op, ir.Combine) and not received.isdisjoint(op.sources))
+            )
+    return tuple(out)
+
+
 def in_group_of(n: int) -> bool:
     """Whether this process is a rank of an initialized group of ``n`` ranks."""
     dist = torch_module().distributed
@@ -86,6 +107,7 @@ class SpmdExecutable:
         programs = lowered.programs
         self.outputs = lowered.outputs  # where each output ends: by buffer, as the programs run
         self.program = programs.devices[self.rank]
+        self.exchanged = exchanged(self.program)
         default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and device != "cpu" else "cpu"
         self.device = torch_devices(device or default, 1)[0]
         self.xp = TorchOps(self.device)
@@ -169,9 +191,9 @@ class SpmdExecutable:
         ops = self.program.ops
         k = 0
         while k < len(ops):
-            if isinstance(ops[k], ir.Send | ir.Recv):
+            if self.exchanged[k]:
                 j = k
-                while j < len(ops) and isinstance(ops[j], ir.Send | ir.Recv):
+                while j < len(ops) and self.exchanged[j]:
                     j += 1
                 began = time.perf_counter() - start
                 self._exchange(dev, ops[k:j])
@@ -256,7 +278,24 @@ class SpmdExecutable:
         return out
 
     def _exchange(self, dev: Device, ops: Sequence[ir.Op]) -> None:
-        """One batch of sends and receives, posted together and waited for together."""
+        """A run of sends, receives and the combines of received partials (:func:`exchanged`):
+        each batch of sends and receives posted together, each receive waited for where it is
+        first read, and each combine run there too."""
+        batch: list[ir.Op] = []
+        for op in ops:
+            if isinstance(op, ir.Send | ir.Recv):
+                batch.append(op)
+                continue
+            self._post(dev, batch)
+            batch = []
+            if isinstance(op, ir.Combine):
+                dev.combine_later(op)
+            else:
+                dev.execute(op, NO_MESSAGES)  # a Free
+        self._post(dev, batch)
+
+    def _post(self, dev: Device, ops: Sequence[ir.Op]) -> None:
+        """One batch of sends and receives, posted together."""
         dist = self.dist
         posted: list[Any] = []
         arriving: list[tuple[ir.Recv, Any, Any]] = []
@@ -277,19 +316,38 @@ class SpmdExecutable:
                     posted.append(dist.P2POp(dist.irecv, present, op.peer, tag=2 * op.tag + 1))
                 arriving.append((op, data, present))
         requests = dist.batch_isend_irecv(posted) if posted else []
-        # Wait for the receives only: a send may need its peer to post the matching receive,
-        # which the peer may do only after sending to us (later in its program).  Sends stay in
-        # flight, their tensors kept alive, until the call ends.
-        for p2p, request in zip(posted, requests, strict=True):
-            if p2p.op is dist.irecv:
-                with self._waiting(f"a message from rank {p2p.peer}", p2p.peer):
-                    request.wait()
-            else:
-                self._in_flight.append(request)
+        # Sends stay in flight, their tensors kept alive, until the call ends: a send may need its
+        # peer to post the matching receive, which the peer may do only after sending to us.
+        # Receives are waited for where an op first reads them (``Device.defer``), so what comes
+        # between runs while they travel.  Waiting later than where a receive stands cannot make
+        # the ranks wait for each other forever: by any wait, a rank has posted at least the sends
+        # it had posted when it waited there.
+        received: dict[int, Any] = {}  # id of a receive's tensor -> its request
+        if len(requests) == len(posted):
+            for p2p, request in zip(posted, requests, strict=True):
+                if p2p.op is dist.irecv:
+                    received[id(p2p.tensor)] = request
+                else:
+                    self._in_flight.append(request)
+        else:  # a backend that coalesces the batch (NCCL) gives one request for all of it
+            self._in_flight.extend(requests)
         self._kept.extend(keep)
         for op, data, present in arriving:
+            tensors = [data] if present is None else [data, present]
+            wait = [received[id(t)] for t in tensors] if received else list(requests)
+            dev.defer(op.buf, Buffer(op.region, data, present), self._arrival(op, data, present, wait))
+
+    def _arrival(self, op: ir.Recv, data: Any, present: Any, requests: Sequence[Any]) -> Callable[[], Buffer]:
+        """What waits for a receive and makes its buffer."""
+
+        def finish() -> Buffer:
+            with self._waiting(f"a message from rank {op.peer}", op.peer):
+                for request in requests:
+                    request.wait()
             value = data.view(self.xp.dtype(op.dtype))
-            dev.keep(op.buf, Buffer(op.region, value, None if present is None else present.bool()))
+            return Buffer(op.region, value, None if present is None else present.bool())
+
+        return finish
 
     @contextlib.contextmanager
     def _waiting(self, what: str, peer: int | None) -> Iterator[None]:
