@@ -341,7 +341,8 @@ class Device:
             parts = [self.cut(later() if later is not None else held, op.region) for later, held in sources]
             return self.fold(parts, agg, op.dtype, op.full)
 
-        self.defer(op.buf, sources[0][1], finish)
+        held = sources[0][1]  # counted as the combine's region of it (a view: nothing is copied)
+        self.defer(op.buf, Buffer(op.region, held.data[self.index_of(op.region, held.region)], None), finish)
 
     def get(self, buf: int) -> Buffer:
         if buf in self.pending:
