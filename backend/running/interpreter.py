@@ -310,9 +310,7 @@ class Device:
         elif isinstance(op, ir.Fused):
             self.keep(op.buf, self.fused(op))
         elif isinstance(op, ir.Combine):
-            parts = [self.cut(self.get(b), op.region) for b in op.sources]
-            agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
-            self.keep(op.buf, self.fold(parts, agg, op.dtype, op.full))
+            self.keep(op.buf, self.combined(op, [self.get(b) for b in op.sources]))
         else:
             assert isinstance(op, ir.Free)  # what is still under way is dropped, not waited for
             if op.buf not in self.store:
@@ -335,14 +333,17 @@ class Device:
         backward's gradient reductions travel while the rest of it runs.  The sources are taken
         as they stand, so that their ``Free`` right after does not wait for them."""
         sources = [(self.pending.pop(b, None), self.store[b]) for b in op.sources]
-        agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
 
         def finish() -> Buffer:
-            parts = [self.cut(later() if later is not None else held, op.region) for later, held in sources]
-            return self.fold(parts, agg, op.dtype, op.full)
+            return self.combined(op, [later() if later is not None else held for later, held in sources])
 
         held = sources[0][1]  # counted as the combine's region of it (a view: nothing is copied)
         self.defer(op.buf, Buffer(op.region, held.data[self.index_of(op.region, held.region)], None), finish)
+
+    def combined(self, op: ir.Combine, sources: Sequence[Buffer]) -> Buffer:
+        """What a combine makes of its sources: their parts in its region, folded."""
+        agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
+        return self.fold([self.cut(b, op.region) for b in sources], agg, op.dtype, op.full)
 
     def get(self, buf: int) -> Buffer:
         if buf in self.pending:

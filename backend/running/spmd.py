@@ -298,7 +298,7 @@ class SpmdExecutable:
         """One batch of sends and receives, posted together."""
         dist = self.dist
         posted: list[Any] = []
-        arriving: list[tuple[ir.Recv, Any, Any]] = []
+        arriving: list[tuple[ir.Recv, Any, Any, list[int]]] = []  # a receive, its tensors, their places in posted
         keep: list[Any] = []  # what is sent stays alive until the send is done
         for op in ops:
             if isinstance(op, ir.Send):
@@ -309,12 +309,14 @@ class SpmdExecutable:
             else:
                 assert isinstance(op, ir.Recv)
                 data = self.xp.empty(op.region.shape, wire_dtype(self.xp.dtype(op.dtype)), self.device)
+                slots = [len(posted)]
                 posted.append(dist.P2POp(dist.irecv, data, op.peer, tag=2 * op.tag))
                 present = None
                 if not op.full:
                     present = self.xp.empty(op.region.shape, torch_module().uint8, self.device)
+                    slots.append(len(posted))
                     posted.append(dist.P2POp(dist.irecv, present, op.peer, tag=2 * op.tag + 1))
-                arriving.append((op, data, present))
+                arriving.append((op, data, present, slots))
         requests = dist.batch_isend_irecv(posted) if posted else []
         # Sends stay in flight, their tensors kept alive, until the call ends: a send may need its
         # peer to post the matching receive, which the peer may do only after sending to us.
@@ -322,19 +324,14 @@ class SpmdExecutable:
         # between runs while they travel.  Waiting later than where a receive stands cannot make
         # the ranks wait for each other forever: by any wait, a rank has posted at least the sends
         # it had posted when it waited there.
-        received: dict[int, Any] = {}  # id of a receive's tensor -> its request
-        if len(requests) == len(posted):
-            for p2p, request in zip(posted, requests, strict=True):
-                if p2p.op is dist.irecv:
-                    received[id(p2p.tensor)] = request
-                else:
-                    self._in_flight.append(request)
-        else:  # a backend that coalesces the batch (NCCL) gives one request for all of it
+        apart = len(requests) == len(posted)  # else one request for the batch (NCCL coalesces it)
+        if apart:
+            self._in_flight.extend(r for p2p, r in zip(posted, requests, strict=True) if p2p.op is not dist.irecv)
+        else:
             self._in_flight.extend(requests)
         self._kept.extend(keep)
-        for op, data, present in arriving:
-            tensors = [data] if present is None else [data, present]
-            wait = [received[id(t)] for t in tensors] if received else list(requests)
+        for op, data, present, slots in arriving:
+            wait = [requests[i] for i in slots] if apart else list(requests)
             dev.defer(op.buf, Buffer(op.region, data, present), self._arrival(op, data, present, wait))
 
     def _arrival(self, op: ir.Recv, data: Any, present: Any, requests: Sequence[Any]) -> Callable[[], Buffer]:
