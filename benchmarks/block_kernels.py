@@ -1,15 +1,17 @@
-"""One LLaMA block on one CPU device: edatalog's torch backend against transformers' layer.
+"""One LLaMA block on one device: edatalog's torch backend against transformers' layer.
 
-In one process, with the same torch thread count for both (--threads, default torch's), each case
-times one LLaMA-shaped decoder block (default D=1024, H=16, F=2816, S=512, B=1) run by:
+In one process, on one torch device (--device: the CPU by default, or a CUDA GPU), with the same
+torch thread count for both (--threads, default torch's), each case times one LLaMA-shaped
+decoder block (default D=1024, H=16, F=2816, S=512, B=1) run by:
 
   transformers  LlamaDecoderLayer (sdpa attention) in the case's dtype, under torch.no_grad()
   edatalog      programs/llama_block.edl compiled with the case's dtype and run by
-                edatalog.executable(prog, backend="torch", device="cpu", compile=MODE) (no plan:
+                edatalog.executable(prog, backend="torch", device=DEVICE, compile=MODE) (no plan:
                 the one-device program, through the kernels and fusions every plan runs through),
                 once per --modes: "none" (the interpreter, op by op), "graph" (traced once into a
                 graph of torch calls, replayed: the default) and "inductor" (that graph compiled
-                by torch.compile's inductor; its compile time is printed, not timed)
+                by torch.compile's inductor; its compile time is printed, not timed) and, on a
+                GPU, "cudagraph" (the graph captured once as a CUDA graph and replayed)
 
 Cases: f32 with as many key/value heads as query heads (MHA), f32 with a quarter as many (GQA:
 KVH=4 of H=16), and bf16 MHA.  Both contenders take the same weights (made once from --seed),
@@ -20,14 +22,18 @@ eager attention: the largest error relative to the largest |reference| at most 1
 3e-2 in bf16.  A contender that fails is not timed and the script exits 1.
 
 Timing: --warmup calls each, then --repeat rounds, each round calling both in turn (drift in the
-machine's load hits both alike); the table shows medians.  Then edatalog's share of the time by
-kernel class, from one recorded call: contractions (sums of products: matmuls), reductions,
-elementwise rules, fused attention (scaled_dot_product_attention), and the rest (loads, frees).
-Classes come from each rule's structure, never from its name.
+machine's load hits both alike); the table shows medians.  On a GPU each timed call starts and
+ends with a device synchronization, so a time is the call's whole latency, kernels included.
+Then, on the CPU, edatalog's share of the time by kernel class, from one recorded call:
+contractions (sums of products: matmuls), reductions, elementwise rules, fused attention
+(scaled_dot_product_attention), and the rest (loads, frees).  Classes come from each rule's
+structure, never from its name.
 
   .venv/bin/python benchmarks/block_kernels.py                          # every case
   .venv/bin/python benchmarks/block_kernels.py --cases f32-mha --repeat 5
   .venv/bin/python benchmarks/block_kernels.py --dims D=256,F=704,S=128 --json
+  python benchmarks/block_kernels.py --device cuda --cases bf16-mha --modes graph,cudagraph \
+      --dims D=4096,H=32,KVH=32,F=11008,S=2048                       # a 7B block on a GPU
 
 Times are measured on this machine: close everything else first.
 """
@@ -52,18 +58,19 @@ if str(HERE) not in sys.path:
 
 import llama_weights as lw  # noqa: E402
 
-MODES = ("none", "graph", "inductor")
+MODES = ("none", "graph", "inductor", "cudagraph")
 CASES = {"f32-mha": ("f32", False), "f32-gqa": ("f32", True), "bf16-mha": ("bf16", False)}  # dtype, grouped
 TOLERANCE = {"f32": 1e-4, "bf16": 3e-2}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Time one LLaMA block on one CPU device: edatalog's torch backend against transformers.",
+        description="Time one LLaMA block on one device: edatalog's torch backend against transformers.",
         epilog="example: .venv/bin/python benchmarks/block_kernels.py --cases f32-mha,bf16-mha --repeat 10",
     )
     p.add_argument("--dims", default="", help=f"override dims, e.g. D=256,F=704,S=128 (default: {lw.BlockDims()})")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--device", default="cpu", help="the torch device of both contenders (default cpu; e.g. cuda)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     p.add_argument("--repeat", type=int, default=15, help="timed rounds (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls of each first (default 3)")
@@ -71,7 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default="graph,inductor",
-        help="edatalog's compile modes to time, comma-separated, of none, graph, inductor (default graph,inductor)",
+        help="edatalog's compile modes to time, comma-separated, of none, graph, inductor, cudagraph (GPU only) "
+        "(default graph,inductor)",
     )
     p.add_argument("--json", action="store_true", help="print every number as JSON instead of tables")
     args = p.parse_args(argv)
@@ -112,9 +120,10 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
     dims = lw.BlockDims().with_text(args.dims) if args.dims else lw.BlockDims()
     dims = dims.with_text(f"KVH={max(1, dims.H // 4) if grouped else dims.H}")
     consts = lw.program_consts(dims)
-    weights = lw.make_weights(dims, args.seed)
-    x = lw.make_input(dims, args.seed)
-    cos, sin = lw.rope(dims, consts)
+    dev = torch.device(args.device)
+    weights = {k: w.to(dev) for k, w in lw.make_weights(dims, args.seed).items()}
+    x = lw.make_input(dims, args.seed).to(dev)
+    cos, sin = (t.to(dev) for t in lw.rope(dims, consts))
     want = lw.reference(lw.hf_layer(dims, consts, weights, attn_implementation="eager"), x, cos, sin)
     tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     layer = lw.hf_layer(dims, consts, weights, attn_implementation="sdpa").to(tdtype)
@@ -129,7 +138,7 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
     contenders: dict[str, Callable[[], Any]] = {"transformers": hf}
     executables = {}
     for mode in args.modes.split(","):
-        exe = edatalog.executable(prog, backend="torch", device="cpu", compile=mode)
+        exe = edatalog.executable(prog, backend="torch", device=args.device, compile=mode)
         exe.load(dict(weights))
         executables[mode] = exe
         contenders[f"edatalog/{mode}"] = _caller(exe, xd)
@@ -148,13 +157,18 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
         for call in ready.values():
             call()
     times: dict[str, list[float]] = {who: [] for who in ready}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(args.repeat):
         for who, call in ready.items():
+            sync()
             start = time.perf_counter()
             call()
+            sync()
             times[who].append(time.perf_counter() - start)
     for who, ts in times.items():
         rows[who].ms = statistics.median(ts) * 1e3
+    if dev.type != "cpu":
+        return list(rows.values()), {}  # the interpreter's per-op times would be launch times only
     exe = next(iter(executables.values()))
     exe.run({"x": xd}, record=True)  # per-op times: the interpreter's
     shares: dict[str, float] = {}
@@ -195,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results += rows
         profiles[name] = shares
     machine = {
+        "device": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu",
         "processor": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -212,8 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in results:
             ratio = r.ms / base[r.case] if r.case in base and r.ok else float("nan")
             print(f"{r.case:<9}  {r.contender:<18}  {r.ms:>11.2f}  {ratio:>14.2f}  {r.error:>9.1e}")
-        print("\nedatalog's time by kernel class (one recorded call of the interpreter, ms):")
+        if any(profiles.values()):
+            print("\nedatalog's time by kernel class (one recorded call of the interpreter, ms):")
         for case, shares in profiles.items():
+            if not shares:
+                continue
             total = sum(shares.values())
             parts = ", ".join(
                 f"{k} {v:.1f} ({v / total:.0%})" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])

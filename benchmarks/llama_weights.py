@@ -189,7 +189,7 @@ def reference(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     import torch
 
     s = x.shape[1]
-    mask = torch.full((s, s), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)[None, None]
+    mask = torch.full((s, s), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device).triu(1)[None, None]
     with torch.no_grad():
         out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
     return out[0] if isinstance(out, tuple) else out

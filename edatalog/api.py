@@ -255,9 +255,10 @@ class Program:
         ``collectives`` (``"auto"``, ``"on"``, ``"off"``) says which exchanges of the plan run as
         collective calls (auto: those the plan's machine runs faster so); a plan already lowered
         (``plan.lowering(...)``) runs as it is.  ``compile`` says how the torch backend runs the
-        programs: ``"graph"`` (auto: traced once per input signature into a graph of torch
-        calls, replayed), ``"inductor"`` (that graph compiled by torch.compile's inductor) or
-        ``"none"`` (the interpreter, op by op)."""
+        programs: ``"graph"`` (traced once per input signature into a graph of torch calls,
+        replayed), ``"cudagraph"`` (that graph captured as a CUDA graph: one GPU), ``"inductor"``
+        (that graph compiled by torch.compile's inductor) or ``"none"`` (the interpreter, op by
+        op); ``"auto"``: cudagraph on one GPU, graph elsewhere."""
         return Executable(self.graph, self._prepare, plan, backend, device, collectives, compile)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, np.ndarray]:

@@ -103,9 +103,10 @@ def generate(
     ``decode_plan`` (plan files of the prefill, as :func:`prefill_program` compiles it, and of
     the decode program) the torch runtime runs them; with ``nproc``, on that many processes,
     planned on ``topology`` (default ``cpuxN``) within ``time_limit`` seconds each when no plan
-    files are given.  ``compile`` is the torch runtime's compile mode (``"graph"``, the default;
-    ``"inductor"``; ``"none"``: the interpreter): the decode step is compiled once, at its second
-    call, and replayed for every later token."""
+    files are given.  ``compile`` is the torch runtime's compile mode (None or ``"auto"``:
+    ``"cudagraph"`` on one GPU, ``"graph"`` elsewhere; ``"inductor"``; ``"none"``: the
+    interpreter): the decode step is compiled once, at its second call, and replayed for every
+    later token."""
     req = request(program, weights, prompt_ids, max_new, decode, dims, consts, dtype, backend, device)
     req = replace(_with_plans(req, plan, decode_plan), compile=compile)
     if nproc is None:

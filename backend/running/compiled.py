@@ -16,9 +16,16 @@ dispatch), and later calls with inputs of the same shapes, dtypes and devices ru
   calling torch: the same kernels as the interpreter, bit for bit, without its bookkeeping;
 - ``inductor``: the graph compiled by ``torch.compile``'s inductor (C++/OpenMP on a CPU, Triton
   on a GPU), which fuses elementwise chains into generated kernels (so a bf16 rule no longer
-  pays for its f32 widening in memory traffic).  The compile takes tens of seconds cold, is
+  pays for its f32 widening in memory traffic); on one CUDA GPU its kernels are then captured
+  as a CUDA graph too, as ``cudagraph`` captures the plain graph.  The compile takes tens of seconds cold, is
   cached on disk by inductor, and is logged (``edatalog`` logger) when it starts and ends;
+- ``cudagraph``: on one CUDA GPU, the graph captured once as a CUDA graph and replayed with one
+  launch per call (:mod:`edatalog.backend.running.cudagraphs`): the default there, where a
+  small kernel costs less than launching it from Python;
 - ``none``: the interpreter on every call.
+
+``auto`` is ``cudagraph`` for a program whose devices are all one CUDA GPU and that carries no
+state, ``graph`` elsewhere.
 
 The first call with a new input signature runs the interpreter (a program called once is never
 compiled; it also computes the rules that read no input, such as rotary tables, which the graph
@@ -55,6 +62,7 @@ from typing import Any
 
 from edatalog.backend.kernels.arrays import TorchOps, torch_module
 from edatalog.backend.lowering.lowered import Lowered
+from edatalog.backend.running.cudagraphs import CudaGraphed, capturable
 from edatalog.backend.running.fxpasses import simplify
 from edatalog.backend.running.interpreter import Buffer, Mailbox
 from edatalog.backend.running.torch_runtime import OpTime, Outputs, TorchExecutable
@@ -70,13 +78,31 @@ LOG = logging.getLogger("edatalog")
 class Compile(StrEnum):
     """How the torch runtime runs a plan's programs (see the module docstring)."""
 
-    AUTO = "auto"  # graph
+    AUTO = "auto"  # cudagraph on one CUDA GPU, graph elsewhere (see the module docstring)
     NONE = "none"
     GRAPH = "graph"
     INDUCTOR = "inductor"
+    CUDAGRAPH = "cudagraph"
 
     def resolved(self) -> Compile:
+        """The mode where nothing is known of the devices (auto: graph)."""
         return Compile.GRAPH if self is Compile.AUTO else self
+
+    def on(self, devices: Sequence[Any], carries: bool) -> Compile:
+        """The mode for a program on ``devices`` (torch devices), carrying state or not: auto
+        captures CUDA graphs where it can; an explicit ``cudagraph`` where it cannot is an
+        :class:`EdlError`."""
+        can = capturable(devices, carries)
+        if self is Compile.AUTO:
+            return Compile.CUDAGRAPH if can else Compile.GRAPH
+        if self is Compile.CUDAGRAPH and not can:
+            where = ", ".join(sorted({str(d) for d in devices}))
+            raise EdlError(
+                f"compile mode 'cudagraph' replays on one CUDA GPU, but the program runs on {where}"
+                + (" and carries state from call to call" if carries else ""),
+                help="use compile='graph' (or auto, which picks cudagraph where it can)",
+            )
+        return self
 
 
 def compile_mode(name: str | Compile | None) -> Compile:
@@ -151,7 +177,12 @@ class CompiledExecutable:
     ) -> None:
         self.eager = TorchExecutable(graph, lowered, device)
         self.graph, self.lowered = graph, self.eager.lowered
-        self.mode = mode.resolved()
+        self.mode = mode.on(self.eager.devices, bool(graph.carries))
+        # Replayed as a CUDA graph: cudagraph always; inductor's kernels too where they can be
+        # (as torch.compile's "reduce-overhead" does).
+        self.captures = self.mode is Compile.CUDAGRAPH or (
+            self.mode is Compile.INDUCTOR and capturable(self.eager.devices, bool(graph.carries))
+        )
         self.replays: dict[Signature, Replay] = {}
         self._seen: set[Signature] = set()
         self._refused: set[Signature] = set()  # signatures whose programs a graph cannot replay
@@ -215,6 +246,8 @@ class CompiledExecutable:
 
     def _call(self, inputs: Mapping[str, Any], record: bool) -> Outputs:
         whole = {k: at_offset_zero(TorchOps().asarray(v)) for k, v in inputs.items()}
+        if self.captures:  # a capture reads its inputs on its GPU
+            whole = {k: v.to(self.eager.device) for k, v in whole.items()}
         self._replayed = False
         if self.graph.carries:
             self.eager.release(whole)
@@ -310,6 +343,8 @@ class CompiledExecutable:
         run: Callable[..., Any] = gm
         if self.mode is Compile.INDUCTOR:
             run = inductor(gm, args, summary)
+        if self.captures:
+            run = _captured(run, args, n_state)
         seconds = time.perf_counter() - start
         LOG.info("compiled %d ops (%s) in %.2f s", summary["nodes"], self.mode.value, seconds)
         replay = Replay(run, names, self.mode, seconds, summary["nodes"], summary, checks=bool(assumed))
@@ -333,6 +368,16 @@ def _held(replay: Replay, flat: Sequence[Any]) -> bool:
         LOG.info("a factor of a guarded contraction is not finite: this call runs on the interpreter")
         return False
     return True
+
+
+def _captured(gm: Any, args: Sequence[Any], n_state: int) -> Callable[..., Any]:
+    """``gm`` as a CUDA graph; ``gm`` itself where the capture fails (an op that synchronizes
+    with the host cannot be captured), said in the log."""
+    try:
+        return CudaGraphed(gm, args, n_state)
+    except RuntimeError as exc:
+        LOG.warning("not captured as a CUDA graph (%s): replaying the graph op by op", str(exc).splitlines()[0])
+        return gm
 
 
 def program_peaks(programs: ir.Programs) -> dict[int, int]:

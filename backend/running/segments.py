@@ -42,6 +42,7 @@ from edatalog.backend.running.interpreter import NO_MESSAGES, Buffer, Device, sl
 from edatalog.backend.running.spmd import SpmdExecutable, exchanged
 from edatalog.backend.running.torch_runtime import OpTime, Outputs
 from edatalog.backend.running.tracer import TraceError, record
+from edatalog.errors import EdlError
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
 
@@ -101,6 +102,12 @@ class CompiledSpmdExecutable:
     """This rank's program of a plan, its segments compiled (see the module docstring)."""
 
     def __init__(self, graph: Graph, lowered: Lowered, device: str | None = None, mode: Compile = Compile.AUTO) -> None:
+        if mode is Compile.CUDAGRAPH:
+            raise EdlError(
+                "compile mode 'cudagraph' replays the programs of one process; a rank of a job replays its "
+                "segments as graphs",
+                help="use compile='graph' (or auto)",
+            )
         self.eager = SpmdExecutable(graph, lowered, device)
         self.graph, self.lowered, self.mode = graph, lowered, mode.resolved()
         self.program = self.eager.program

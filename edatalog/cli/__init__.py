@@ -111,9 +111,10 @@ def _parser() -> argparse.ArgumentParser:
         "--compile",
         choices=COMPILE_MODES,
         default="auto",
-        help="torch: how each device's program runs: recorded once as a graph and replayed (auto, graph), that "
-        "graph compiled by inductor (tens of seconds cold, cached), or interpreted op by op (none); the first "
-        "call is interpreted, the second records",
+        help="torch: how each device's program runs: recorded once as a graph and replayed (graph; auto off a "
+        "GPU), that graph captured as one CUDA graph (cudagraph; auto on one GPU), compiled by inductor (tens "
+        "of seconds cold, cached), or interpreted op by op (none); the first call is interpreted, the second "
+        "records",
     )
     r.add_argument("--repeat", type=positive_int, default=1, metavar="K", help="torch: time K calls (the median)")
     r.add_argument(

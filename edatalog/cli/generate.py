@@ -46,9 +46,10 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
         "--compile",
         choices=COMPILE_MODES,
         default="auto",
-        help="torch: how the decode step runs: a traced graph replayed per token (auto, graph), that graph "
-        "compiled by inductor (tens of seconds cold, cached; on a CPU about 1.6x the tokens per second of "
-        "graph: worth it for long generations), or the interpreter (none)",
+        help="torch: how the decode step runs: a traced graph replayed per token (graph; auto off a GPU), that "
+        "graph captured as one CUDA graph (cudagraph; auto on one GPU), compiled by inductor (tens of seconds "
+        "cold, cached; about 1.6x the tokens per second of graph on a CPU and of cudagraph on an H200: worth it "
+        "for long generations), or the interpreter (none)",
     )
     g.add_argument("--plan", metavar="PLAN", help="a plan file for the prefill (see below)")
     g.add_argument("--decode-plan", metavar="PLAN", help="a plan file for the decode program")

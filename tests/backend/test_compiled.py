@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import edatalog
-from edatalog.backend.running import compiled, fxpasses
+from edatalog.backend.running import compiled, cudagraphs, fxpasses
 from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.backend.running.torch_runtime import TorchExecutable
 from edatalog.backend.running.tracer import TraceError, record
@@ -223,6 +223,71 @@ def test_compile_modes_are_checked() -> None:
         edatalog.executable(prog, backend="torch", compile="fast")
     exe = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
     assert isinstance(exe._impl, TorchExecutable)
+    assert _impl(edatalog.executable(prog, backend="torch", device="cpu")).mode is compiled.Compile.GRAPH
+    with pytest.raises(edatalog.EdlError, match="'cudagraph' replays on one CUDA GPU, but the program runs on cpu"):
+        edatalog.executable(prog, backend="torch", device="cpu", compile="cudagraph")
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------
+
+
+def _on_gpu(prog: edatalog.Program, mode: str, params: dict[str, Any], plan: Any = None) -> Executable:
+    exe = edatalog.executable(prog, plan, backend="torch", device="cuda", compile=mode)
+    exe.load(params)  # numpy, onto the executable's GPU
+    return exe
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_cuda_graph_replays_the_graph_bit_for_bit(dtype: str) -> None:
+    prog = _llama(dtype)
+    params, _ = _split(prog, prog.random_inputs(seed=0))
+    exe, ref = _on_gpu(prog, "auto", params), _on_gpu(prog, "graph", params)
+    assert _impl(exe).mode is compiled.Compile.CUDAGRAPH  # auto, on one GPU
+    kept = []
+    for seed in range(4):  # interpreted, captured, then replays of new inputs
+        inputs = _split(prog, prog.random_inputs(seed=seed))[1]
+        got, want = exe(inputs)["y"], ref(inputs)["y"]
+        assert got.is_cuda and torch.equal(got, want), seed
+        kept.append((got, want))
+    assert isinstance(_impl(exe).last_compiled.run, cudagraphs.CudaGraphed)  # type: ignore[union-attr]
+    assert all(torch.equal(got, want) for got, want in kept)  # a later replay leaves earlier results be
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_takes_new_weights_and_plans_of_logical_devices() -> None:
+    prog = _llama()
+    params, inputs = _split(prog, prog.random_inputs(seed=0))
+    plan = edatalog.plan(prog, topology="a100x4", strategy="megatron")
+    exe, ref = _on_gpu(prog, "cudagraph", params, plan), _on_gpu(prog, "graph", params, plan)
+    for _ in range(3):
+        assert torch.equal(exe(inputs)["y"], ref(inputs)["y"])
+    other = _split(prog, prog.random_inputs(seed=5))[0]
+    for e in (exe, ref):
+        e.load(other)
+    assert torch.equal(exe(inputs)["y"], ref(inputs)["y"])  # captured again on the new weights
+
+
+@pytest.mark.gpu
+def test_inductor_kernels_replay_as_a_cuda_graph() -> None:
+    prog = _compile("dim N = 1024.\ninput x[N] : f32.\noutput y.\ny[i] = exp(x[i] * 0.5) + x[i].")
+    exe = edatalog.executable(prog, backend="torch", device="cuda", compile="inductor")
+    for _ in range(4):
+        x = torch.randn(1024, device="cuda")
+        torch.testing.assert_close(exe({"x": x})["y"], torch.exp(x * 0.5) + x)
+    assert isinstance(_impl(exe).last_compiled.run, cudagraphs.CudaGraphed)  # type: ignore[union-attr]
+
+
+@pytest.mark.gpu
+def test_a_program_that_carries_state_replays_as_a_graph() -> None:
+    from tests.edatalog.test_training import SGD_MLP
+
+    prog, _ = edatalog.step_program(edatalog.compile_string(SGD_MLP, name="mlp.edl"), optimizer=edatalog.SGD(lr=0.1))
+    assert prog.graph.carries
+    exe = edatalog.executable(prog, backend="torch", device="cuda")
+    assert _impl(exe).mode is compiled.Compile.GRAPH
+    with pytest.raises(edatalog.EdlError, match="carries state"):
+        edatalog.executable(prog, backend="torch", device="cuda", compile="cudagraph")
 
 
 @pytest.mark.slow

@@ -143,6 +143,19 @@ def test_greedy_generation_equals_transformers(saved: tuple[Path, LlamaForCausal
     assert gen.tokens_per_second > 0 and gen.prefill_seconds > 0
 
 
+@pytest.mark.gpu
+def test_greedy_generation_on_a_gpu_replays_cuda_graphs(saved: tuple[Path, LlamaForCausalLM]) -> None:
+    """On one GPU the generator's steps replay as CUDA graphs (compile auto) and give
+    transformers' tokens, call after call (each call's prefill and steps replay the captures)."""
+    where, model = saved
+    want = _hf_generate(model)
+    gen = edatalog.Generator(LLAMA, where, dtype="f64", device="cuda")
+    for _ in range(3):  # interpreted, compiled and captured, replayed
+        assert gen(PROMPT, NEW).ids == want
+    _, prefill, step = next(iter(gen._runs.values()))
+    assert all(e._impl.mode.value == "cudagraph" for e in (prefill, step))
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_greedy_generation_on_two_processes_with_solved_plans(saved: tuple[Path, LlamaForCausalLM]) -> None:
