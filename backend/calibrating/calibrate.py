@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from edatalog.backend.calibrating import probe as calibrate_probe
-from edatalog.backend.running.compiled import compile_mode
+from edatalog.backend.running.compiled import Compile, compile_mode
 from edatalog.errors import EdlError
 from edatalog.solver.topology import Device, Library, Link, Topology
 
@@ -218,6 +218,22 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+def runtime_mode(opts: Options) -> Compile:
+    """The mode the torch runtime will run plans in, which the probes must run in too: ``auto``
+    is ``cudagraph`` for one process on one GPU and ``graph`` elsewhere (ranks of a job replay
+    their segments as graphs)."""
+    mode = compile_mode(opts.compile)
+    if opts.nproc > 1:
+        if mode is Compile.CUDAGRAPH:
+            raise EdlError(
+                "compile mode 'cudagraph' replays the programs of one process, but --nproc is "
+                f"{opts.nproc}: ranks of a job replay their segments as graphs",
+                help="use --compile graph (or auto), or --nproc 1",
+            )
+        return mode.resolved()
+    return mode.on([_torch().device(opts.device)], carries=False)
 
 
 def _seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], sizes: Sizes) -> float:
@@ -409,7 +425,7 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
     way (``torch_dispatch``).  ``probe_kernels``: the kernel launches of one run of each probe (empty:
     no probe)."""
     torch = _torch()
-    mode = compile_mode(opts.compile).resolved()
+    mode = runtime_mode(opts)
     x = torch.ones(sizes.floor_elements, device=dev)
     dispatch = _seconds_per_call(lambda: torch.add(x, x), sync, sizes)
     if opts.probe is None:
@@ -736,7 +752,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     rank_dispatch = [d["torch_dispatch"] for d in devices]
     kernels = devices[0]["probe_kernels"]
     if kernels:
-        floor_how = calibrate_probe.describe((kernels[0], kernels[1]), compile_mode(opts.compile).resolved())
+        floor_how = calibrate_probe.describe((kernels[0], kernels[1]), runtime_mode(opts))
     else:
         floor_how = "a 1-element add (torch's dispatch): no runtime probe was given"
     flops, bandwidth, floor = _sig(min(rank_flops)), _sig(min(rank_bandwidth)), _sig(max(rank_floor))
@@ -769,7 +785,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         "ranks": opts.nproc,
         "threads": opts.threads,
         "dtype": opts.dtype,
-        "compile": compile_mode(opts.compile).resolved().value,
+        "compile": runtime_mode(opts).value,
         "quick": opts.quick,
         "torch_dispatch": _sig(max(rank_dispatch)),  # a 1-element add: torch alone, no runtime
         "how": {  # where each number of the machine comes from

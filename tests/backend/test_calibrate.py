@@ -345,3 +345,18 @@ def test_the_general_probe_runs_on_the_general_path() -> None:
     probed = cal.measure_floor(opts.resolved(), cal.QUICK, torch.device("cpu"), lambda: None)
     assert _finite_positive(probed["general"]["seconds"])
     assert [general for *_, general, _ in probed["general"]["kernels"]] == [False, True]
+
+
+def test_probes_run_in_the_mode_plans_will_run_in() -> None:
+    """auto resolves as the runtime resolves it: graph off a GPU and for ranks of a job;
+    cudagraph for one process on one GPU; cudagraph for ranks is an error that says why."""
+    assert cal.runtime_mode(cal.Options(nproc=1, device="cpu")) is Compile.GRAPH
+    assert cal.runtime_mode(cal.Options(nproc=2, device="cpu", compile="none")) is Compile.NONE
+    with pytest.raises(EdlError, match="ranks of a job replay their segments as graphs"):
+        cal.runtime_mode(cal.Options(nproc=2, device="cpu", compile="cudagraph"))
+
+
+@pytest.mark.gpu
+def test_one_gpu_calibrates_cuda_graph_replay() -> None:
+    assert cal.runtime_mode(cal.Options(nproc=1, device="cuda")) is Compile.CUDAGRAPH
+    assert cal.runtime_mode(cal.Options(nproc=2, device="cuda")) is Compile.GRAPH
