@@ -3,12 +3,16 @@
 Every mistake a user can make surfaces as an :class:`EdlError` that prints like a compiler
 diagnostic: ``file:line:col: error: message``, the offending source line, a caret under the span,
 and optional ``help:`` and ``note:`` lines.  Nothing in edatalog should show a user a traceback.
+What is not a mistake but must not surprise a user (a compile that takes tens of seconds) is a
+notice: :data:`NOTICES`, which the command line prints (:func:`show_notices`).
 """
 
 from __future__ import annotations
 
 import bisect
 import difflib
+import logging
+import sys
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -189,3 +193,23 @@ def did_you_mean(name: str, candidates: Sequence[str] | Iterable[str], what: str
         shown = ", ".join(pool[:8]) + (", ..." if len(pool) > 8 else "")
         return f"known {what}: {shown}"
     return None
+
+
+NOTICES = logging.getLogger("edatalog.notice")  # what a user waiting on a call must be told
+
+
+class _ToStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a notice comes (a test may have replaced it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.setStream(sys.stderr)
+        super().emit(record)
+
+
+def show_notices(prefix: str = "edl") -> None:
+    """Print :data:`NOTICES` on stderr as ``PREFIX: message`` (once, however often called)."""
+    if not any(isinstance(h, _ToStderr) for h in NOTICES.handlers):
+        handler = _ToStderr(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
+        NOTICES.addHandler(handler)
+    NOTICES.setLevel(logging.INFO)

@@ -17,8 +17,9 @@ dispatch), and later calls with inputs of the same shapes, dtypes and devices ru
 - ``inductor``: the graph compiled by ``torch.compile``'s inductor (C++/OpenMP on a CPU, Triton
   on a GPU), which fuses elementwise chains into generated kernels (so a bf16 rule no longer
   pays for its f32 widening in memory traffic); on one CUDA GPU its kernels are then captured
-  as a CUDA graph too, as ``cudagraph`` captures the plain graph.  The compile takes tens of seconds cold, is
-  cached on disk by inductor, and is logged (``edatalog`` logger) when it starts and ends;
+  as a CUDA graph too, as ``cudagraph`` captures the plain graph.  The compile takes tens of
+  seconds cold, is cached on disk by inductor, and is logged (``edatalog`` logger) when it
+  starts and ends;
 - ``cudagraph``: on one CUDA GPU, the graph captured once as a CUDA graph and replayed with one
   launch per call (:mod:`edatalog.backend.running.cudagraphs`): the default there, where a
   small kernel costs less than launching it from Python;
@@ -67,7 +68,7 @@ from edatalog.backend.running.fxpasses import simplify
 from edatalog.backend.running.interpreter import Buffer, Mailbox
 from edatalog.backend.running.torch_runtime import OpTime, Outputs, TorchExecutable
 from edatalog.backend.running.tracer import TraceError, record
-from edatalog.errors import EdlError
+from edatalog.errors import NOTICES, EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
 from edatalog.ir.graph import Graph
@@ -416,10 +417,12 @@ def inductor(gm: Any, args: Sequence[Any], summary: dict[str, int]) -> Callable[
     """The graph compiled by inductor (cached on disk by inductor itself)."""
     from torch._inductor.compile_fx import compile_fx
 
-    LOG.info(
+    NOTICES.info(
         "compiling %d ops with inductor (a first compile takes tens of seconds; inductor caches it)", summary["nodes"]
     )
+    began = time.perf_counter()
     compiled: Callable[..., Any] = compile_fx(gm, list(args))  # type: ignore[assignment]
+    NOTICES.info("compiled with inductor in %.1f s", time.perf_counter() - began)
     return compiled
 
 

@@ -60,7 +60,7 @@ class CudaGraphed:
     def __call__(self, *args: Any) -> list[Any]:
         torch = torch_module()
         state, inputs = args[: self.n_state], args[self.n_state :]
-        if any(a is not s for a, s in zip(state, self.static, strict=False)):
+        if any(a is not s for a, s in zip(state, self.static[: self.n_state], strict=True)):
             self._capture(list(args))  # other params: their addresses are the graph's
         for buf, given in zip(self.static[self.n_state :], inputs, strict=True):
             if isinstance(buf, torch.Tensor) and given is not buf:

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from edatalog.errors import EdlError
+from edatalog.errors import EdlError, show_notices
 
 T = TypeVar("T")
 
@@ -97,6 +97,8 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
     reports the rank that died and why, not each rank that lost it.  After a return the rank
     leaves the group (:func:`leave_group`); after an error it exits without tearing the group
     down (:func:`_exit_without_teardown`)."""
+    if os.environ.get("RANK") == "0":
+        show_notices("rank 0")  # a rank's long compile is said once, by the first rank
     try:
         result = entry(*args)
     except BaseException as exc:

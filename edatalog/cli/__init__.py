@@ -16,7 +16,7 @@ from edatalog import __version__
 from edatalog.backend.running.runtime import RUNTIMES
 from edatalog.cli import calibrate, generate, plans, programs, show, train
 from edatalog.cli.common import COMPILE_MODES, command_began, positive_int, seed
-from edatalog.errors import EdlError
+from edatalog.errors import EdlError, show_notices
 from edatalog.ir.dtypes import FLOATS
 
 _RAW = argparse.RawDescriptionHelpFormatter
@@ -279,6 +279,7 @@ def _glue_signed_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     command_began()
+    show_notices()
     args = _parser().parse_args(_glue_signed_values(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command](args)

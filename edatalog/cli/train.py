@@ -30,10 +30,10 @@ examples:
   edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 10 --batch 4 --seq 64 --save ckpt
   edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 10 --batch 4 --seq 64 --resume ckpt
   edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 20 --batch 4 --seq 64 --nproc 2 --json
-  edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 5 --batch 4 --seq 64 --nproc 2 \
+  edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 5 --batch 4 --seq 64 --nproc 2 \\
       --save-plan step.json
   edl explain step.json grad_layers.0.wq
-  edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 5 --batch 4 --seq 64 --nproc 2 \
+  edl train programs/llama.edl --weights model_dir --data tokens.npy --steps 5 --batch 4 --seq 64 --nproc 2 \\
       --memory 300MB
 
 --save OUT writes a directory transformers' from_pretrained reads (config.json, model.safetensors)

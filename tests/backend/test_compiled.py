@@ -11,6 +11,7 @@ recorder refuses decisions on values, and each graph pass, bit for bit on a grap
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -291,12 +292,14 @@ def test_a_program_that_carries_state_replays_as_a_graph() -> None:
 
 
 @pytest.mark.slow
-def test_inductor_compiles_the_graph() -> None:
+def test_inductor_compiles_the_graph(caplog: pytest.LogCaptureFixture) -> None:
     prog = _compile("dim N = 16.\ninput x[N] : f32.\noutput y.\ny[i] = exp(x[i] * 0.5) + x[i].")
     exe = edatalog.executable(prog, backend="torch", device="cpu", compile="inductor")
     x = torch.randn(16)
+    caplog.set_level(logging.INFO, logger="edatalog.notice")
     for _ in range(3):
         torch.testing.assert_close(exe({"x": x})["y"], torch.exp(x * 0.5) + x)
+    assert any("compiling" in r.getMessage() and "inductor" in r.getMessage() for r in caplog.records)
     replay = _impl(exe).last_compiled
     assert replay is not None and replay.mode is compiled.Compile.INDUCTOR
 

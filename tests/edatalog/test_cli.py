@@ -261,3 +261,13 @@ def test_run_with_torch_measures_time_and_memory(capsys: pytest.CaptureFixture[s
     prog = edatalog.compile(ROOT / "programs" / "mlp.edl")
     weights = sum(r.nbytes for r in prog.arguments if r.kind == "param")
     assert set(report["peak_memory"]) == {"0"} and report["peak_memory"]["0"] >= weights
+
+
+def test_notices_are_printed_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """A long step the runtime announces (an inductor compile) reaches a command-line user."""
+    from edatalog.errors import NOTICES
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    NOTICES.info("compiling %d ops with inductor", 3)
+    assert "edl: compiling 3 ops with inductor" in capsys.readouterr().err
