@@ -10,6 +10,7 @@ backend's exchange synthesis and simulator, and gives the planning policy
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
@@ -276,32 +277,47 @@ def _layered(
         return not made[id(ir)].over_memory()
 
     whole = stages in (None, 1) and len(graph.nodes) > 2 * rep.count * len(rep.instance(0))
+    # The whole-program baselines are checked first, so that the layers' solve gets what they
+    # leave of the time limit (each takes a whole-program timeline: seconds for a training step).
+    began = time.monotonic()
+    baselines = _whole_baselines(graph, machine, reduction, options) if whole else []
+    left = max(time_limit - (time.monotonic() - began), MIN_LAYER_SECONDS)
     try:
-        lay = policy.solve_layers(graph, machine, checker_for, fits, time_limit, seed, space, on_progress, stages)
+        lay = policy.solve_layers(graph, machine, checker_for, fits, left, seed, space, on_progress, stages)
     except EdlError as exc:
         if not whole:
             raise
         # No layer plan within the memory (what the rest of the step holds may leave a layer
         # nothing): the whole-program baselines may still fit.
-        return _fitting_baseline(exc, graph, machine, reduction, options)
+        return _fitting_baseline(exc, baselines, graph, machine)
     plan = made.get(id(lay.plan)) or Plan(lay.plan, graph, machine, reduction, options)
     plan.layered = lay
     plan.solution = lay.layer
     if whole:
-        return _against_baselines(plan, graph, machine, reduction, options)
+        return _against_baselines(plan, baselines)
     return plan
 
 
-def _fitting_baseline(exc: EdlError, graph: Graph, machine: Topology, reduction: str, options: Options) -> Plan:
-    """The fastest whole-program baseline within memory, when the layers found no plan; else
-    an error saying what the leanest of them needs."""
+MIN_LAYER_SECONDS = 0.5  # what the layers' solve gets however long the baselines took
+
+
+def _whole_baselines(graph: Graph, machine: Topology, reduction: str, options: Options) -> list[tuple[str, Plan]]:
+    """The whole-program baselines this program has (see :data:`_BASELINES_WHOLE`), each built
+    and checked in its timeline."""
     built = []
     for strategy in _BASELINES_WHOLE if graph.carries else _BASELINES_WHOLE[::2]:
         try:
-            ir = strategies.build(graph, machine, strategy)
-            built.append((strategy, Plan(ir, graph, machine, reduction, options)))
+            plan = Plan(strategies.build(graph, machine, strategy), graph, machine, reduction, options)
         except EdlError:
-            continue
+            continue  # no such baseline for this program (megatron without heads)
+        plan.over_memory()  # the timeline, now
+        built.append((strategy, plan))
+    return built
+
+
+def _fitting_baseline(exc: EdlError, built: list[tuple[str, Plan]], graph: Graph, machine: Topology) -> Plan:
+    """The fastest whole-program baseline within memory, when the layers found no plan; else
+    an error saying what the leanest of them needs."""
     fitting = [(name, p) for name, p in built if not p.over_memory()]
     if fitting:
         name, best = min(fitting, key=lambda c: c[1].report.seconds)
@@ -327,7 +343,7 @@ def _fitting_baseline(exc: EdlError, graph: Graph, machine: Topology, reduction:
 _BASELINES_WHOLE = ("data", "zero", "megatron")
 
 
-def _against_baselines(plan: Plan, graph: Graph, machine: Topology, reduction: str, options: Options) -> Plan:
+def _against_baselines(plan: Plan, baselines: list[tuple[str, Plan]]) -> Plan:
     """``plan`` (a layer solved alone, composed), or a whole-program baseline the timeline
     predicts faster, within memory.  For programs whose repeated layers are less than half of
     them (a training step: the backward and the update are outside the layers), a layer solved
@@ -336,11 +352,7 @@ def _against_baselines(plan: Plan, graph: Graph, machine: Topology, reduction: s
     Checking them takes a whole-program timeline each, affordable at this size."""
     best, why = plan, ""
     over = bool(plan.over_memory())
-    for strategy in _BASELINES_WHOLE if graph.carries else _BASELINES_WHOLE[::2]:
-        try:
-            candidate = Plan(strategies.build(graph, machine, strategy), graph, machine, reduction, options)
-        except EdlError:
-            continue  # no such baseline for this program (megatron without heads)
+    for strategy, candidate in baselines:
         if candidate.over_memory():
             continue
         if over or candidate.report.seconds < best.report.seconds:
