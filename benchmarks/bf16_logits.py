@@ -34,13 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as where:
+        return _compare(args, where)
+
+
+def _compare(args: argparse.Namespace, where: str) -> int:
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import edatalog
     from edatalog.checkpoint import configured
 
-    torch.manual_seed(0)
-    where = tempfile.mkdtemp()
     model = LlamaForCausalLM(LlamaConfig(**MODELS[args.model])).to(torch.bfloat16)
     model.save_pretrained(where)
     ref = LlamaForCausalLM.from_pretrained(where, torch_dtype=torch.float32).to(args.device).eval()

@@ -252,6 +252,9 @@ def make_plan(
     return _solved(prog.graph, machine, reduction, options, time_limit, seed, space, on_progress)
 
 
+MIN_LAYER_SECONDS = 0.5  # what the layers' solve gets however long the whole-program baselines took
+
+
 def _layered(
     graph: Graph,
     rep: Repeat,
@@ -296,9 +299,6 @@ def _layered(
     if whole:
         return _against_baselines(plan, baselines)
     return plan
-
-
-MIN_LAYER_SECONDS = 0.5  # what the layers' solve gets however long the baselines took
 
 
 def _whole_baselines(graph: Graph, machine: Topology, reduction: str, options: Options) -> list[tuple[str, Plan]]:

@@ -195,6 +195,7 @@ class Options:
                     f"{torch.cuda.device_count()}",
                     help="one rank per GPU: pass at most as many ranks as GPUs",
                 )
+        runtime_mode(self)  # a mode the runtime cannot run these ranks in is refused before any work
         threads = self.threads
         if threads is None:
             threads = 1 if self.nproc > 1 or self.device == "cuda" else _torch().get_num_threads()

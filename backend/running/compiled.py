@@ -18,8 +18,8 @@ dispatch), and later calls with inputs of the same shapes, dtypes and devices ru
   on a GPU), which fuses elementwise chains into generated kernels (so a bf16 rule no longer
   pays for its f32 widening in memory traffic); on one CUDA GPU its kernels are then captured
   as a CUDA graph too, as ``cudagraph`` captures the plain graph.  The compile takes tens of
-  seconds cold, is cached on disk by inductor, and is logged (``edatalog`` logger) when it
-  starts and ends;
+  seconds cold, is cached on disk by inductor, and is announced when it starts and ends
+  (:data:`edatalog.errors.NOTICES`, which the command line prints);
 - ``cudagraph``: on one CUDA GPU, the graph captured once as a CUDA graph and replayed with one
   launch per call (:mod:`edatalog.backend.running.cudagraphs`): the default there, where a
   small kernel costs less than launching it from Python;
@@ -185,6 +185,7 @@ class CompiledExecutable:
             self.mode is Compile.INDUCTOR and capturable(self.eager.devices, bool(graph.carries))
         )
         self.replays: dict[Signature, Replay] = {}
+        self.graphed: dict[Signature, CudaGraphed] = {}  # this executable's captures (see _graphed)
         self._seen: set[Signature] = set()
         self._refused: set[Signature] = set()  # signatures whose programs a graph cannot replay
         self._keys: list[tuple[int, int]] = []
@@ -283,17 +284,30 @@ class CompiledExecutable:
         gpus = {d for d in self.eager.devices if d.type == "cuda"}
         for gpu in gpus:
             torch.cuda.reset_peak_memory_stats(gpu)
+        args = [*self._state, *(whole[n] for n in replay.names)]
+        run = self._graphed(sig, replay, args) if self.captures else replay.run
         with torch.no_grad():
-            flat = replay.run(*self._state, *(whole[n] for n in replay.names))
+            flat = run(*args)
         self.eager.last_times = []  # only interpreted calls with ``record`` time their ops
         if not _held(replay, flat):
             return self.eager(whole)
         self._replayed = True
+        # A replay allocates nothing: its peak is the capture's warm-up's.
+        captured = run.peak if isinstance(run, CudaGraphed) and run.captured else None
         self._peaks = {
-            d: int(torch.cuda.max_memory_allocated(dev)) if dev in gpus else peak
+            d: (captured or int(torch.cuda.max_memory_allocated(dev))) if dev in gpus else peak
             for (d, peak), dev in zip(self._program_peaks.items(), self.eager.devices, strict=True)
         }
         return self._carried(self._outputs(flat))
+
+    def _graphed(self, sig: Signature, replay: Replay, args: Sequence[Any]) -> CudaGraphed:
+        """This executable's CUDA graph of ``replay`` (captured on its first use here: a capture
+        holds this executable's params and a memory pool, so it is never shared through the
+        process-wide :data:`_KEPT`)."""
+        graphed = self.graphed.get(sig)
+        if graphed is None or graphed.run is not replay.run:
+            graphed = self.graphed[sig] = CudaGraphed(replay.run, args, len(self._keys), self.eager.device)
+        return graphed
 
     def _carried(self, out: Outputs) -> Outputs:
         """``out``, a graph's, its carried outputs kept as the next call's blocks (the
@@ -344,8 +358,6 @@ class CompiledExecutable:
         run: Callable[..., Any] = gm
         if self.mode is Compile.INDUCTOR:
             run = inductor(gm, args, summary)
-        if self.captures:
-            run = _captured(run, args, n_state)
         seconds = time.perf_counter() - start
         LOG.info("compiled %d ops (%s) in %.2f s", summary["nodes"], self.mode.value, seconds)
         replay = Replay(run, names, self.mode, seconds, summary["nodes"], summary, checks=bool(assumed))
@@ -369,16 +381,6 @@ def _held(replay: Replay, flat: Sequence[Any]) -> bool:
         LOG.info("a factor of a guarded contraction is not finite: this call runs on the interpreter")
         return False
     return True
-
-
-def _captured(gm: Any, args: Sequence[Any], n_state: int) -> Callable[..., Any]:
-    """``gm`` as a CUDA graph; ``gm`` itself where the capture fails (an op that synchronizes
-    with the host cannot be captured), said in the log."""
-    try:
-        return CudaGraphed(gm, args, n_state)
-    except RuntimeError as exc:
-        LOG.warning("not captured as a CUDA graph (%s): replaying the graph op by op", str(exc).splitlines()[0])
-        return gm
 
 
 def program_peaks(programs: ir.Programs) -> dict[int, int]:

@@ -267,7 +267,12 @@ def test_notices_are_printed_on_stderr(capsys: pytest.CaptureFixture[str]) -> No
     """A long step the runtime announces (an inductor compile) reaches a command-line user."""
     from edatalog.errors import NOTICES
 
-    with pytest.raises(SystemExit):
-        main(["--version"])
-    NOTICES.info("compiling %d ops with inductor", 3)
-    assert "edl: compiling 3 ops with inductor" in capsys.readouterr().err
+    handlers, level = list(NOTICES.handlers), NOTICES.level
+    try:
+        with pytest.raises(SystemExit):
+            main(["--version"])
+        NOTICES.info("compiling %d ops with inductor", 3)
+        assert "edl: compiling 3 ops with inductor" in capsys.readouterr().err
+    finally:  # later tests see the logger as it was
+        NOTICES.handlers[:] = handlers
+        NOTICES.setLevel(level)
