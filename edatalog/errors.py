@@ -17,6 +17,7 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,15 +202,19 @@ NOTICES = logging.getLogger("edatalog.notice")  # what a user waiting on a call 
 class _ToStderr(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is when a notice comes (a test may have replaced it)."""
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.setStream(sys.stderr)
-        super().emit(record)
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always the current stderr
 
 
 def show_notices(prefix: str = "edl") -> None:
     """Print :data:`NOTICES` on stderr as ``PREFIX: message`` (once, however often called)."""
     if not any(isinstance(h, _ToStderr) for h in NOTICES.handlers):
-        handler = _ToStderr(sys.stderr)
+        handler = _ToStderr()
         handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
         NOTICES.addHandler(handler)
     NOTICES.setLevel(logging.INFO)
