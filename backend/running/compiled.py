@@ -185,7 +185,7 @@ class CompiledExecutable:
             self.mode is Compile.INDUCTOR and capturable(self.eager.devices, bool(graph.carries))
         )
         self.replays: dict[Signature, Replay] = {}
-        self.graphed: dict[Signature, CudaGraphed] = {}  # this executable's captures (see _graphed)
+        self.graphed: OrderedDict[Signature, CudaGraphed] = OrderedDict()  # captures, see _graphed
         self._seen: set[Signature] = set()
         self._refused: set[Signature] = set()  # signatures whose programs a graph cannot replay
         self._keys: list[tuple[int, int]] = []
@@ -208,7 +208,8 @@ class CompiledExecutable:
     @property
     def last_peak(self) -> dict[int, int]:
         """The most bytes each device held in the last call: on a GPU what its allocator had
-        out; elsewhere the buffers of its program (every cell and presence mask), as the
+        out (replaying a CUDA graph, what it had out over the capture's warm-up: a replay
+        allocates nothing); elsewhere the buffers of its program (every cell and presence mask), as the
         interpreter counts them: a graph replaying the programs holds the same buffers."""
         if self._replayed:
             return self._peaks
@@ -216,7 +217,9 @@ class CompiledExecutable:
 
     def load(self, params: Mapping[str, Any]) -> None:
         """Keep each device's blocks of each param on its device; compiled graphs take them as
-        inputs, so nothing is compiled again."""
+        inputs, so nothing is compiled again (CUDA graphs capture again: they hold the old
+        blocks, which go with them)."""
+        self.graphed.clear()
         self.eager.load(params)
         self._refresh()
 
@@ -292,10 +295,12 @@ class CompiledExecutable:
         if not _held(replay, flat):
             return self.eager(whole)
         self._replayed = True
-        # A replay allocates nothing: its peak is the capture's warm-up's.
+        # A replay allocates nothing: its peak is taken as the capture's warm-up's.
         captured = run.peak if isinstance(run, CudaGraphed) and run.captured else None
         self._peaks = {
-            d: (captured or int(torch.cuda.max_memory_allocated(dev))) if dev in gpus else peak
+            d: (captured if captured is not None else int(torch.cuda.max_memory_allocated(dev)))
+            if dev in gpus
+            else peak
             for (d, peak), dev in zip(self._program_peaks.items(), self.eager.devices, strict=True)
         }
         return self._carried(self._outputs(flat))
@@ -306,7 +311,11 @@ class CompiledExecutable:
         process-wide :data:`_KEPT`)."""
         graphed = self.graphed.get(sig)
         if graphed is None or graphed.run is not replay.run:
+            self.graphed.pop(sig, None)  # the old capture's pool goes first
+            while len(self.graphed) >= KEPT:  # each holds a memory pool and copies of its inputs
+                self.graphed.popitem(last=False)
             graphed = self.graphed[sig] = CudaGraphed(replay.run, args, len(self._keys), self.eager.device)
+        self.graphed.move_to_end(sig)
         return graphed
 
     def _carried(self, out: Outputs) -> Outputs:

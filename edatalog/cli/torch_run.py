@@ -112,7 +112,8 @@ def _in_process(job: Job) -> Result:
     exe.load(params)
     # The inputs on the executable's device once, as a caller keeping them there has them: the
     # timed calls are the program's, not a host-to-GPU copy of its inputs every call.
-    inputs = {k: TorchOps().asarray(v).to(exe.device) for k, v in inputs.items()}
+    checked = prog.prepare(inputs, kinds=("input",))  # names, shapes and dtypes first, as a call checks them
+    inputs = {k: TorchOps().asarray(v).to(exe.device) for k, v in checked.items()}
     for _ in range(job.warmup):
         exe(inputs)
     calls = []
