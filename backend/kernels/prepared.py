@@ -115,16 +115,19 @@ class Prepared:
 def general_path(block: JoinAgg) -> bool:
     """Whether the torch runtime evaluates ``block`` (a rule's block, as ``restrict`` makes it)
     on the general path whatever its inputs' layouts: it looks values up, or aggregates other
-    than a sum of a product of two loads under no guard the block's box leaves, or is an
-    elementwise block too large for one pass.  The timeline prices that path apart (see
-    ``Device.general_bandwidth``): it materializes masks and passes over the block's arrays
-    several times, where a prepared block makes one torch call."""
+    than a sum of a product of two loads under no guard the block's box leaves.  The timeline
+    prices that path apart (see ``Device.general_bandwidth``): it materializes masks and passes
+    over the block's arrays several times, where a prepared block makes one torch call.  An
+    elementwise block too large for one pass is evaluated by the general path too, but in
+    chunks of the same torch ops at memory speed (measured on a CPU: 0.95-1.06x torch's own
+    expression at 4-8M points), so it is priced as a prepared block: pricing it at the masked
+    path's rate made splitting a block under :data:`CHUNK_POINTS` look faster than it is."""
     if block.lookups:
         return True
     node = prepare(block)
     if node.agg_indices:
         return _product_loads(node) is None and conv_form(node) is None
-    return math.prod(node.box.values()) > CHUNK_POINTS
+    return False
 
 
 def _product_loads(node: JoinAgg) -> list[Load] | None:
