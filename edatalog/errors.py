@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import difflib
 import logging
+import os
 import sys
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -212,7 +213,10 @@ class _ToStderr(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def show_notices(prefix: str = "edl") -> None:
-    """Print :data:`NOTICES` on stderr as ``PREFIX: message`` (once, however often called)."""
+    """Print :data:`NOTICES` on stderr as ``PREFIX: message`` (once, however often called); in
+    a job of several ranks (``RANK`` set), only rank 0 prints, so a notice is said once."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     if not any(isinstance(h, _ToStderr) for h in NOTICES.handlers):
         handler = _ToStderr()
         handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))

@@ -97,8 +97,7 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
     reports the rank that died and why, not each rank that lost it.  After a return the rank
     leaves the group (:func:`leave_group`); after an error it exits without tearing the group
     down (:func:`_exit_without_teardown`)."""
-    if os.environ.get("RANK") == "0":
-        show_notices("rank 0")  # a rank's long compile is said once, by the first rank
+    show_notices("rank 0")  # a rank's long compile is said once, by the first rank
     try:
         result = entry(*args)
     except BaseException as exc:

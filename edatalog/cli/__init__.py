@@ -8,7 +8,6 @@ Human-readable tables by default, ``--json`` for machines.  User mistakes print 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -280,8 +279,7 @@ def _glue_signed_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     command_began()
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank says it
-        show_notices()
+    show_notices()
     args = _parser().parse_args(_glue_signed_values(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command](args)
