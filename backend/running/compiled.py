@@ -363,7 +363,8 @@ class CompiledExecutable:
 
         args = [*self._state, *(whole[n] for n in names)]
         recording = record(body, args)
-        gm, summary = simplify(recording.module, recording.graph, recording.shapes)
+        reuse = self.mode is not Compile.INDUCTOR and all(d.type == "cpu" for d in self.eager.devices)
+        gm, summary = simplify(recording.module, recording.graph, recording.shapes, reuse=reuse)
         run: Callable[..., Any] = gm
         if self.mode is Compile.INDUCTOR:
             run = inductor(gm, args, summary)

@@ -47,73 +47,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
+from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
+from edatalog.backend.running.fxnodes import aten_of as _aten
+from edatalog.backend.running.fxnodes import is_view as _is_view
+from edatalog.backend.running.fxnodes import name_of as _name
+from edatalog.backend.running.fxnodes import writes as _writes
+from edatalog.backend.running.fxreuse import OUT_BINDINGS, REUSED, reuse_buffers
 from edatalog.backend.running.tracer import Geometry
-
-# ATen view ops: their result aliases their first argument's memory.
-_VIEW_NAMES = frozenset(
-    {
-        "view",
-        "_unsafe_view",
-        "reshape",
-        "expand",
-        "permute",
-        "transpose",
-        "t",
-        "slice",
-        "select",
-        "as_strided",
-        "alias",
-        "unsqueeze",
-        "squeeze",
-        "diagonal",
-        "unfold",
-        "narrow",
-        "expand_as",
-        "view_as",
-    }
-)
-
 
 # Views with a fast public binding (``torch.t``, ``Tensor.view``): a single one stays as it is;
 # any other (``slice``, ``select``, ``unsqueeze``, ...) becomes an ``as_strided``.
 _FAST_VIEWS = frozenset({"view", "expand", "permute", "t"})
-
-
-def _aten(node: Any) -> tuple[str, str] | None:
-    """(op name, overload name) of a call to an ATen op overload, else None: ops of other
-    namespaces (a functional collective, its wait) are left as they are by every pass."""
-    target = node.target
-    if node.op != "call_function" or not hasattr(target, "_schema") or not target._schema.name.startswith("aten::"):
-        return None
-    return target._schema.name.removeprefix("aten::"), target._overloadname
-
-
-def _name(node: Any) -> str | None:
-    """The ATen op a node calls (``mul``), else None."""
-    aten = _aten(node)
-    return None if aten is None else aten[0]
-
-
-def _is_view(node: Any) -> bool:
-    aten = _aten(node)
-    return aten is not None and aten[0] in _VIEW_NAMES
-
-
-def _writes(node: Any) -> Any | None:
-    """The node whose memory ``node`` writes and returns (``out=`` overloads, ``x.op_(...)``,
-    ``copy_``), else None."""
-    aten = _aten(node)
-    if aten is None:
-        return None
-    name, overload = aten
-    schema = node.target._schema
-    if overload == "out" or overload.endswith("_out"):
-        out = node.kwargs.get("out")
-        return out if hasattr(out, "op") else None
-    if name.endswith("_") and schema.arguments and schema.arguments[0].alias_info is not None:
-        first = node.args[0] if node.args else None
-        return first if hasattr(first, "op") else None
-    return None
 
 
 def _is_tensor(val: Any) -> bool:
@@ -304,6 +248,8 @@ def fast_calls(graph: Any) -> int:
             graph.erase_node(node)
             changed += 1
             continue
+        if node.meta.get(REUSED) and name not in OUT_BINDINGS:
+            continue  # its public binding may not take ``out=``: the ATen overload does
         f = _binding(name)
         if f is not None:
             node.target = f
@@ -507,8 +453,9 @@ def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
     return done
 
 
-def linear_calls(graph: Any) -> int:
-    """``mm(a, t(w))`` as one ``linear(a, w)`` call; returns how many."""
+def linear_calls(graph: Any, shapes: dict[Any, Geometry] | None = None) -> int:
+    """``mm(a, t(w))`` as one ``linear(a, w)`` call (its geometry in ``shapes``, the mm's);
+    returns how many."""
     torch = torch_module()
     done = 0
     for node in list(graph.nodes):
@@ -518,8 +465,10 @@ def linear_calls(graph: Any) -> int:
         if _aten(b) != ("t", "default"):
             continue
         with graph.inserting_before(node):
-            made = graph.call_function(torch._C._nn.linear, (a, b.args[0]))
+            made = graph.call_function(torch.ops.aten.linear.default, (a, b.args[0]))
             made.meta = dict(node.meta)
+        if shapes is not None and node in shapes:
+            shapes[made] = shapes[node]
         node.replace_all_uses_with(made)
         graph.erase_node(node)
         if not b.users:
@@ -528,10 +477,13 @@ def linear_calls(graph: Any) -> int:
     return done
 
 
-def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry]) -> tuple[Any, dict[str, int]]:
+def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry], reuse: bool = False) -> tuple[Any, dict[str, int]]:
     """Every pass of the module docstring, in order, on ``graph`` (whose constants ``module``
     holds; ``shapes``: each node's geometry, as recorded); the graph module made of them (its
-    Python code generated once, here), and what each pass did."""
+    Python code generated once, here), and what each pass did.  With ``reuse``, large results
+    are written into dead buffers (:func:`edatalog.backend.running.fxreuse.reuse_buffers`:
+    for a CPU, whose allocator returns large blocks to the kernel; inductor and CUDA's caching
+    allocator plan memory themselves)."""
     torch = torch_module()
     before = len(graph.nodes)
     graph.eliminate_dead_code()
@@ -543,8 +495,9 @@ def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry]) -> tuple[Any,
     assemblies = share_assemblies(graph, shapes)
     values = share_values(graph, module)
     graph.eliminate_dead_code()
-    linear = linear_calls(graph)
+    linear = linear_calls(graph, shapes)
     graph.eliminate_dead_code()
+    reused = reuse_buffers(graph, shapes) if reuse else 0
     calls = fast_calls(graph)  # last: dead-code elimination cannot tell torch.mul(..., out=) has an effect
     graph.lint()
     gm = torch.fx.GraphModule(module, graph)
@@ -557,6 +510,7 @@ def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry]) -> tuple[Any,
         "assemblies_shared": assemblies,
         "values_shared": values,
         "linear": linear,
+        "buffers_reused": reused,
         "fast_calls": calls,
         "nodes": len(graph.nodes),
     }

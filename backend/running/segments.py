@@ -201,7 +201,8 @@ class CompiledSpmdExecutable:
                     recording = record(fn, args)
                 except TraceError as exc:  # never expected: every rank must take this path alike
                     raise AssertionError(f"segment {k} of rank {self.rank} cannot be recorded: {exc}") from None
-                gm, summary = simplify(recording.module, recording.graph, recording.shapes)
+                reuse = self.mode is not Compile.INDUCTOR and self.device.type == "cpu"
+                gm, summary = simplify(recording.module, recording.graph, recording.shapes, reuse=reuse)
                 run: Any = inductor(gm, args, summary) if self.mode is Compile.INDUCTOR else gm
                 graphs[k] = _Replay(run, summary["nodes"])
                 outs = list(recording.outputs)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import edatalog
-from edatalog.backend.running import compiled, cudagraphs, fxpasses
+from edatalog.backend.running import compiled, cudagraphs, fxnodes, fxpasses
 from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.backend.running.torch_runtime import TorchExecutable
 from edatalog.backend.running.tracer import TraceError, record
@@ -360,7 +360,7 @@ def test_view_chains_fold_into_one_view_of_their_base() -> None:
     assert fxpasses.fold_views(graph, shapes) > 0
     graph.eliminate_dead_code()
     gm = torch.fx.GraphModule(module, graph)
-    views = [n for n in graph.nodes if fxpasses._is_view(n)]
+    views = [n for n in graph.nodes if fxnodes.is_view(n)]
     assert len(views) == 1 and "as_strided" in str(views[0].target)
     got = gm(x)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -1,0 +1,69 @@
+"""What a node of a traced device program (a ``torch.fx`` graph of ATen ops) does to memory:
+which ATen op it calls, whether its result is a view of an argument, which argument it
+writes.  Shared by the graph passes (:mod:`edatalog.backend.running.fxpasses`,
+:mod:`edatalog.backend.running.fxreuse`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ATen view ops: their result aliases their first argument's memory.
+VIEW_NAMES = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "expand",
+        "permute",
+        "transpose",
+        "t",
+        "slice",
+        "select",
+        "as_strided",
+        "alias",
+        "unsqueeze",
+        "squeeze",
+        "diagonal",
+        "unfold",
+        "narrow",
+        "expand_as",
+        "view_as",
+    }
+)
+
+
+def aten_of(node: Any) -> tuple[str, str] | None:
+    """(op name, overload name) of a call to an ATen op overload, else None: ops of other
+    namespaces (a functional collective, its wait) are left as they are by every pass."""
+    target = node.target
+    if node.op != "call_function" or not hasattr(target, "_schema") or not target._schema.name.startswith("aten::"):
+        return None
+    return target._schema.name.removeprefix("aten::"), target._overloadname
+
+
+def name_of(node: Any) -> str | None:
+    """The ATen op a node calls (``mul``), else None."""
+    aten = aten_of(node)
+    return None if aten is None else aten[0]
+
+
+def is_view(node: Any) -> bool:
+    aten = aten_of(node)
+    return aten is not None and aten[0] in VIEW_NAMES
+
+
+def writes(node: Any) -> Any | None:
+    """The node whose memory ``node`` writes and returns (``out=`` overloads, ``x.op_(...)``,
+    ``copy_``), else None."""
+    aten = aten_of(node)
+    if aten is None:
+        return None
+    name, overload = aten
+    schema = node.target._schema
+    if overload == "out" or overload.endswith("_out"):
+        out = node.kwargs.get("out")
+        return out if hasattr(out, "op") else None
+    if name.endswith("_") and schema.arguments and schema.arguments[0].alias_info is not None:
+        first = node.args[0] if node.args else None
+        return first if hasattr(first, "op") else None
+    return None

@@ -1,0 +1,206 @@
+"""Buffer reuse in traced graphs (backend/running/fxreuse.py): results bit for bit, and memory
+written only where nothing reads it any more."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import edatalog
+from edatalog.backend.running import fxpasses, fxreuse
+from edatalog.backend.running.compiled import CompiledExecutable
+from edatalog.backend.running.tracer import record
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _simplified(fn: Any, args: list[Any], min_bytes: int = 0) -> tuple[Any, int]:
+    rec = record(fn, args)
+    reused = fxreuse.reuse_buffers(rec.graph, rec.shapes, min_bytes=min_bytes)
+    fxpasses.fast_calls(rec.graph)
+    rec.graph.lint()
+    return torch.fx.GraphModule(rec.module, rec.graph), reused
+
+
+def _same(got: list[Any], want: list[Any]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_chain_writes_into_dead_buffers_bit_for_bit() -> None:
+    def fn(x: Any, y: Any) -> list[Any]:
+        a = x * 3.0
+        b = torch.sqrt(a.abs())  # a dies here
+        c = b * y  # b dies: c may take a's memory
+        d = torch.exp(c / 7.0)
+        return [d, torch.mm(d, y.t())]
+
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    gm, reused = _simplified(fn, [x, y])
+    assert reused >= 2
+    for args in ([x, y], [torch.randn(64, 64), torch.randn(64, 64)]):
+        saved = [a.clone() for a in args]
+        _same(gm(*args), fn(*args))
+        _same(args, saved)  # inputs are never written
+
+
+def test_a_buffer_read_through_a_view_stays_alive() -> None:
+    def fn(x: Any, y: Any) -> list[Any]:
+        a = x * 2.0
+        parts = a.split(8)  # views of a, read after b is made
+        t = a.t()
+        b = y + 1.0  # must not take a's memory
+        return [parts[1] + b[8:], t + b.t()]
+
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    gm, _ = _simplified(fn, [x, y])
+    _same(gm(x, y), fn(x, y))
+
+
+def test_a_call_outside_aten_may_alias_what_it_reads() -> None:
+    """A functional collective's wait returns the tensor it waits for: the buffer lives on
+    through whatever reads the wait's result."""
+
+    def fn(x: Any, y: Any) -> list[Any]:
+        a = x * 2.0
+        waited = torch.ops._c10d_functional.wait_tensor(a)
+        b = y + 1.0  # must not take a's memory: waited is a
+        return [waited + b]
+
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    gm, _ = _simplified(fn, [x, y])
+    _same(gm(x, y), fn(x, y))
+
+
+def test_returned_buffers_and_their_views_are_never_written() -> None:
+    def fn(x: Any) -> list[Any]:
+        a = x * 2.0
+        v = a[2:]
+        b = torch.sin(x)  # a is returned (through v): b must not take it
+        c = b * 5.0
+        return [v, c]
+
+    x = torch.randn(32, 32)
+    gm, _ = _simplified(fn, [x])
+    out = gm(x)
+    _same(out, fn(x))
+    assert out[0].untyped_storage().data_ptr() != out[1].untyped_storage().data_ptr()
+
+
+def test_small_buffers_are_left_to_the_allocator() -> None:
+    def fn(x: Any) -> list[Any]:
+        return [torch.exp(torch.sin(x * 2.0))]
+
+    assert _simplified(fn, [torch.randn(8, 8)], min_bytes=fxreuse.MIN_BYTES)[1] == 0
+    assert _simplified(fn, [torch.randn(8, 8)], min_bytes=0)[1] >= 1
+
+
+def test_every_op_of_the_public_bindings_list_takes_out() -> None:
+    """A call this pass makes goes through the public binding only for these names."""
+    a, b = torch.rand(4, 4) + 0.5, torch.rand(4, 4) + 0.5
+    idx = torch.tensor([0, 2])
+    calls: dict[str, Callable[[Any, Any], Any]] = {
+        "cat": lambda f, o: f([a, b], 0, out=o),
+        "where": lambda f, o: f(a > 1, a, b, out=o),
+        "gather": lambda f, o: f(a, 0, idx.view(1, 2).expand(4, 2).contiguous(), out=o),
+        "index_select": lambda f, o: f(a, 0, idx, out=o),
+        "sum": lambda f, o: f(a, [0], False, out=o),
+        "mean": lambda f, o: f(a, [0], False, out=o),
+        "amax": lambda f, o: f(a, [0], False, out=o),
+        "linear": lambda f, o: f(a, b, out=o),
+        "bmm": lambda f, o: f(a[None], b[None], out=o),
+    }
+    binary = {"add", "sub", "mul", "div", "maximum", "minimum", "pow", "mm"}
+
+    def two(f: Any, o: Any) -> Any:
+        return f(a, b, out=o)
+
+    def one(f: Any, o: Any) -> Any:
+        return f(a, out=o)
+
+    for name in sorted(fxreuse.OUT_BINDINGS):
+        f = fxpasses._binding(name)
+        assert f is not None, name
+        call: Callable[[Any, Any], Any] = calls.get(name) or (two if name in binary else one)
+        want = call(f, None) if name not in calls else None
+        out = torch.empty(0)
+        got = call(f, out)
+        assert got is out, name
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+_UNARY: list[Callable[[Any], Any]] = [
+    torch.sin,
+    torch.exp,
+    torch.tanh,
+    lambda t: t * 1.5,
+    lambda t: t.t().contiguous(),
+    lambda t: t + 0.25,
+]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["unary", "binary", "view", "mm"]), st.integers(0, 50), st.integers(0, 50)),
+        min_size=1,
+        max_size=14,
+    ),
+    st.integers(0, 2**16),
+)
+def test_random_graphs_give_the_eager_results(steps: list[tuple[str, int, int]], seed: int) -> None:
+    """Random straight-line programs of views, elementwise ops and matmuls over square
+    buffers, some results returned: the reusing graph equals eager execution, twice."""
+
+    def fn(x: Any, y: Any) -> list[Any]:
+        values = [x, y]
+        for kind, i, j in steps:
+            a, b = values[i % len(values)], values[j % len(values)]
+            if kind == "unary":
+                values.append(_UNARY[(i + j) % len(_UNARY)](a))
+            elif kind == "binary":
+                values.append(a * b + 1.0)
+            elif kind == "view":
+                values.append(a.t() if i % 2 else a.reshape(-1).view(a.shape))
+            else:
+                values.append(torch.mm(a, b) / 16.0)
+        return [v for k, v in enumerate(values[2:]) if (k + seed) % 3 == 0] + [values[-1]]
+
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    gm, _ = _simplified(fn, [x, y])
+    for args in ([x, y], [torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)]):
+        saved = [a.clone() for a in args]
+        _same(gm(*args), fn(*args))
+        _same(args, saved)
+
+
+def test_a_compiled_program_on_the_cpu_reuses_large_buffers_bit_for_bit() -> None:
+    prog = edatalog.compile_string(
+        """
+        dim N = 256.
+        input x[N, N] : f32.
+        input w[N, N] : f32.
+        output y.
+        a[i, j] = exp(x[i, j] * 0.5).
+        b[i, j] = a[i, j] * a[i, j] + 1.0.
+        h[i, k] += b[i, j] * w[j, k].
+        y[i, k] = sqrt(h[i, k] * h[i, k] + 1.0).
+        """
+    )
+    inputs = prog.random_inputs(seed=1)
+    exe = prog.executable(backend="torch", device="cpu", compile="graph")
+    want = np.asarray(prog.executable(backend="torch", device="cpu", compile="none")(inputs)["y"])
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(exe(inputs)["y"]), want)
+    impl = exe._impl
+    assert isinstance(impl, CompiledExecutable) and impl.last_compiled is not None
+    assert impl.last_compiled.summary["buffers_reused"] >= 1
