@@ -5,8 +5,10 @@ update, all rules of one graph (so that one plan places all of it).
 :mod:`edatalog.rules.grad`:
 
 - global gradient-norm clipping (``clip > 0``), as torch's ``clip_grad_norm_``: the squares of
-  every gradient summed into one cell, and every gradient scaled by
-  ``min(1, clip / (norm + 1e-6))``;
+  every gradient summed into one cell, in the gradients' type as torch's norms are, and every
+  gradient scaled by ``min(1, clip / (norm + 1e-6))``.  The factor is folded into the rules
+  that read a gradient (``(1 - b1) s`` is a scalar): no scaled copy of the gradients is made,
+  which would cost a pass over every param;
 - the update of every param, as torch's optimizers compute it (single-tensor, not fused):
 
   - :class:`AdamW`: ``p * (1 - lr * wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``
@@ -118,8 +120,10 @@ def training_step(
         with_grads = recompute_layers(with_grads, len(graph.nodes))
     with_grads = earliest(with_grads, set(grads.values()))
     b = _Rules(with_grads)
+    coef: str | None = None  # the clipping factor, folded into the rules that read a gradient
     if clip > 0:
-        norm = b.scalar("grad_norm_sq", "f64", aggop="+=")
+        widest = max((b.relations[g].dtype for g in grads.values()), key=lambda d: dtypes.itemsize(d))
+        norm = b.scalar("grad_norm_sq", widest, aggop="+=")  # as torch's norms: in the gradients' type
         for p in params_:
             b.reduce_squares(norm, grads[p])
         coef = b.scalar("clip_coef", "f64")
@@ -128,10 +132,15 @@ def training_step(
             return e.op("min", e.const(1.0), e.div(e.const(clip), e.add(e.op("sqrt", n), e.const(CLIP_EPS))))
 
         b.scalar_rule(coef, [norm], clip_coef)
-        for p in params_:
-            clipped = b.like(f"clipped_{p}", p)
-            b.elementwise(clipped, [grads[p]], [coef], lambda e, g, c: e.mul(g, c))
-            grads[p] = clipped
+    scales = [coef] if coef is not None else []  # the scalars of a rule reading a gradient
+
+    def clipped(e: Builder, g: int, c: Sequence[int]) -> int:
+        return e.mul(g, c[0]) if c else g
+
+    def scaled(e: Builder, k: float, c: Sequence[int]) -> int:
+        """``k`` times the clipping factor: a scalar, computed once per block."""
+        return e.mul(e.const(k), c[0]) if c else e.const(k)
+
     state: list[tuple[str, str]] = []
     step: str | None = None
     outputs = [loss]
@@ -143,42 +152,46 @@ def training_step(
         b.scalar_rule(bc1, [step], lambda e, t: e.sub(e.const(1.0), e.op("pow", e.const(b1), t)))
         bc2 = b.scalar("adam_bc2", "f64")
         b.scalar_rule(bc2, [step], lambda e, t: e.sub(e.const(1.0), e.op("pow", e.const(b2), t)))
+
+        def first_moment(e: Builder, m_: int, g: int, *c: int) -> int:  # b1 m + (1 - b1) s g
+            return e.add(e.mul(e.const(b1), m_), e.mul(scaled(e, 1 - b1, c), g))
+
+        def second_moment(e: Builder, v_: int, g: int, *c: int) -> int:  # b2 v + (1 - b2) s^2 g^2
+            k = e.mul(scaled(e, 1 - b2, c), c[0]) if c else e.const(1 - b2)
+            return e.add(e.mul(e.const(b2), v_), e.mul(k, e.mul(g, g)))
+
+        def update(e: Builder, p_: int, m_: int, v_: int, c1: int, c2: int) -> int:
+            decayed = e.mul(p_, e.const(1 - lr * wd))
+            denom = e.add(e.div(e.op("sqrt", v_), e.op("sqrt", c2)), e.const(eps))
+            return e.sub(decayed, e.mul(e.div(e.const(lr), c1), e.div(m_, denom)))
+
         for p in params_:
             m, v = b.input_like(f"adam_m_{p}", p), b.input_like(f"adam_v_{p}", p)
             state += [(m, p), (v, p)]
             m2, v2, p2 = b.like(NEXT + m, p), b.like(NEXT + v, p), b.like(NEXT + p, p)
-            b.elementwise(
-                m2, [m, grads[p]], [], lambda e, m_, g: e.add(e.mul(e.const(b1), m_), e.mul(e.const(1 - b1), g))
-            )
-            b.elementwise(
-                v2,
-                [v, grads[p]],
-                [],
-                lambda e, v_, g: e.add(e.mul(e.const(b2), v_), e.mul(e.const(1 - b2), e.mul(g, g))),
-            )
-
-            def update(e: Builder, p_: int, m_: int, v_: int, c1: int, c2: int) -> int:
-                decayed = e.mul(p_, e.const(1 - lr * wd))
-                denom = e.add(e.div(e.op("sqrt", v_), e.op("sqrt", c2)), e.const(eps))
-                return e.sub(decayed, e.mul(e.div(e.const(lr), c1), e.div(m_, denom)))
-
+            b.elementwise(m2, [m, grads[p]], scales, first_moment)
+            b.elementwise(v2, [v, grads[p]], scales, second_moment)
             b.elementwise(p2, [p, m2, v2], [bc1, bc2], update)
     else:
         lr, mom, wd = optimizer.lr, optimizer.momentum, optimizer.weight_decay
         for p in params_:
-            g = grads[p]
+            g, gs = grads[p], scales  # gs: the clipping factor, until a rule has applied it
             if wd:
                 decayed = b.like(f"decayed_{p}", p)
-                b.elementwise(decayed, [g, p], [], lambda e, g_, p_: e.add(g_, e.mul(e.const(wd), p_)))
-                g = decayed
+                b.elementwise(
+                    decayed, [g, p], gs, lambda e, g_, p_, *c: e.add(clipped(e, g_, c), e.mul(e.const(wd), p_))
+                )
+                g, gs = decayed, []
             if mom:
                 buf = b.input_like(f"momentum_{p}", p)
                 state.append((buf, p))
                 buf2 = b.like(NEXT + buf, p)
-                b.elementwise(buf2, [buf, g], [], lambda e, b_, g_: e.add(e.mul(e.const(mom), b_), g_))
-                g = buf2
+                b.elementwise(
+                    buf2, [buf, g], gs, lambda e, b_, g_, *c: e.add(e.mul(e.const(mom), b_), clipped(e, g_, c))
+                )
+                g, gs = buf2, []
             p2 = b.like(NEXT + p, p)
-            b.elementwise(p2, [p, g], [], lambda e, p_, g_: e.sub(p_, e.mul(e.const(lr), g_)))
+            b.elementwise(p2, [p, g], gs, lambda e, p_, g_, *c: e.sub(p_, e.mul(e.const(lr), clipped(e, g_, c))))
     outputs += [NEXT + p for p in params_] + [NEXT + s for s, _ in state]
     carries = tuple((NEXT + r, r) for r in (*params_, *(s for s, _ in state)))
     out = dataclasses.replace(b.graph(), outputs=tuple(outputs), carries=carries)
