@@ -87,6 +87,9 @@ def _aliased_args(node: Any) -> list[Any]:
     written = writes(node)
     if written is not None:
         return [written]
+    if is_view(node):  # by name: ``_unsafe_view``'s schema claims a fresh result
+        first = node.args[0] if node.args else None
+        return [first] if hasattr(first, "op") else []
     aten = aten_of(node)
     if aten is not None:
         schema = node.target._schema

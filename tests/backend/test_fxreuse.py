@@ -79,6 +79,20 @@ def test_a_call_outside_aten_may_alias_what_it_reads() -> None:
     _same(gm(x, y), fn(x, y))
 
 
+def test_a_reshape_that_copies_keeps_its_copy_alive() -> None:
+    """``reshape`` of a transposed tensor traces to ``clone`` then ``_unsafe_view``, whose
+    schema claims a fresh result: the clone's memory is still the returned tensor's."""
+
+    def fn(x: Any, y: Any) -> list[Any]:
+        a = y.t()
+        kept = a.reshape(-1).view(a.shape)
+        return [kept, torch.sin(x) * 2.0]
+
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    gm, _ = _simplified(fn, [x, y])
+    _same(gm(x, y), fn(x, y))
+
+
 def test_returned_buffers_and_their_views_are_never_written() -> None:
     def fn(x: Any) -> list[Any]:
         a = x * 2.0
@@ -147,7 +161,7 @@ _UNARY: list[Callable[[Any], Any]] = [
 ]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["unary", "binary", "view", "mm"]), st.integers(0, 50), st.integers(0, 50)),
