@@ -31,6 +31,14 @@ VIEW_NAMES = frozenset(
     }
 )
 
+# ATen ops computing each element of their result from the same position of their operands (after
+# broadcasting): written in place over an operand of the result's geometry, they give the same.
+BINARY_POINTWISE = frozenset({"mul", "add", "sub", "div", "maximum", "minimum", "pow", "where"})
+UNARY_POINTWISE = frozenset(
+    {"exp", "rsqrt", "sqrt", "neg", "cos", "sin", "tanh", "sigmoid", "silu", "log", "abs", "reciprocal", "erf"}
+)
+POINTWISE = BINARY_POINTWISE | UNARY_POINTWISE
+
 
 def aten_of(node: Any) -> tuple[str, str] | None:
     """(op name, overload name) of a call to an ATen op overload, else None: ops of other

@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
+from edatalog.backend.running.fxnodes import POINTWISE, UNARY_POINTWISE
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
 from edatalog.backend.running.fxnodes import is_view as _is_view
@@ -406,10 +407,6 @@ def _key(tree: Any) -> Any:
     return (type(tree).__name__, tree) if not isinstance(tree, type) else ("type", tree)
 
 
-_ELEMENTWISE_OUT = frozenset({"mul", "add", "sub", "div", "maximum", "minimum", "pow", "where"})
-_UNARY_OUT = frozenset({"exp", "rsqrt", "sqrt", "neg", "cos", "sin", "tanh", "sigmoid", "log", "abs", "reciprocal"})
-
-
 def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
     """Replace each fresh buffer that is a copy of a view updated in place by the out-of-place
     op on the view (see the module docstring); returns how many buffers went."""
@@ -428,7 +425,7 @@ def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
             aten = _aten(update)
             if aten is None or aten[1] != "out" or update.kwargs.get("out") is not node:
                 continue
-            if aten[0] not in _ELEMENTWISE_OUT | _UNARY_OUT or not update.args or update.args[0] is not node:
+            if aten[0] not in POINTWISE or not update.args or update.args[0] is not node:
                 continue
             if any(a is node for a in update.args[1:]):
                 continue
@@ -436,7 +433,7 @@ def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
             if bisect.bisect_right(writes, order[copy]) != bisect.bisect_left(writes, order[update]):
                 continue
             packet = update.target._overloadpacket
-            overload = packet.default if aten[0] in _UNARY_OUT else getattr(packet, "Tensor", None)
+            overload = packet.default if aten[0] in UNARY_POINTWISE else getattr(packet, "Tensor", None)
             if overload is None:
                 continue
             with graph.inserting_before(update):

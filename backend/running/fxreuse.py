@@ -21,7 +21,12 @@ its forward and backward a fresh activation per rule.
   dtype); an op making a buffer of a size and dtype in the pool, and having an ``out=``
   overload, writes into a view of the pooled buffer instead (``mul(a, b)`` becomes
   ``mul(a, b, out=view(dead, sizes))``), and the pooled memory stays busy until the new
-  buffer's interval ends.
+  buffer's interval ends;
+- a pointwise op (``fxnodes.POINTWISE``) one of whose operands' buffer dies at that op prefers
+  that buffer's memory: the op runs in place, over data it has just read into the cache.  Only
+  when every operand aliasing that buffer reads it in the result's own geometry: each element is
+  then read before its own position is written, and no other position reads it (``a * a.t()``
+  written over ``a`` would read what it wrote).
 
 Results are bit for bit the same: each op runs the same kernel into memory of the same layout.
 Graph inputs (params, carried state) and constants are never reused: their memory is not the
@@ -35,7 +40,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from edatalog.backend.running.fxnodes import aten_of, is_view, name_of, writes
+from edatalog.backend.running.fxnodes import POINTWISE, aten_of, is_view, name_of, writes
 from edatalog.backend.running.tracer import Geometry
 
 MIN_BYTES = 256 * 1024  # smaller buffers come from the allocator's free lists: a view would cost more than it saves
@@ -145,6 +150,7 @@ def reuse_buffers(graph: Any, shapes: dict[Any, Geometry], min_bytes: int = MIN_
 
     ending: dict[int, list[tuple[Any, tuple[int, Any]]]] = defaultdict(list)  # position -> memory freed there
     pool: dict[tuple[int, Any], list[Any]] = defaultdict(list)  # (bytes, dtype) -> memory no buffer uses
+    memory_of: dict[Any, Any] = {}  # buffer -> the memory it was given
     reused = 0
     for node in nodes:
         k = order[node]
@@ -153,8 +159,13 @@ def reuse_buffers(graph: Any, shapes: dict[Any, Geometry], min_bytes: int = MIN_
             memory = node
             name = name_of(node)
             overload = None if name in _EMPTY else out_variant(node.target)
-            if pool[key] and (overload is not None or name in _EMPTY):
+            dying = _dying_operand(node, k, roots, last, shapes) if overload is not None else None
+            if dying is not None and memory_of.get(dying) is not None and (memory_of[dying], key) in ending[k]:
+                memory = memory_of[dying]  # in place: the operand is still in the cache
+                ending[k].remove((memory, key))
+            elif pool[key] and (overload is not None or name in _EMPTY):
                 memory = pool[key].pop()
+            if memory is not node:
                 with graph.inserting_before(node):
                     made = graph.call_function(_view_overload(), (memory, list(shapes[node][0])))
                     if overload is not None:
@@ -163,12 +174,37 @@ def reuse_buffers(graph: Any, shapes: dict[Any, Geometry], min_bytes: int = MIN_
                 node.replace_all_uses_with(made)
                 graph.erase_node(node)
                 shapes[made] = shapes.pop(node)
+                roots[made] = roots[node]  # later nodes read ``made``: the buffer is still ``node``
                 reused += 1
+            memory_of[node] = memory
             if last[node] < end:
                 ending[last[node]].append((memory, key))
         for memory, key in ending.pop(k, ()):
             pool[key].append(memory)
     return reused
+
+
+def _dying_operand(
+    node: Any, k: int, roots: dict[Any, frozenset[Any]], last: dict[Any, int], shapes: dict[Any, Geometry]
+) -> Any | None:
+    """The buffer of an operand of pointwise ``node`` (at position ``k``) whose interval ends
+    there, if ``node`` may write its result over it: every operand aliasing that buffer reads it
+    in the result's own geometry, so that each element is read before its own position is
+    written and no other."""
+    if name_of(node) not in POINTWISE:
+        return None
+    geometry = shapes[node]
+    operands = node.all_input_nodes
+    for a in operands:
+        owners = roots.get(a, frozenset())
+        if len(owners) != 1 or shapes.get(a) != geometry:
+            continue
+        (buffer,) = owners
+        if last[buffer] != k:
+            continue
+        if all(shapes.get(b) == geometry for b in operands if buffer in roots.get(b, frozenset())):
+            return buffer
+    return None
 
 
 @functools.cache
