@@ -399,6 +399,8 @@ def _eval_dag(space: _Space, root: int, memo: dict[int, Array], in_place: bool =
     nodes = space.node.expr.nodes
     xp = space.xp
     single = read_once(space.node.expr) if in_place else frozenset()
+    fused = ops.fusions(space.node.expr) if ops.fuses(space.cdt, xp) else {}
+    unfused: set[int] = set()  # fusions that would not pay with these shapes
     stack = [root]
     while stack:
         k = stack[-1]
@@ -407,13 +409,23 @@ def _eval_dag(space: _Space, root: int, memo: dict[int, Array], in_place: bool =
             continue
         n = nodes[k]
         if isinstance(n, Op):
-            missing = [a for a in n.args if a not in memo]
+            f = fused.get(k)
+            if f is not None and (f.inner in memo or k in unfused):
+                f = None  # the inner op's result is at hand (a sub-DAG evaluated before)
+            reads = f.args if f is not None else n.args
+            missing = [a for a in reads if a not in memo]
             if missing:
                 stack.extend(missing)
                 continue
-            args = [memo[a] for a in n.args]
-            out = _reusable(space, n, args, single) if single and ops.writes_into(n.op, xp) else None
-            memo[k] = ops.apply_op(n.op, args, space.cdt, xp, out=out)
+            args = [memo[a] for a in reads]
+            if f is not None and not f.pays([tuple(a.shape) for a in args], xp):
+                unfused.add(k)  # again, with the inner op's result
+                continue
+            out = _reusable(space, reads, args, single) if single and (f or ops.writes_into(n.op, xp)) else None
+            if f is not None:
+                memo[k] = f.apply(args, space.cdt, xp, out=out)
+            else:
+                memo[k] = ops.apply_op(n.op, args, space.cdt, xp, out=out)
         elif isinstance(n, Load):
             memo[k] = space.data[n.input]
         elif isinstance(n, IndexValue):
@@ -437,11 +449,12 @@ def read_once(expr: ScalarExpr) -> frozenset[int]:
     return frozenset(k for k in once if not isinstance(n := expr.nodes[k], Load) or loads[n.input] == 1)
 
 
-def _reusable(space: _Space, op: Op, args: list[Array], single: frozenset[int]) -> Array | None:
-    """An argument of ``op`` that its result may overwrite (see :func:`_eval_dag`), or None."""
+def _reusable(space: _Space, reads: tuple[int, ...], args: list[Array], single: frozenset[int]) -> Array | None:
+    """An argument (of node ids ``reads``) that an op's result may overwrite (see
+    :func:`_eval_dag`), or None."""
     nodes, xp = space.node.expr.nodes, space.xp
     shape = xp.broadcast_shape([a.shape for a in args])
-    for a, arr in zip(op.args, args, strict=True):
+    for a, arr in zip(reads, args, strict=True):
         n = nodes[a]
         mine = isinstance(n, Op) or (isinstance(n, Load) and n.input in space.owned)
         if a in single and mine and arr.dtype == space.cdt and tuple(arr.shape) == shape and xp.is_dense(arr):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps, torch_module
-from edatalog.ir.scalar import OPS
+from edatalog.ir.scalar import OPS, Op, ScalarExpr
 
 Fn = Callable[..., Any]
 
@@ -158,6 +159,71 @@ def apply_op(op: str, args: Sequence[Array], cdt: Any, xp: ArrayOps = NUMPY, out
     if info.result == "bool":
         return xp.asarray(fn(*args))
     return xp.asarray(fn(*(xp.cast(a, cdt) for a in args)))
+
+
+# -- fused forms (torch) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One torch call for an op over another op's result that only it reads: ``add(a, mul(b,
+    c))`` is ``addcmul(a, b, c)``, ``sub(a, div(b, c))`` is ``addcdiv(a, b, c, value=-1)``.
+    One pass over memory instead of two, and no array in between; ``addcmul`` may round once
+    where the two ops round twice (a fused multiply-add), as XLA's and inductor's fusions do.
+    ``args``: node ids of the expression, as :class:`~edatalog.ir.scalar.Op`'s."""
+
+    name: str  # "addcmul" or "addcdiv"
+    args: tuple[int, ...]
+    value: int  # 1 or -1
+    inner: int  # the node of the op folded in
+
+    def pays(self, shapes: Sequence[tuple[int, ...]], xp: ArrayOps) -> bool:
+        """Whether the call pays with arguments of these shapes: only where the first (``a``)
+        has the result's shape.  A broadcast ``a`` is first copied into the result, a pass
+        of its own (measured: ``addcdiv(eps, b, c)`` at 3.4x ``div`` then ``add``)."""
+        return tuple(shapes[0]) == tuple(xp.broadcast_shape(list(shapes)))
+
+    def apply(self, args: Sequence[Array], cdt: Any, xp: ArrayOps, out: Array | None = None) -> Array:
+        fn = getattr(torch_module(), self.name)
+        return fn(*(xp.cast(a, cdt) for a in args), value=self.value, out=out)
+
+
+_FUSED_INNER = {"mul": "addcmul", "div": "addcdiv"}
+
+
+@functools.lru_cache(maxsize=4096)
+def fusions(expr: ScalarExpr) -> dict[int, Fused]:
+    """The ops of ``expr`` that torch evaluates as one :class:`Fused` call, by node id (where
+    :func:`fuses`).  The inner op is one that no other op reads and that is not the root."""
+    reads = Counter(a for k in expr.live() if isinstance(n := expr.nodes[k], Op) for a in n.args)
+    found: dict[int, Fused] = {}
+    absorbed: set[int] = set()
+    for k in expr.live():
+        n = expr.nodes[k]
+        if not isinstance(n, Op) or n.op not in ("add", "sub"):
+            continue
+        a, b = n.args
+        sides = [(b, a, 1 if n.op == "add" else -1)] + ([(a, b, 1)] if n.op == "add" else [])
+        for inner, other, value in sides:
+            m = expr.nodes[inner]
+            if not isinstance(m, Op) or m.op not in _FUSED_INNER or reads[inner] != 1 or inner == expr.root:
+                continue
+            if inner in absorbed:
+                continue
+            found[k] = Fused(_FUSED_INNER[m.op], (other, *m.args), value, inner)
+            absorbed.add(inner)
+            break
+    return found
+
+
+def fuses(cdt: Any, xp: ArrayOps) -> bool:
+    """Whether an evaluator in compute dtype ``cdt`` with ``xp`` uses :func:`fusions`: torch, in
+    f32 or f64 (``f16``/``bf16`` rules compute in f32 and round once; one computed natively in
+    its half type rounds after every op, as the language says, which a fused call would not)."""
+    if xp.name != "torch":
+        return False
+    torch = torch_module()
+    return cdt in (torch.float32, torch.float64)
 
 
 def warm_up(ops: Iterable[str]) -> None:

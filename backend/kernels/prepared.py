@@ -11,7 +11,7 @@ most programs, and the :class:`Prepared` result runs with a handful of torch cal
 - a sum of the product of two inputs (a GEMM, a batched GEMM, a sum of squares), times
   constants, with no guard;
 - an elementwise rule (no aggregated index), its ops in place where an array has no other
-  reader;
+  reader, a sum or difference with a product or quotient as one call (``ops.fusions``);
 - a convolution (:mod:`edatalog.backend.kernels.convolution`): one call of torch's.
 
 Both need the block's presence decided beforehand (:class:`~edatalog.backend.kernels.joinagg.Known`) and
@@ -339,16 +339,12 @@ class _Elementwise(Prepared):
         single = read_once(expr)
         self.root = expr.root
         self.constants: dict[int, Array] = {}
-        self.steps: list[tuple[int, str | int, tuple[int, ...], int | None]] = []  # node, op or input, args, into
+        self.steps: list[tuple[int, str | int | ops.Fused, tuple[int, ...], int | None]] = []  # node, what, args, into
         shapes: dict[int, tuple[int, ...]] = {}
-        mine: set[int] = set()  # nodes whose array this evaluation made
         for k in expr.live():
             n = expr.nodes[k]
             if isinstance(n, Load):
-                self.steps.append((k, n.input, (), None))
                 shapes[k] = views[n.input].shape
-                if views[n.input].copies:
-                    mine.add(k)
             elif isinstance(n, Const):
                 self.constants[k] = xp.scalar(n.value, xp.bool_ if isinstance(n.value, bool) else cdt, device)
                 shapes[k] = ()
@@ -358,10 +354,23 @@ class _Elementwise(Prepared):
             else:
                 assert isinstance(n, Op)
                 shapes[k] = xp.broadcast_shape([shapes[a] for a in n.args])
+        fused = ops.fusions(expr) if ops.fuses(cdt, xp) else {}
+        fused = {k: f for k, f in fused.items() if f.pays([shapes[a] for a in f.args], xp)}
+        folded = {f.inner for f in fused.values()}
+        mine: set[int] = set()  # nodes whose array this evaluation made
+        for k in expr.live():
+            n = expr.nodes[k]
+            if isinstance(n, Load):
+                self.steps.append((k, n.input, (), None))
+                if views[n.input].copies:
+                    mine.add(k)
+            elif isinstance(n, Op) and k not in folded:
+                f = fused.get(k)
+                reads = f.args if f is not None else n.args
                 into = None
-                if ops.writes_into(n.op, xp):
-                    into = next((a for a in n.args if a in single and a in mine and shapes[a] == shapes[k]), None)
-                self.steps.append((k, n.op, n.args, into))
+                if f is not None or ops.writes_into(n.op, xp):
+                    into = next((a for a in reads if a in single and a in mine and shapes[a] == shapes[k]), None)
+                self.steps.append((k, f if f is not None else n.op, reads, into))
                 if OPS[n.op].result != "bool" and n.op not in ("not", "and", "or"):
                     mine.add(k)
 
@@ -375,5 +384,8 @@ class _Elementwise(Prepared):
             out = values[into] if into is not None else None
             if out is not None and not out.is_contiguous():
                 out = None
-            values[k] = ops.apply_op(what, [values[a] for a in args], cdt, xp, out=out)
+            if isinstance(what, ops.Fused):
+                values[k] = what.apply([values[a] for a in args], cdt, xp, out=out)
+            else:
+                values[k] = ops.apply_op(what, [values[a] for a in args], cdt, xp, out=out)
         return xp.broadcast_to(xp.asarray(values[self.root]), self.full), self.present, self.order

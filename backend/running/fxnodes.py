@@ -5,6 +5,7 @@ writes.  Shared by the graph passes (:mod:`edatalog.backend.running.fxpasses`,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # ATen view ops: their result aliases their first argument's memory.
@@ -33,11 +34,11 @@ VIEW_NAMES = frozenset(
 
 # ATen ops computing each element of their result from the same position of their operands (after
 # broadcasting): written in place over an operand of the result's geometry, they give the same.
-BINARY_POINTWISE = frozenset({"mul", "add", "sub", "div", "maximum", "minimum", "pow", "where"})
+TENSORS_POINTWISE = frozenset({"mul", "add", "sub", "div", "maximum", "minimum", "pow", "where", "addcmul", "addcdiv"})
 UNARY_POINTWISE = frozenset(
     {"exp", "rsqrt", "sqrt", "neg", "cos", "sin", "tanh", "sigmoid", "silu", "log", "abs", "reciprocal", "erf"}
 )
-POINTWISE = BINARY_POINTWISE | UNARY_POINTWISE
+POINTWISE = TENSORS_POINTWISE | UNARY_POINTWISE
 
 
 def aten_of(node: Any) -> tuple[str, str] | None:
@@ -74,4 +75,20 @@ def writes(node: Any) -> Any | None:
     if name.endswith("_") and schema.arguments and schema.arguments[0].alias_info is not None:
         first = node.args[0] if node.args else None
         return first if hasattr(first, "op") else None
+    return None
+
+
+@functools.cache
+def functional_variant(overload: Any) -> Any | None:
+    """The functional overload of an ATen ``out=`` overload (``mul.out`` -> ``mul.Tensor``,
+    ``addcmul.out`` -> ``addcmul.default``): the same arguments, by name and type, less
+    ``out``, returning one fresh tensor; None if there is none."""
+    wanted = [(a.name, str(a.type)) for a in overload._schema.arguments if not a.is_out]
+    packet = overload._overloadpacket
+    for name in packet.overloads():
+        schema = getattr(packet, name)._schema
+        if schema.is_mutable or len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
+            continue
+        if [(a.name, str(a.type)) for a in schema.arguments] == wanted:
+            return getattr(packet, name)
     return None

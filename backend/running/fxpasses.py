@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
-from edatalog.backend.running.fxnodes import POINTWISE, UNARY_POINTWISE
+from edatalog.backend.running.fxnodes import POINTWISE, functional_variant
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
 from edatalog.backend.running.fxnodes import is_view as _is_view
@@ -432,12 +432,12 @@ def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
             # The view must still hold what it held at the copy: nothing writes between the two.
             if bisect.bisect_right(writes, order[copy]) != bisect.bisect_left(writes, order[update]):
                 continue
-            packet = update.target._overloadpacket
-            overload = packet.default if aten[0] in UNARY_POINTWISE else getattr(packet, "Tensor", None)
+            overload = functional_variant(update.target)
             if overload is None:
                 continue
+            kwargs = {k: v for k, v in update.kwargs.items() if k != "out"}  # addcmul's value, add's alpha
             with graph.inserting_before(update):
-                made = graph.call_function(overload, (source, *update.args[1:]))
+                made = graph.call_function(overload, (source, *update.args[1:]), kwargs)
                 made.meta = dict(update.meta)
             order[made] = order[update]
             update.replace_all_uses_with(made)

@@ -49,9 +49,9 @@ REUSED = "edl_reused"  # node meta: an ``out=`` call this pass made
 # pass made goes through it (a microsecond, against several through the ATen overload).
 OUT_BINDINGS = frozenset(
     {
-        "abs", "add", "amax", "bmm", "cat", "cos", "div", "erf", "exp", "expm1", "gather", "index_select",
-        "linear", "log", "log1p", "maximum", "mean", "minimum", "mm", "mul", "neg", "pow", "reciprocal",
-        "rsqrt", "sigmoid", "silu", "sin", "sqrt", "sub", "sum", "tanh", "where",
+        "abs", "add", "addcdiv", "addcmul", "amax", "bmm", "cat", "cos", "div", "erf", "exp", "expm1", "gather",
+        "index_select", "linear", "log", "log1p", "maximum", "mean", "minimum", "mm", "mul", "neg", "pow",
+        "reciprocal", "rsqrt", "sigmoid", "silu", "sin", "sqrt", "sub", "sum", "tanh", "where",
     }
 )  # fmt: skip
 # Fresh buffers of no value: a view of dead memory serves as well.

@@ -162,6 +162,8 @@ def test_every_op_of_the_public_bindings_list_takes_out() -> None:
         "amax": lambda f, o: f(a, [0], False, out=o),
         "linear": lambda f, o: f(a, b, out=o),
         "bmm": lambda f, o: f(a[None], b[None], out=o),
+        "addcmul": lambda f, o: f(a, b, a, value=-1, out=o),
+        "addcdiv": lambda f, o: f(a, b, a, value=-1, out=o),
     }
     binary = {"add", "sub", "mul", "div", "maximum", "minimum", "pow", "mm"}
 

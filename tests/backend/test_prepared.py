@@ -26,6 +26,7 @@ from edatalog.backend.kernels.joinagg import evaluate_node, known_presence
 from edatalog.backend.kernels.prepared import _Contraction, _Elementwise, layout_of, prepare_block
 from edatalog.backend.kernels.reference import evaluate
 from edatalog.backend.running import interpreter
+from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.backend.running.torch_runtime import TorchExecutable
 from edatalog.errors import EdlWarning
 from edatalog.ir import program as ir
@@ -185,6 +186,62 @@ def test_in_place_chains_round_half_precision_once() -> None:
     assert isinstance(next(iter(_kernels(exe).prepared.values())), _Elementwise)
     np.testing.assert_array_equal(got.numpy(), prog.run({"h": h})["y"])
     assert got.dtype == torch.float16 and float(got[0]) == 60000.0
+
+
+_FUSED = """
+dim N = 64, M = 8.
+input a[N, M] : {t}.
+input b[N, M] : {t}.
+input c[N, M] : {t}.
+input s[] : {t}.
+output y.
+output z.
+output w.
+y[i, j] = a[i, j] - s[] * (b[i, j] + 1) .
+z[i, j] = a[i, j] * 2 + b[i, j] / c[i, j] .
+w[i, j] = 0.5 + b[i, j] / s[] .
+"""
+
+
+def _fused_inputs(dtype: Any) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "a": torch.randn(64, 8, generator=g, dtype=dtype),
+        "b": torch.randn(64, 8, generator=g, dtype=dtype),
+        "c": torch.rand(64, 8, generator=g, dtype=dtype) + 0.5,
+        "s": torch.tensor(0.75, dtype=dtype),
+    }
+
+
+def test_a_sum_with_a_product_is_one_fused_call() -> None:
+    """``a - s * x`` runs as ``addcmul(a, s, x, value=-1)`` and ``x + b / c`` as ``addcdiv``:
+    one pass each, the same in the interpreter (prepared or not) and in the compiled graph.
+    A sum whose other term is broadcast (``0.5 + b / s``) stays two ops: ``addcdiv`` would
+    first copy the broadcast term into the result."""
+    prog = edatalog.compile_string(_FUSED.format(t="f32"))
+    x = _fused_inputs(torch.float32)
+    a, b, c, s = x["a"], x["b"], x["c"], x["s"]
+    want = {
+        "y": torch.addcmul(a, s, b + 1, value=-1),
+        "z": torch.addcdiv(a * 2, b, c),
+        "w": 0.5 + b / s,
+    }
+    graph = edatalog.executable(prog, backend="torch", device="cpu", compile="graph")
+    interp = edatalog.executable(prog, backend="torch", device="cpu", compile="none")
+    for _ in range(3):  # interpreted, prepared; recorded, replayed
+        for exe in (graph, interp):
+            got = exe(x)
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    impl = graph._impl
+    assert isinstance(impl, CompiledExecutable) and impl.last_compiled is not None
+    replay = impl.last_compiled
+    assert isinstance(replay.run, torch.fx.GraphModule)
+    code = replay.run.code
+    assert code.count("torch.addcmul(") == 1 and code.count("torch.addcdiv(") == 1, code
+    ref = prog.run({k: v.numpy() for k, v in x.items()})
+    for name in want:
+        np.testing.assert_allclose(ref[name], want[name].numpy(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
