@@ -421,7 +421,8 @@ def _eval_dag(space: _Space, root: int, memo: dict[int, Array], in_place: bool =
             if f is not None and not f.pays([tuple(a.shape) for a in args], xp):
                 unfused.add(k)  # again, with the inner op's result
                 continue
-            out = _reusable(space, reads, args, single) if single and (f or ops.writes_into(n.op, xp)) else None
+            writable = single and (f is not None or ops.writes_into(n.op, xp))
+            out = _reusable(space, reads, args, single) if writable else None
             if f is not None:
                 memo[k] = f.apply(args, space.cdt, xp, out=out)
             else:
