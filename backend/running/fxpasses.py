@@ -28,6 +28,8 @@ them:
 - :func:`copies_into_fresh`: a fresh buffer filled with a copy of a view and then updated in
   place (``e = empty(s); e.copy_(v); mul(e, c, out=e)``, the interpreter's way to own an array
   it may write) becomes the out-of-place op on the view itself (``mul(v, c)``);
+- :func:`copies_only_read`: such a copy that pointwise ops then only read (a fused op reads
+  it where a multiplication used to update it) is the view itself;
 - :func:`linear_calls`: ``mm(a, t(w))`` is ``linear(a, w)``, one call (ATen's ``linear`` is
   that very ``t`` and ``mm``);
 - dead-code elimination: views nobody reads any more, and anything else without an effect;
@@ -450,6 +452,68 @@ def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
     return done
 
 
+def copies_only_read(graph: Any, shapes: dict[Any, Geometry]) -> int:
+    """Replace each fresh buffer that is a copy of a view and is then only read, as a whole,
+    by pointwise ops (``e = empty(s); e.copy_(v); addcmul(a, e, c)``: the interpreter's
+    compacted copy of a strided input, whose in-place update a fused op no longer needs) by
+    the view itself, when nothing writes into the view's memory while they read; returns how
+    many buffers went.  Pointwise ops give the same bits whatever their operands' strides."""
+    nodes = list(graph.nodes)
+    order = {node: k for k, node in enumerate(nodes)}
+    written: dict[Any, list[int]] = {}  # memory (a root: not a view, not a write) -> where written
+    for node in nodes:
+        target = _writes(node)
+        if target is not None:
+            written.setdefault(_memory(target), []).append(order[node])
+    done = 0
+    for node in nodes:
+        if _name(node) != "empty" or len(node.users) < 2:
+            continue
+        users = sorted(node.users, key=order.__getitem__)
+        copy, readers = users[0], users[1:]
+        if _aten(copy) != ("copy_", "default") or copy.args[0] is not node or copy.users:
+            continue
+        source = copy.args[1]
+        if source not in shapes or node not in shapes or shapes[source][::3] != shapes[node][::3]:
+            continue  # not the same sizes and dtype
+        memory = _memory(source)
+        if not all(_reads_whole(r, node, memory) for r in readers):
+            continue
+        writes = written.get(memory, [])
+        if bisect.bisect_right(writes, order[copy]) != bisect.bisect_right(writes, order[readers[-1]]):
+            continue  # the view's memory changes while they read
+        for r in readers:
+            r.replace_input_with(node, source)
+        graph.erase_node(copy)
+        graph.erase_node(node)
+        done += 1
+    return done
+
+
+def _memory(node: Any) -> Any:
+    """The node whose memory ``node``'s result is: through views and writes."""
+    while True:
+        if _is_view(node) and node.args and hasattr(node.args[0], "op"):
+            node = node.args[0]
+            continue
+        target = _writes(node)
+        if target is None or target is node:
+            return node
+        node = target
+
+
+def _reads_whole(reader: Any, buffer: Any, memory: Any) -> bool:
+    """Whether ``reader`` is a pointwise ATen op that reads ``buffer`` as an operand and writes
+    nothing of ``memory``."""
+    aten = _aten(reader)
+    if aten is None or aten[0] not in POINTWISE or _is_view(reader):
+        return False
+    target = _writes(reader)
+    if target is buffer or (target is not None and _memory(target) is memory):
+        return False
+    return any(a is buffer for a in reader.args) and all(v is not buffer for v in reader.kwargs.values())
+
+
 def linear_calls(graph: Any, shapes: dict[Any, Geometry] | None = None) -> int:
     """``mm(a, t(w))`` as one ``linear(a, w)`` call (its geometry in ``shapes``, the mm's);
     returns how many."""
@@ -488,6 +552,7 @@ def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry], reuse: bool =
     constants = fold_constants(graph, module)
     shared = share_views(graph)
     fresh = copies_into_fresh(graph, shapes)
+    fresh += copies_only_read(graph, shapes)
     graph.eliminate_dead_code()
     assemblies = share_assemblies(graph, shapes)
     values = share_values(graph, module)

@@ -404,6 +404,49 @@ def test_a_copy_updated_in_place_becomes_the_op_on_the_view() -> None:
     assert torch.equal(gm(x, c)[0], want[0])
 
 
+def test_a_copy_only_read_by_pointwise_ops_becomes_its_view() -> None:
+    def fn(x: Any, c: Any) -> list[Any]:
+        view = x[:, 1:3]
+        owned = torch.empty(view.shape)
+        owned.copy_(view)
+        made = torch.mul(x[:, 3:5], 3.0)
+        torch.addcmul(made, owned, c, value=-1, out=made)  # reads the copy, writes elsewhere
+        return [made, torch.exp(owned)]
+
+    x, c = torch.randn(4, 5), torch.randn(2)
+    module, graph, shapes, want = _graph(fn, x, c)
+    fxpasses.fold_views(graph, shapes)
+    assert fxpasses.copies_only_read(graph, shapes) == 1
+    graph.eliminate_dead_code()
+    gm = torch.fx.GraphModule(module, graph)
+    assert _ops(graph, "empty") == 0 and _ops(graph, "copy_") == 0
+    for got, w in zip(gm(x, c), want, strict=True):
+        assert torch.equal(got, w)
+
+
+def test_a_copy_stays_where_its_view_is_written_or_it_is_read_otherwise() -> None:
+    def written(x: Any, c: Any) -> list[Any]:
+        view = x[:, 1:3]
+        owned = torch.empty(view.shape)
+        owned.copy_(view)
+        x.mul_(2.0)  # the view changes after the copy: the copy keeps the old values
+        return [torch.mul(owned, c)]
+
+    def viewed(x: Any, c: Any) -> list[Any]:
+        owned = torch.empty((4, 2))
+        owned.copy_(x[:, 1:3])
+        return [torch.mul(owned, c), owned.t() @ x]  # read through a view, and by a matmul
+
+    for fn in (written, viewed):
+        x, c = torch.randn(4, 5), torch.randn(2)
+        module, graph, shapes, want = _graph(fn, x.clone(), c)
+        fxpasses.fold_views(graph, shapes)
+        assert fxpasses.copies_only_read(graph, shapes) == 0, fn.__name__
+        gm = torch.fx.GraphModule(module, graph)
+        for got, w in zip(gm(x.clone(), c), want, strict=True):
+            assert torch.equal(got, w)
+
+
 def test_simplify_keeps_the_results_of_a_traced_block_bit_for_bit() -> None:
     prog = _llama()
     exe, ref, inputs = _pair(prog)
