@@ -197,7 +197,6 @@ def fusions(expr: ScalarExpr) -> dict[int, Fused]:
     :func:`fuses`).  The inner op is one that no other op reads and that is not the root."""
     reads = Counter(a for k in expr.live() if isinstance(n := expr.nodes[k], Op) for a in n.args)
     found: dict[int, Fused] = {}
-    absorbed: set[int] = set()
     for k in expr.live():
         n = expr.nodes[k]
         if not isinstance(n, Op) or n.op not in ("add", "sub"):
@@ -207,11 +206,8 @@ def fusions(expr: ScalarExpr) -> dict[int, Fused]:
         for inner, other, value in sides:
             m = expr.nodes[inner]
             if not isinstance(m, Op) or m.op not in _FUSED_INNER or reads[inner] != 1 or inner == expr.root:
-                continue
-            if inner in absorbed:
-                continue
+                continue  # read once: by this op alone, so no other fusion can take it
             found[k] = Fused(_FUSED_INNER[m.op], (other, *m.args), value, inner)
-            absorbed.add(inner)
             break
     return found
 

@@ -416,14 +416,9 @@ def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
     writes = sorted(k for node, k in order.items() if _writes(node) is not None)
     done = 0
     for node in list(graph.nodes):
-        if _name(node) == "empty" and len(node.users) >= 2:
-            users = sorted(node.users, key=order.__getitem__)
-            copy, update = users[0], users[1]
-            if _aten(copy) != ("copy_", "default") or copy.args[0] is not node or copy.users:
-                continue
-            source = copy.args[1]
-            if source not in shapes or node not in shapes or shapes[source][::3] != shapes[node][::3]:
-                continue  # not the same sizes and dtype
+        copied = _copied_view(node, order, shapes)
+        if copied is not None:
+            copy, source, (update, *_) = copied
             aten = _aten(update)
             if aten is None or aten[1] != "out" or update.kwargs.get("out") is not node:
                 continue
@@ -460,27 +455,17 @@ def copies_only_read(graph: Any, shapes: dict[Any, Geometry]) -> int:
     many buffers went.  Pointwise ops give the same bits whatever their operands' strides."""
     nodes = list(graph.nodes)
     order = {node: k for k, node in enumerate(nodes)}
-    written: dict[Any, list[int]] = {}  # memory (a root: not a view, not a write) -> where written
-    for node in nodes:
-        target = _writes(node)
-        if target is not None:
-            written.setdefault(_memory(target), []).append(order[node])
+    base, writes = _bases_and_writes(nodes, order)
     done = 0
     for node in nodes:
-        if _name(node) != "empty" or len(node.users) < 2:
+        copied = _copied_view(node, order, shapes)
+        if copied is None:
             continue
-        users = sorted(node.users, key=order.__getitem__)
-        copy, readers = users[0], users[1:]
-        if _aten(copy) != ("copy_", "default") or copy.args[0] is not node or copy.users:
+        copy, source, readers = copied
+        memory = base.get(source, source)
+        if not all(_reads_whole(r, node, memory, base) for r in readers):
             continue
-        source = copy.args[1]
-        if source not in shapes or node not in shapes or shapes[source][::3] != shapes[node][::3]:
-            continue  # not the same sizes and dtype
-        memory = _memory(source)
-        if not all(_reads_whole(r, node, memory) for r in readers):
-            continue
-        writes = written.get(memory, [])
-        if bisect.bisect_right(writes, order[copy]) != bisect.bisect_right(writes, order[readers[-1]]):
+        if not _unwritten(writes.get(memory, ()), order[copy], order[readers[-1]]):
             continue  # the view's memory changes while they read
         for r in readers:
             r.replace_input_with(node, source)
@@ -490,26 +475,28 @@ def copies_only_read(graph: Any, shapes: dict[Any, Geometry]) -> int:
     return done
 
 
-def _memory(node: Any) -> Any:
-    """The node whose memory ``node``'s result is: through views and writes."""
-    while True:
-        if _is_view(node) and node.args and hasattr(node.args[0], "op"):
-            node = node.args[0]
-            continue
-        target = _writes(node)
-        if target is None or target is node:
-            return node
-        node = target
+def _copied_view(node: Any, order: dict[Any, Any], shapes: dict[Any, Geometry]) -> tuple[Any, Any, list[Any]] | None:
+    """For a fresh buffer filled, first thing, with a copy of a node of its sizes and dtype
+    (``e = empty(s); e.copy_(v)``): the copy, ``v``, and the buffer's other users in order."""
+    if _name(node) != "empty" or len(node.users) < 2:
+        return None
+    copy, *rest = sorted(node.users, key=order.__getitem__)
+    if _aten(copy) != ("copy_", "default") or copy.args[0] is not node or copy.users:
+        return None
+    source = copy.args[1]
+    if source not in shapes or node not in shapes or shapes[source][::3] != shapes[node][::3]:
+        return None  # not the same sizes and dtype
+    return copy, source, rest
 
 
-def _reads_whole(reader: Any, buffer: Any, memory: Any) -> bool:
+def _reads_whole(reader: Any, buffer: Any, memory: Any, base: dict[Any, Any]) -> bool:
     """Whether ``reader`` is a pointwise ATen op that reads ``buffer`` as an operand and writes
-    nothing of ``memory``."""
+    nothing of ``memory`` (``base``: each view's or write's memory)."""
     aten = _aten(reader)
     if aten is None or aten[0] not in POINTWISE or _is_view(reader):
         return False
     target = _writes(reader)
-    if target is buffer or (target is not None and _memory(target) is memory):
+    if target is buffer or (target is not None and base.get(target, target) is memory):
         return False
     return any(a is buffer for a in reader.args) and all(v is not buffer for v in reader.kwargs.values())
 
