@@ -3,8 +3,9 @@ timeline uses it to predict a schedule's time and the planner its estimates, so 
 chosen by the cost they are then measured with.
 
 - A kernel takes max(flops / (efficiency * shape * peak), bytes / (efficiency * HBM bandwidth)),
-  and at least the topology's kernel floor for each kernel launch it makes (an unfused runtime
-  launches one per operator of a rule: :func:`edatalog.ir.cost.launches`).  The peak is the
+  and at least the topology's floor for each kernel launch it makes, by the launch's class (an
+  unfused runtime launches one per operator of a rule, a matmul, a fold, a gather:
+  :func:`edatalog.ir.cost.launches`).  The peak is the
   device's for the dtype the kernel computes in (an A100 multiplies bf16 at 312 TFLOP/s, f32
   at 19.5).  ``shape`` is 1 except for a GEMM on a device with SMs, where it is the share of
   the work its tiles and waves do that is useful (:func:`gemm_shape_efficiency`).  A kernel the
@@ -24,6 +25,7 @@ import itertools
 import math
 from collections.abc import Mapping
 
+from edatalog.ir.cost import Launches
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import tighten
@@ -69,17 +71,18 @@ def compute_seconds(
     gemm: GemmShape | None = None,
     floor: bool = True,
     general: bool = False,
-    launches: int = 1,
+    launches: Launches | int = 1,
 ) -> float:
     """Roofline time of one kernel computing in ``dtype`` on ``device`` (a GEMM of ``gemm``'s
-    shape when given), at least the kernel floor per kernel it ``launches`` unless ``floor`` is
-    False (a part of a fused kernel, whose floor another part pays).  A ``general`` kernel (one the runtime evaluates
-    on its general path) takes ``nbytes / device.general_bandwidth`` more, where measured."""
+    shape when given), at least the floor of each kernel it ``launches`` (by class, see
+    :meth:`Topology.launch_seconds`) unless ``floor`` is False (a part of a fused kernel, whose
+    floor another part pays).  A ``general`` kernel (one the runtime evaluates on its general
+    path) takes ``nbytes / device.general_bandwidth`` more, where measured."""
     if flops == 0 and nbytes == 0:
         return 0.0
     eff = topo.efficiency
     shape = 1.0 if gemm is None else gemm_shape_efficiency(gemm, device.sms)
-    least = topo.kernel_floor * launches if floor else 0.0
+    least = topo.launch_seconds(launches) if floor else 0.0
     roof = max(least, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
     if general and device.general_bandwidth > 0:
         return roof + nbytes / device.general_bandwidth

@@ -21,7 +21,7 @@ import numpy as np
 from edatalog.ir import dtypes
 from edatalog.ir.attention import attention_chains, key_index
 from edatalog.ir.attention_backward import attention_backwards
-from edatalog.ir.cost import GemmRoles, flops_per_point, gemm_roles, gemm_shape, launches
+from edatalog.ir.cost import ONE_ATTENTION, GemmRoles, flops_per_point, gemm_roles, gemm_shape, launches
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import (
@@ -158,10 +158,12 @@ class Costs:
             else:
                 # As the backend fuses and the timeline costs it (edatalog.backend.lowering.lowered): the
                 # rule's flops over the flash tiles holding a point, no bytes of the scores and
-                # the other intermediates, and one kernel floor, the scores rule's.
+                # the other intermediates, and one attention kernel's floor, the scores rule's.
                 points = self._tiled(node, b.ranges)
                 first = node.name == self._first[node.name]
-                seconds = compute_seconds(points * fpp, nbytes, dev, self.topo, node.dtype, floor=first)
+                seconds = compute_seconds(
+                    points * fpp, nbytes, dev, self.topo, node.dtype, floor=first, launches=ONE_ATTENTION
+                )
             per_device[b.device] = per_device.get(b.device, 0.0) + seconds
         for k, acc in enumerate(accesses):
             size = max((box_size(n) for n in needs[k].values()), default=0) * items[k]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from edatalog.errors import EdlError, did_you_mean
+from edatalog.ir.cost import KernelClass, Launches
 from edatalog.ir.program import CollectiveKind
 
 GIB = 1 << 30
@@ -133,6 +134,20 @@ class Topology:
     # Seconds a call of a device's program costs beyond its ops: the runtime taking the inputs
     # and handing out the outputs (``edl calibrate`` measures it; 0: not modeled).
     call_overhead: float = 0.0
+    # Seconds a small kernel of a class costs, where measured (``edl calibrate``); a class not
+    # listed costs ``kernel_floor``.  Sorted by class.
+    kernel_floors: tuple[tuple[KernelClass, float], ...] = ()
+
+    def floor(self, cls: KernelClass) -> float:
+        """The least one kernel of class ``cls`` costs."""
+        return dict(self.kernel_floors).get(cls, self.kernel_floor)
+
+    def launch_seconds(self, launches: Launches | int) -> float:
+        """The least a kernel making ``launches`` costs: each launch its class's floor (a bare
+        count: ``kernel_floor`` each)."""
+        if isinstance(launches, int):
+            return self.kernel_floor * launches
+        return sum(self.floor(cls) * count for cls, count in launches.items())
 
     @property
     def n(self) -> int:
@@ -202,6 +217,7 @@ class Topology:
             "efficiency": self.efficiency,
             "kernel_floor": self.kernel_floor,
             **({"call_overhead": self.call_overhead} if self.call_overhead else {}),
+            **({"kernel_floors": {c.value: f for c, f in self.kernel_floors}} if self.kernel_floors else {}),
             "library": self.library.value,
         }
 
@@ -366,7 +382,19 @@ def load(path: str) -> Topology:
 
 
 _KEYS = {
-    "": {"name", "nodes", "device", "links", "efficiency", "kernel_floor", "call_overhead", "library", "measured"},
+    "": {
+        "name",
+        "nodes",
+        "device",
+        "links",
+        "efficiency",
+        "kernel_floor",
+        "kernel_floors",
+        "call_overhead",
+        "library",
+        "measured",
+    },
+    "kernel_floors": {c.value for c in KernelClass},
     "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth"},
     "links": {"intra", "inter"},
     "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "collective_latency", "interference"},
@@ -478,11 +506,18 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
         )
     floor = _positive(quantity(data.get("kernel_floor", "5us"), "s", "kernel_floor"), "kernel_floor", allow_zero=True)
     overhead = _positive(quantity(data.get("call_overhead", 0), "s", "call_overhead"), "call_overhead", allow_zero=True)
+    floors_table = _table(data.get("kernel_floors", {}), "kernel_floors", _KEYS["kernel_floors"])
+    floors = tuple(
+        (cls, _positive(quantity(floors_table[cls.value], "s", where), where, allow_zero=True))
+        for cls in KernelClass
+        if cls.value in floors_table
+        for where in (f"kernel_floors.{cls.value}",)
+    )
     devices: list[Device] = []
     for node, count in enumerate(nodes):
         devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks, sms, general) for _ in range(count))
     name = str(data.get("name", default_name))
-    topo = Topology(name, tuple(devices), intra, inter, efficiency, floor, library, overhead)
+    topo = Topology(name, tuple(devices), intra, inter, efficiency, floor, library, overhead, floors)
     topo.verify()
     return topo
 

@@ -6,7 +6,7 @@ rank at once, so that ranks contend for memory and cores as they will when a pla
 turns the numbers into a :class:`~edatalog.solver.topology.Topology` for the cost model
 (``solver/costmodel.py``)::
 
-    kernel   = max(kernel_floor, flops / (efficiency * device.flops), bytes / (efficiency * device.bandwidth))
+    kernel   = max(its launches' floors, flops / (efficiency * device.flops), bytes / (efficiency * device.bandwidth))
     call     = call_overhead + the program's timeline
     transfer = link.latency + bytes / link.bandwidth   (each end's compute loses interference * transfer)
 
@@ -27,7 +27,13 @@ What goes where:
   (:mod:`~edatalog.backend.calibrating.probe`; the command line compiles the probes and passes them
   as ``Options.probe``).  Without probes the floor falls back to torch's dispatch of a 1-element
   add (no overhead), which is recorded either way as ``[measured] torch_dispatch``, and
-  ``[measured.how]`` says which.
+  ``[measured.how]`` says which.  With several ranks the call overhead is the shorter chain's
+  call as each rank runs its part of a plan, after a barrier, as ``edl run`` times calls
+  (:func:`spmd_call_overhead`).
+- ``[kernel_floors]``: the floor of each kernel class (elementwise, reduction, GEMM, gather,
+  fused attention; :class:`~edatalog.ir.cost.KernelClass`), from a chain of small kernels of
+  that class at two lengths (``Options.class_probes``): a small matmul or gather costs a few
+  times a small add, a fused attention call several.
 - ``links.intra.latency``: half the round trip of a 4-byte message between ranks 0 and 1.
 - ``links.intra.collective_latency``: a small all-reduce over every rank, timed right after each
   rank computed (as programs meet collectives) less that computing alone, less its bytes' time,
@@ -74,6 +80,7 @@ from typing import Any
 from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.backend.running.compiled import Compile, compile_mode
 from edatalog.errors import EdlError
+from edatalog.ir.cost import KernelClass
 from edatalog.solver.topology import Device, Library, Link, Topology
 
 ProgressFn = Callable[[float, float, str], None]  # (done, total, what is being measured)
@@ -171,6 +178,10 @@ class Options:
     # The general-path probe's graph, as JSON (calibrate_probe.general_source): its time per byte
     # beyond the roofline becomes device.general_bandwidth.  None: not measured (0, not modeled).
     general_probe: str | None = field(default=None, repr=False)
+    # The kernel-class probes' graphs, as JSON (calibrate_probe.class_source): per class, its
+    # short and long chain, whose times give that class's floor ([kernel_floors]).  None: every
+    # class costs kernel_floor.
+    class_probes: tuple[tuple[str, str, str], ...] | None = field(default=None, repr=False)
 
     def resolved(self) -> Options:
         """Checked, with the thread count filled in; a bad option is an :class:`EdlError`."""
@@ -433,7 +444,7 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
         return {"kernel_floor": dispatch, "call_overhead": 0.0, "torch_dispatch": dispatch, "probe_kernels": []}
     runs = [calibrate_probe.runner(graph, dev, mode) for graph in opts.probe]
     seconds = (_seconds_per_call(runs[0][0], sync, sizes), _seconds_per_call(runs[1][0], sync, sizes))
-    kernels = (runs[0][1], runs[1][1])
+    kernels = (runs[0][1].total, runs[1][1].total)
     floor, overhead = calibrate_probe.floor_and_overhead(seconds, kernels)
     out: dict[str, Any] = {
         "kernel_floor": floor,
@@ -442,6 +453,10 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
         "probe_kernels": list(kernels),
         "probe_seconds": list(seconds),
     }
+    if opts.class_probes:
+        out["kernel_floors"] = measure_class_floors(opts.class_probes, mode, floor, sizes, dev, sync)
+    if _ranks() > 1:
+        out["call_overhead"] = spmd_call_overhead(opts.probe[0], mode, floor, sizes, dev, sync)
     if opts.general_probe is not None:
         general, costs = calibrate_probe.general_runner(opts.general_probe, dev, mode)
         out["general"] = {"seconds": _seconds_per_call(general, sync, sizes), "kernels": costs}
@@ -449,6 +464,55 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
 
 
 # -- links between ranks ----------------------------------------------------------------------------
+
+
+def _ranks() -> int:
+    """The ranks of the torch.distributed group this process is in (1: none)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def spmd_call_overhead(
+    probe: str, mode: Compile, floor: float, sizes: Sizes, dev: Any, sync: Callable[[], None]
+) -> float:
+    """What a call of a plan's programs costs each rank beyond its kernels: the short probe split
+    by rows across the ranks (:func:`calibrate_probe.runner`), each call timed as ``edl
+    run`` times calls (the ranks meet at a barrier, then each runs its part), its median less
+    its launches at ``floor``.  A rank woken from the barrier, and the multi-rank call's handling
+    of its share of the outputs, cost more than one device's call in a loop."""
+    import torch.distributed as dist
+
+    run, kernels = calibrate_probe.runner(probe, dev, mode, dist.get_world_size())
+    times = []
+    for i in range(sizes.warmup + sizes.link_reps * 5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        if i >= sizes.warmup:
+            times.append(time.perf_counter() - t0)
+    return max(0.0, statistics.median(times) - kernels.total * floor)
+
+
+def measure_class_floors(
+    probes: tuple[tuple[str, str, str], ...],
+    mode: Compile,
+    fallback: float,
+    sizes: Sizes,
+    dev: Any,
+    sync: Callable[[], None],
+) -> dict[str, float]:
+    """Each kernel class's floor (:func:`calibrate_probe.class_floor`), from its probe's two
+    chains run by the runtime in ``mode``, in the order given; a class's other kernels cost the
+    floors measured before it, else ``fallback`` (the mixed probe's)."""
+    known: dict[KernelClass, float] = {}
+    for name, short, long in probes:
+        cls = KernelClass(name)
+        runs = [calibrate_probe.runner(graph, dev, mode) for graph in (short, long)]
+        seconds = (_seconds_per_call(runs[0][0], sync, sizes), _seconds_per_call(runs[1][0], sync, sizes))
+        known[cls] = calibrate_probe.class_floor(cls, seconds, (runs[0][1], runs[1][1]), known, fallback)
+    return {cls.value: floor for cls, floor in known.items()}
 
 
 def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
@@ -541,9 +605,24 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
         torch.mm(sa, sb, out=sc)
         dist.all_reduce(small)
 
+    # A mean, not a median: a call's time is the sum of its collectives', whose expected value is
+    # the sum of their means; on gloo between busy CPU ranks a small all-reduce's median is a
+    # third of its mean (a tenth of them wait out a scheduler tick, ~4 ms).  Timed as a loop, as
+    # a program meets its collectives one after another, not each after a barrier.
     reps = sizes.link_reps * 5
-    alone_s = statistics.median(timed(lambda: torch.mm(sa, sb, out=sc), reps))
-    small_all_reduce_s = max(0.0, statistics.median(timed(matmul_then_all_reduce, reps)) - alone_s)
+
+    def per_call(op: Callable[[], None]) -> float:
+        for _ in range(sizes.warmup):
+            op()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            op()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    alone_s = per_call(lambda: torch.mm(sa, sb, out=sc))
+    small_all_reduce_s = max(0.0, per_call(matmul_then_all_reduce) - alone_s)
     steps.done()
 
     numel = max(world, sizes.collective_bytes // 4 // world * world)
@@ -774,6 +853,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         available = available_memory()
         memory = available // opts.nproc
         memory_note = f"available memory ({size(available)}) / {opts.nproc} rank{'s' if opts.nproc > 1 else ''}"
+    several = opts.nproc > 1
     measured: dict[str, Any] = {
         "command": opts.command(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -793,7 +873,10 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             "flops": f"{opts.dtype} matmul, the median over {len(keys)} shapes ([measured.matmul.{opts.dtype}])",
             "bandwidth": f"copy of {size(sizes.copy_bytes[0])}, bytes read + written",
             "kernel_floor": floor_how,
-            "call_overhead": "what the shorter chain's time per call leaves beyond its kernel launches"
+            "call_overhead": (
+                "what the shorter chain's time per call leaves beyond its kernel launches"
+                + ", split by rows across the ranks, each call after a barrier as edl run times them" * several
+            )
             if kernels
             else "no runtime probe was given",
             "memory": memory_note,
@@ -834,7 +917,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         intra = Link(backend, link_bw, latency, interference, collective_latency=step_latency)
         measured["how"]["collective_latency"] = (
             f"an all-reduce of {size(SMALL_COLLECTIVE_BYTES)} right after a matmul, less the matmul alone "
-            "(the slowest rank's median) and its bytes' time, over its steps"
+            "(the slowest rank's mean over a loop of them) and its bytes' time, over its steps"
         )
         measured["small_all_reduce"] = {"bytes": SMALL_COLLECTIVE_BYTES, "seconds": _sig(small_s), "steps": hops}
         measured["backend"] = backend
@@ -882,7 +965,14 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         )
     rate = general["bandwidth"] if general is not None else 0.0
     machine = tuple(Device(i, 0, kind, memory, flops, bandwidth, general_bandwidth=rate) for i in range(opts.nproc))
-    topo = Topology(name, machine, intra, None, 1.0, floor, library, overhead)
+    classes = [d.get("kernel_floors", {}) for d in devices]
+    floors = tuple(
+        (cls, _sig(max(c[cls.value] for c in classes))) for cls in KernelClass if all(cls.value in c for c in classes)
+    )
+    if floors:
+        measured["how"]["kernel_floors"] = calibrate_probe.describe_classes(runtime_mode(opts))
+        measured["per_rank"]["kernel_floors"] = {cls.value: [_sig(c[cls.value]) for c in classes] for cls, _ in floors}
+    topo = Topology(name, machine, intra, None, 1.0, floor, library, overhead, floors)
     topo.verify()
     return Calibration(topo, measured)
 
@@ -947,6 +1037,11 @@ def _toml(cal: Calibration) -> str:
             if "general_bandwidth" in m["how"]
             else []
         ),
+    ]
+    if t.kernel_floors:
+        body += [("", ""), ("[kernel_floors]", f"s: {m['how']['kernel_floors']}")]
+        body += [(f"{cls.value} = {_value(f)}", "") for cls, f in t.kernel_floors]
+    body += [
         ("", ""),
         ("[links.intra]", ""),
         (f"name = {_value(t.intra.name)}", "torch.distributed's backend" if several else ""),
@@ -976,7 +1071,7 @@ _COMMENTS = {
     "measured.exchange": "every rank sends to the next and receives from the previous at once; B/s per direction",
     "measured.all_reduce": "bus bandwidth: bytes / seconds * 2 (n - 1) / n; the slowest rank's seconds",
     "measured.reduce_scatter": "bus bandwidth: bytes / seconds * (n - 1) / n; the slowest rank's seconds",
-    "measured.small_all_reduce": "right after a matmul, less the matmul alone; the slowest rank's median seconds",
+    "measured.small_all_reduce": "right after a matmul, less the matmul alone; the slowest rank's mean over a loop",
     "measured.overlap": "matmuls alone, the exchange alone, both at once (s; the slowest rank's)",
 }
 

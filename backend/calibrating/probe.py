@@ -36,9 +36,10 @@ from edatalog.backend.running.compiled import Compile
 from edatalog.backend.running.runtime import runtime
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
+from edatalog.ir.cost import KernelClass, Launches
 from edatalog.ir.graph import Graph
 from edatalog.solver.strategies import build
-from edatalog.solver.topology import preset
+from edatalog.solver.topology import from_dict
 
 RULES = 16  # rules in the probe's chain
 RULES_LONG = 64  # and in the longer chain: the floor is the difference per kernel launch
@@ -94,6 +95,74 @@ def general_source(seq: int = GENERAL_S, dtype: str = "f32") -> str:
     return "\n".join(lines) + "\n"
 
 
+CLASS_LINKS = (8, 32)  # links in the short and the long chain of a kernel class's probe
+HEADS, HEAD_DIM = 4, 16  # the attention probe's heads, of ROWS queries and keys each
+
+
+def class_source(cls: KernelClass, links: int, dtype: str = "f32") -> str:
+    """The probe of one kernel class: a chain of ``links`` small blocks, each one kernel of
+    ``cls`` (a reduction's link also scales by its result: an elementwise kernel, whose floor
+    is measured first), so that the difference of two chains' times per kernel is that class's
+    floor (:func:`class_floor`)."""
+    if links < 1:
+        raise ValueError(f"a class probe needs at least one link, not {links}")
+    lines = [
+        f"# edl calibrate's {cls} probe: a chain of small {cls} kernels, timed per launch.",
+        f"dim I = {ROWS}, J = {COLS}, H = {HEADS}, E = {HEAD_DIM}.",
+        f"param w[J, J] : {dtype}.",
+        f"param v[J] : {dtype}.",
+        "input ids[I] : i64.",
+        f"output a{links}.",
+    ]
+    if cls is KernelClass.ATTENTION:  # causal attention over I positions, q = k = v the previous link
+        lines[2:5] = [f"input x[I, H, E] : {dtype}."]
+        lines.append("a0[s, h, e] = x[s, h, e] * 0.5.")
+    else:
+        lines.insert(2, f"input x[I, J] : {dtype}.")
+        lines.append("a0[i, j] = x[i, j] + v[j].")
+    for k in range(1, links + 1):
+        p = f"a{k - 1}"
+        if cls is KernelClass.ELEMENTWISE:
+            lines.append(f"a{k}[i, j] = {p}[i, j] * v[j].")
+        elif cls is KernelClass.GEMM:
+            lines.append(f"a{k}[i, j] += {p}[i, l] * w[l, j].")
+        elif cls is KernelClass.REDUCTION:
+            lines += [f"r{k}[i] += {p}[i, j].", f"a{k}[i, j] = {p}[i, j] * r{k}[i]."]
+        elif cls is KernelClass.GATHER:
+            lines.append(f"a{k}[i, j] = {p}[u, j] where ids[i] = u.")
+        else:
+            lines += [
+                f"sc{k}[h, s, t] += {p}[s, h, e] * {p}[t, h, e] / {HEAD_DIM**0.5} where t <= s.",
+                f"mx{k}[h, s] max= sc{k}[h, s, t].",
+                f"p{k}[h, s, t] = exp(sc{k}[h, s, t] - mx{k}[h, s]).",
+                f"l{k}[h, s] += p{k}[h, s, t].",
+                f"a{k}[s, h, e] += p{k}[h, s, t] * {p}[t, h, e] / l{k}[h, s].",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+CLASS_ORDER = tuple(KernelClass)  # elementwise first: the reduction probe's links scale by their sums
+
+
+def class_floor(
+    cls: KernelClass,
+    seconds: tuple[float, float],
+    launches: tuple[Launches, Launches],
+    known: dict[KernelClass, float],
+    fallback: float,
+) -> float:
+    """The floor of ``cls`` from its probe's two chains: the difference of their times, less
+    what their other kernels cost (at the floors ``known`` so far, else ``fallback``), per
+    kernel of ``cls`` more.  Noise larger than the difference: the longer chain's time per kernel."""
+    (short_s, long_s), (short, long) = seconds, launches
+    more = {c: n - dict(short.items()).get(c, 0) for c, n in long.items()}
+    if more.get(cls, 0) <= 0:
+        raise ValueError(f"the longer {cls} chain must launch more {cls} kernels: {short} and {long}")
+    others = sum(known.get(c, fallback) * n for c, n in more.items() if c is not cls)
+    floor = (long_s - short_s - others) / more[cls]
+    return floor if floor > 0 else long_s / long.total
+
+
 Cost = tuple[int, int, bool, int]  # a kernel's flops, bytes, whether it takes the general path, launches
 
 
@@ -105,7 +174,7 @@ def general_runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callabl
     costs = [lowered.costs[(d, k)] for d, k, op in lowered.programs.ops() if isinstance(op, ir.Kernel)]
     if not any(c.general for c in costs):
         raise EdlError("the general-path probe has no kernel on the general path to time")
-    return run, [(c.flops, c.nbytes, c.general, c.launches) for c in costs]
+    return run, [(c.flops, c.nbytes, c.general, c.launches.total) for c in costs]
 
 
 def describe(kernels: tuple[int, int], mode: Compile) -> str:
@@ -118,13 +187,30 @@ def describe(kernels: tuple[int, int], mode: Compile) -> str:
     )
 
 
-def runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], int]:
+def describe_classes(mode: Compile) -> str:
+    """Where the per-class floors come from, for the machine file."""
+    how = "interpreted op by op" if mode is Compile.NONE else f"replayed as a recorded graph ({mode.value})"
+    short, long = CLASS_LINKS
+    return (
+        f"per kernel class, chains of {short} and {long} small kernels of the class run by edatalog's torch "
+        f"runtime, {how}: the difference per kernel, less the chains' other kernels at their floors"
+    )
+
+
+def runner(graph_json: str, device: Any, mode: Compile, world: int = 1) -> tuple[Callable[[], None], Launches]:
     """A call that runs the probe's program once on the torch ``device`` in ``mode`` (as the
-    torch runtime runs a plan's program on one device), and how many kernels each call launches
-    (as the cost model counts them: :func:`edatalog.ir.cost.launches`)."""
-    run, lowered = _runner(graph_json, device, mode)
-    kernels = sum(lowered.costs[(d, k)].launches for d, k, op in lowered.programs.ops() if isinstance(op, ir.Kernel))
-    if kernels == 0:
+    torch runtime runs a plan's program on one device), and the kernels each call launches
+    (as the cost model counts them: :func:`edatalog.ir.cost.launches`).  With ``world`` ranks
+    (in a torch.distributed group of that many), the call is this rank's part of a plan that
+    splits the rows across them, without exchanges (the ``data`` baseline), and the kernels are
+    one rank's: a call of a plan on several ranks costs more than one device's (each rank's
+    share of the outputs, their absent cells), and the call overhead is measured so."""
+    run, lowered = _runner(graph_json, device, mode, world)
+    kernels = Launches()
+    for d, k, op in lowered.programs.ops():
+        if d == 0 and isinstance(op, ir.Kernel | ir.Fused | ir.Combine):
+            kernels += lowered.costs[(d, k)].launches
+    if kernels.total == 0:
         raise EdlError("the calibration probe has no kernel to time")
     return run, kernels
 
@@ -141,16 +227,17 @@ def floor_and_overhead(seconds: tuple[float, float], kernels: tuple[int, int]) -
     return floor, max(0.0, short_s - short_k * floor)
 
 
-def _runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], Lowered]:
+def _runner(graph_json: str, device: Any, mode: Compile, world: int = 1) -> tuple[Callable[[], None], Lowered]:
     """A call that runs a probe's program once on ``device`` in ``mode``, warmed up (its first
-    calls interpret and record), and the lowered plan it runs (planned on one device,
-    synthesized and lowered as any plan is)."""
+    calls interpret and record), and the lowered plan it runs (planned on one device, or with
+    ``world`` ranks split by rows, synthesized and lowered as any plan is)."""
     try:
         graph = Graph.from_json(graph_json)
     except ValueError as exc:
         raise EdlError(f"the calibration probe is not a join-agg graph: {exc}") from None
-    topology = preset("cpux1")  # one device: the plan's name for it; nothing is priced here
-    lowered = lower(synthesize(graph, build(graph, topology, "replicate"), topology))
+    topology = from_dict({"nodes": [world]})  # only the plan's device count matters: nothing is priced here
+    strategy = "replicate" if world == 1 else "data"
+    lowered = lower(synthesize(graph, build(graph, topology, strategy), topology))
     xp = TorchOps(device)
     values = {r.name: xp.full(r.shape, 1, xp.dtype(r.dtype), device) for r in graph.relations if r.kind != "derived"}
     params = {r.name for r in graph.relations if r.kind == "param"}
@@ -158,9 +245,9 @@ def _runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], N
     exe.load({k: v for k, v in values.items() if k in params})
     inputs = {k: v for k, v in values.items() if k not in params}
     for _ in range(2):  # interpreted, then recorded: what a plan's first calls do
-        exe(inputs)
+        exe(inputs, gather_outputs=False)
 
     def run() -> None:
-        exe(inputs)
+        exe(inputs, gather_outputs=False)
 
     return run, lowered

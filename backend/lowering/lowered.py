@@ -48,6 +48,7 @@ from edatalog.backend.lowering.presence import mark_full
 from edatalog.backend.lowering.tasks import Entry
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
+from edatalog.ir.cost import ONE_ATTENTION, Launches
 from edatalog.ir.graph import Graph, JoinAgg, VerifyError
 from edatalog.ir.program import CollectiveKind, OpCost
 from edatalog.ir.regions import Region
@@ -56,7 +57,7 @@ from edatalog.solver.costmodel import tiled_points
 from edatalog.solver.topology import Library, Topology
 from edatalog.solver.topology import from_dict as topology_from_dict
 
-FORMAT = 2  # of Lowered.to_json
+FORMAT = 3  # of Lowered.to_json (3: launches by kernel class)
 
 
 class Collectives(StrEnum):
@@ -141,7 +142,7 @@ class Lowered:
         """Everything a rank needs to run its device's program: the graph, the programs, the
         machine, the options and the costs."""
         costs = [
-            [d, k, c.flops, c.nbytes, c.dtype, c.gemm, c.general, c.launches]
+            [d, k, c.flops, c.nbytes, c.dtype, c.gemm, c.general, c.launches.to_json()]
             for (d, k), c in sorted(self.costs.items())
         ]
         data = {
@@ -178,7 +179,9 @@ class Lowered:
             raise ValueError("the lowered programs were made for another program than the one they carry")
         options = Options(Collectives(data["options"]["collectives"]), bool(data["options"]["fuse"]))
         costs = {
-            (int(d), int(k)): OpCost(int(f), int(b), str(dt), None if g is None else tuple(g), bool(gen), int(n))
+            (int(d), int(k)): OpCost(
+                int(f), int(b), str(dt), None if g is None else tuple(g), bool(gen), Launches.from_json(n)
+            )
             for d, k, f, b, dt, g, gen, n in data["costs"]
         }
         outputs = {
@@ -292,7 +295,7 @@ def flash_cost(graph: Graph, op: ir.Fused, inner: Mapping[int, OpCost], dtype_of
     read = {(b, region) for k in op.body for parts in _reads(k) for b, region in parts if b not in inside}
     nbytes = sum(region.size * dtypes.itemsize(dtype_of[b]) for b, region in read)
     nbytes += sum(m.region.size * dtypes.itemsize(m.dtype) for m in ir.made(op))
-    return OpCost(flops, nbytes, inner[scores.buf].dtype)
+    return OpCost(flops, nbytes, inner[scores.buf].dtype, launches=ONE_ATTENTION)
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -101,6 +101,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         probe=probe_graphs(),
         compile=args.compile,
         general_probe=general_probe_graph(),
+        class_probes=class_probe_graphs(),
     ).resolved()
     with Progress() as progress:
         task = progress.task("calibrating", 1)
@@ -136,6 +137,25 @@ def probe_graphs() -> tuple[str, str]:
 
     short, long = (compile_string(source(n), name="<calibration probe>").graph.to_json() for n in (RULES, RULES_LONG))
     return short, long
+
+
+def class_probe_graphs() -> tuple[tuple[str, str, str], ...]:
+    """The kernel-class probes (:func:`edatalog.backend.calibrating.probe.class_source`), each
+    class's short and long chain, compiled, in the order they are measured."""
+    import warnings
+
+    from edatalog.api import compile_string
+    from edatalog.backend.calibrating.probe import CLASS_LINKS, CLASS_ORDER, class_source
+
+    out = []
+    with warnings.catch_warnings():  # each probe leaves some of the shared declarations unused
+        warnings.simplefilter("ignore")
+        for cls in CLASS_ORDER:
+            short, long = (
+                compile_string(class_source(cls, n), name=f"<{cls} probe>").graph.to_json() for n in CLASS_LINKS
+            )
+            out.append((cls.value, short, long))
+    return tuple(out)
 
 
 def general_probe_graph() -> str:
@@ -176,6 +196,8 @@ def _print(result: Any, output: str | None) -> None:
     # this command always passes the probe
     floor_note = f"small rules run by edatalog's torch runtime ({mode}), per launch"
     rows.append(["kernel floor", seconds(t.kernel_floor), f"{floor_note} {into}kernel_floor"])
+    for cls, floor in t.kernel_floors:
+        rows.append([f"{cls} floor", seconds(floor), f"a small {cls} kernel, per launch {into}kernel_floors.{cls}"])
     rows.append(["call overhead", seconds(t.call_overhead), f"a call beyond its kernel launches {into}call_overhead"])
     rows.append(["torch dispatch", seconds(m["torch_dispatch"]), "a 1-element add: torch alone"])
     if "general" in m:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 from edatalog.ir import dtypes
@@ -113,19 +114,79 @@ def flops_per_point(node: JoinAggLike) -> int:
     return node.expr.flops_per_point + (1 if node.agg is not None and node.agg_indices else 0)
 
 
-def launches(node: JoinAggLike) -> int:
+class KernelClass(StrEnum):
+    """What kind of kernel a launch is.  A small kernel costs its class's floor (``edl calibrate``
+    measures one per class): a small matmul or a gather costs a few times a small add."""
+
+    ELEMENTWISE = "elementwise"  # one pointwise operator over a block, broadcast reads included
+    REDUCTION = "reduction"  # folding aggregated indices outside a GEMM (a sum, a max)
+    GEMM = "gemm"  # a product summed over shared indices: one matmul call
+    GATHER = "gather"  # a looked-up index: one gather
+    ATTENTION = "attention"  # a fused attention block: one scaled_dot_product_attention call
+
+
+@dataclass(frozen=True)
+class Launches:
+    """How many kernels of each class one op launches."""
+
+    elementwise: int = 0
+    reduction: int = 0
+    gemm: int = 0
+    gather: int = 0
+    attention: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.elementwise + self.reduction + self.gemm + self.gather + self.attention
+
+    def items(self) -> Iterator[tuple[KernelClass, int]]:
+        """Each class with its count, the classes launched only."""
+        for cls in KernelClass:
+            count: int = getattr(self, cls.value)
+            if count:
+                yield cls, count
+
+    def __add__(self, other: Launches) -> Launches:
+        return Launches(*(a + b for a, b in zip(self.to_json(), other.to_json(), strict=True)))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {cls}" for cls, n in self.items()) or "none"
+
+    def to_json(self) -> list[int]:
+        return [getattr(self, cls.value) for cls in KernelClass]
+
+    @staticmethod
+    def from_json(data: object) -> Launches:
+        """:meth:`to_json`'s list, or a bare count (kernels of no class: elementwise)."""
+        if isinstance(data, int):
+            return Launches(elementwise=data)
+        if not isinstance(data, list) or len(data) != len(KernelClass) or not all(isinstance(n, int) for n in data):
+            raise ValueError(f"launches must be {len(KernelClass)} counts, not {data!r}")
+        return Launches(*data)
+
+
+ONE_KERNEL = Launches(elementwise=1)  # a copy, a combine of partial sums: one pointwise kernel
+ONE_ATTENTION = Launches(attention=1)  # a fused attention block
+
+
+def launches(node: JoinAggLike) -> Launches:
     """The kernels a runtime that does not fuse (eager torch, and edatalog's recorded graphs)
     launches for one block of ``node``: one per operator of its scalar function that varies over
-    the join space, one for folding the aggregated indices (a GEMM folds its product and sum in
-    one), one per looked-up index's gather.  At least one.  The kernel floor is paid per launch:
-    ``a[i] * 0.5 + x[i]`` is two kernels, a layer norm's ``w[d] * (xc * rsqrt(v + eps)) + b[d]``
-    five."""
+    the join space (a GEMM's product among them, as its matmul), one for folding the aggregated
+    indices (a GEMM folds its product and sum in one), one per looked-up index's gather.  At
+    least one.  A kernel floor is paid per launch, by class: ``a[i] * 0.5 + x[i]`` is two
+    elementwise kernels, a layer norm's ``w[d] * (xc * rsqrt(v + eps)) + b[d]`` five, an
+    attention score ``q * k / sqrt(E)`` a GEMM and an elementwise scaling."""
     expr = node.expr
-    count = sum(1 for k in expr.varying() if isinstance(expr.nodes[k], Op))
+    ops = sum(1 for k in expr.varying() if isinstance(expr.nodes[k], Op))
     folded = set(node.agg_indices) - node.looked_up  # a looked-up index is its gather's
-    if node.agg is not None and folded and gemm_roles(node) is None:  # a GEMM sums in its product's kernel
-        count += 1
-    return max(1, count + len(node.looked_up))
+    gemm = 1 if gemm_roles(node) is not None and ops and not node.looked_up else 0  # a gather is no GEMM
+    reduction = 1 if node.agg is not None and folded and not gemm else 0  # a GEMM sums in its product's kernel
+    gathers = len(node.looked_up)
+    elementwise = ops - gemm
+    if elementwise + gemm + reduction + gathers == 0:
+        elementwise = 1  # a copy
+    return Launches(elementwise, reduction, gemm, gathers)
 
 
 GemmRoles = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from edatalog.ir import dtypes, intervals, serialize
+from edatalog.ir.cost import ONE_KERNEL, Launches
 from edatalog.ir.graph import VerifyError
 from edatalog.ir.regions import Region
 
@@ -506,7 +507,9 @@ class OpCost:
     dtype: str = "f32"
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM kernel, for its tiles
     general: bool = False  # a kernel the runtime evaluates on its general path (masks, passes)
-    launches: int = 1  # kernels a runtime that does not fuse launches for it (edatalog.ir.cost.launches)
+    launches: Launches = (
+        ONE_KERNEL  # kernels a runtime that does not fuse launches, by class (edatalog.ir.cost.launches)
+    )
 
 
 REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective folds with

@@ -20,9 +20,9 @@ from edatalog.backend.calibrating import calibrate as cal
 from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.backend.running.compiled import Compile
 from edatalog.cli import main
-from edatalog.cli.calibrate import general_probe_graph, probe_graphs
+from edatalog.cli.calibrate import class_probe_graphs, general_probe_graph, probe_graphs
 from edatalog.errors import EdlError
-from edatalog.ir.cost import launches
+from edatalog.ir.cost import KernelClass, Launches, launches
 from edatalog.solver.topology import from_dict
 
 QUICK_KEYS = [cal.shape_key(s) for s in cal.QUICK.matmuls]
@@ -91,9 +91,10 @@ def test_quick_calibration_in_one_process(tmp_path: Path) -> None:
 def _launches(rules: int) -> int:
     """The kernel launches of the probe's chain of ``rules`` (as the cost model counts them)."""
     graph = edatalog.compile_string(calibrate_probe.source(rules), name="probe").graph
-    return sum(launches(node) for node in graph.nodes)
+    return sum((launches(node) for node in graph.nodes), Launches()).total
 
 
+ELEMENTWISE = KernelClass.ELEMENTWISE
 PROBE_KERNELS = (_launches(calibrate_probe.RULES), _launches(calibrate_probe.RULES_LONG))
 
 
@@ -203,10 +204,66 @@ def test_floor_and_overhead_from_two_chains(
     assert got_floor == pytest.approx(floor) and got_overhead == pytest.approx(overhead, abs=1e-12)
 
 
+def test_each_class_probe_adds_kernels_of_its_class() -> None:
+    """A class's longer chain launches more kernels of that class, one per link, as lowered
+    (the attention chain fused into one kernel per link); the reduction's links also scale by
+    their sums (an elementwise kernel each), nothing else."""
+    import torch
+
+    short, long = calibrate_probe.CLASS_LINKS
+    for name, small, large in class_probe_graphs():
+        cls = KernelClass(name)
+        got = [calibrate_probe.runner(g, torch.device("cpu"), Compile.GRAPH)[1] for g in (small, large)]
+        more = {c: n - dict(got[0].items()).get(c, 0) for c, n in got[1].items()}
+        want = {cls: long - short} | ({KernelClass.ELEMENTWISE: long - short} if cls is KernelClass.REDUCTION else {})
+        assert {c: n for c, n in more.items() if n} == want, cls
+
+
+@pytest.mark.parametrize(
+    ("cls", "seconds", "launches", "known", "floor"),
+    [
+        # 24 more elementwise kernels in 36 µs more: 1.5 µs each
+        (KernelClass.ELEMENTWISE, (20e-6, 56e-6), (Launches(9), Launches(33)), {}, 1.5e-6),
+        # 24 more reductions and 24 more elementwise at 1.5 µs: the rest per reduction
+        (
+            KernelClass.REDUCTION,
+            (50e-6, 170e-6),
+            (Launches(9, 8), Launches(33, 32)),
+            {KernelClass.ELEMENTWISE: 1.5e-6},
+            3.5e-6,
+        ),
+        # an elementwise floor not measured yet: the fallback (2 µs) prices them
+        (KernelClass.REDUCTION, (50e-6, 170e-6), (Launches(9, 8), Launches(33, 32)), {}, 3e-6),
+        # noise larger than the difference: the longer chain's time per kernel
+        (KernelClass.GEMM, (60e-6, 50e-6), (Launches(1, 0, 8), Launches(1, 0, 32)), {}, 50e-6 / 33),
+    ],
+)
+def test_a_class_floor_from_two_chains(
+    cls: KernelClass,
+    seconds: tuple[float, float],
+    launches: tuple[Launches, Launches],
+    known: dict[KernelClass, float],
+    floor: float,
+) -> None:
+    assert calibrate_probe.class_floor(cls, seconds, launches, known, 2e-6) == pytest.approx(floor)
+    with pytest.raises(ValueError, match="must launch more"):
+        calibrate_probe.class_floor(cls, seconds, (launches[1], launches[0]), known, 2e-6)
+
+
+def test_every_class_floor_is_measured() -> None:
+    import torch
+
+    opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graphs(), class_probes=class_probe_graphs())
+    floors = cal.measure_floor(opts.resolved(), cal.QUICK, torch.device("cpu"), lambda: None)["kernel_floors"]
+    assert sorted(floors) == sorted(c.value for c in KernelClass)
+    assert all(_finite_positive(f) for f in floors.values())
+
+
 @pytest.mark.distributed
 def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     seen: list[tuple[float, float, str]] = []
-    result = cal.calibrate(cal.Options(nproc=2, quick=True, probe=probe_graphs()), progress=lambda *a: seen.append(a))
+    opts = cal.Options(nproc=2, quick=True, probe=probe_graphs(), class_probes=class_probe_graphs())
+    result = cal.calibrate(opts, progress=lambda *a: seen.append(a))
     topo = result.topology
     _check_machine(topo, 2)
     _check_measured(result.measured, 2)
@@ -214,6 +271,9 @@ def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     per_rank = result.measured["per_rank"]
     assert topo.kernel_floor == max(per_rank["kernel_floor"])
     assert topo.call_overhead == max(per_rank["call_overhead"])
+    assert "each call after a barrier" in result.measured["how"]["call_overhead"]  # as each rank runs its part
+    assert [c for c, _ in topo.kernel_floors] == list(KernelClass)
+    assert all(f == max(per_rank["kernel_floors"][c.value]) for c, f in topo.kernel_floors)
     assert all(len(chains) == 2 and all(t > 0 for t in chains) for chains in per_rank["probe_seconds"])
     assert topo.devices[0].kind == "CPU (1 thread)"  # one thread per rank by default
     assert topo.intra.name == "gloo" and topo.intra.latency > 0
@@ -254,6 +314,9 @@ def test_cli_writes_a_machine_file(capsys: pytest.CaptureFixture[str], tmp_path:
     floor_row = next(line for line in lines if line.startswith("kernel floor"))
     assert "small rules run by edatalog's torch runtime (graph), per launch -> kernel_floor" in floor_row
     assert any(line.startswith("call overhead") and "-> call_overhead" in line for line in lines)
+    for cls in KernelClass:  # a floor per kernel class
+        assert any(line.startswith(f"{cls} floor") and f"-> kernel_floors.{cls}" in line for line in lines)
+    assert [c for c, _ in topo.kernel_floors] == list(KernelClass)
     assert any(line.startswith("torch dispatch") for line in lines)
     assert str(topo) in lines
     measured = tomllib.loads(path.read_text())["measured"]  # the command line probes the runtime

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
 import pytest
 
 import edatalog
-from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches
+from edatalog.errors import EdlError
+from edatalog.ir.cost import KernelClass, Launches, flops_per_point, gemm_roles, gemm_shape, launches
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import Layout, candidates, dim_order
 from edatalog.solver.costmodel import (
@@ -20,7 +22,7 @@ from edatalog.solver.costmodel import (
     transfer_seconds,
 )
 from edatalog.solver.costs import Costs
-from edatalog.solver.topology import Link, preset
+from edatalog.solver.topology import Link, from_dict, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,15 +131,15 @@ copy[i, j] = x[i, j].
 @pytest.mark.parametrize(
     ("rule", "want"),
     [
-        ("y", 2),  # mul, add
-        ("mm", 2),  # the GEMM (its product and sum), the scaling
-        ("sq", 3),  # mul, div, and the sum
-        ("ln", 5),  # add, rsqrt, mul, mul, add
-        ("gathered", 2),  # the gather, the add
-        ("copy", 1),  # no operator: still one kernel
+        ("y", Launches(elementwise=2)),  # mul, add
+        ("mm", Launches(elementwise=1, gemm=1)),  # the GEMM (its product and sum), the scaling
+        ("sq", Launches(elementwise=2, reduction=1)),  # mul, div, and the sum
+        ("ln", Launches(elementwise=5)),  # add, rsqrt, mul, mul, add
+        ("gathered", Launches(elementwise=1, gather=1)),  # the gather, the add
+        ("copy", Launches(elementwise=1)),  # no operator: still one kernel
     ],
 )
-def test_a_rule_launches_a_kernel_per_operator(rule: str, want: int) -> None:
+def test_a_rule_launches_a_kernel_per_operator_by_class(rule: str, want: Launches) -> None:
     graph = edatalog.compile_string(LAUNCH_RULES, name="launches.edl").graph
     assert launches(graph.node(rule)) == want
 
@@ -147,6 +149,34 @@ def test_the_kernel_floor_is_paid_per_launch() -> None:
     dev = topo.devices[0]
     assert compute_seconds(10, 10, dev, topo, "f32", launches=5) == pytest.approx(5 * topo.kernel_floor)
     assert compute_seconds(10, 10, dev, topo, "f32", launches=5, floor=False) < topo.kernel_floor
+
+
+def test_each_launch_pays_its_class_floor() -> None:
+    """A machine with floors per kernel class prices a launch at its class's floor; a class it
+    does not list at ``kernel_floor``."""
+    topo = dataclasses.replace(
+        preset("a100x1"), kernel_floor=2e-6, kernel_floors=((KernelClass.GEMM, 5e-6), (KernelClass.ATTENTION, 20e-6))
+    )
+    dev = topo.devices[0]
+    assert topo.floor(KernelClass.GEMM) == 5e-6 and topo.floor(KernelClass.REDUCTION) == 2e-6
+    mixed = Launches(elementwise=3, gemm=1, attention=1)
+    assert compute_seconds(10, 10, dev, topo, "f32", launches=mixed) == pytest.approx(3 * 2e-6 + 5e-6 + 20e-6)
+    assert topo.launch_seconds(4) == pytest.approx(8e-6)  # a bare count: kernel_floor each
+    text = json.dumps(topo.to_dict())
+    assert from_dict(json.loads(text)) == topo  # the floors travel with the machine
+    assert json.loads(text)["kernel_floors"] == {"gemm": 5e-6, "attention": 20e-6}
+    with pytest.raises(EdlError, match="unknown key 'matmul' in \\[kernel_floors\\]"):
+        from_dict({"kernel_floors": {"matmul": "3us"}})
+
+
+def test_launches_travel_as_json() -> None:
+    mixed = Launches(elementwise=2, reduction=1, gather=3)
+    assert Launches.from_json(mixed.to_json()) == mixed
+    assert Launches.from_json(4) == Launches(elementwise=4)  # a bare count: no class
+    assert mixed + Launches(gemm=1) == Launches(2, 1, 1, 3, 0) and (mixed + mixed).total == 12
+    assert str(mixed) == "2 elementwise, 1 reduction, 3 gather"
+    with pytest.raises(ValueError, match="launches must be 5 counts"):
+        Launches.from_json([1, 2])
 
 
 def test_a_group_of_one_moves_nothing() -> None:
