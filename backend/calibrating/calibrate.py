@@ -455,7 +455,8 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
     }
     if opts.class_probes:
         out["kernel_floors"] = measure_class_floors(opts.class_probes, mode, floor, sizes, dev, sync)
-    if _ranks() > 1:
+    if _ranks() > 1:  # what a plan's call costs on several ranks; the one-device call's prices the general probe
+        out["device_call_overhead"] = overhead
         out["call_overhead"] = spmd_call_overhead(opts.probe[0], mode, floor, sizes, dev, sync)
     if opts.general_probe is not None:
         general, costs = calibrate_probe.general_runner(opts.general_probe, dev, mode)
@@ -956,7 +957,8 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     kind = devices[0]["kind"]
     name = f"calibrated-{opts.device}x{opts.nproc}"
     library = Library.NCCL if opts.device == "cuda" else Library.GLOO
-    general = _general_bandwidth(devices, floor, overhead, flops, bandwidth)
+    device_overhead = max(d.get("device_call_overhead", d["call_overhead"]) for d in devices)
+    general = _general_bandwidth(devices, floor, device_overhead, flops, bandwidth)
     if general is not None:
         measured["general"] = general
         measured["how"]["general_bandwidth"] = (
@@ -965,6 +967,8 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         )
     rate = general["bandwidth"] if general is not None else 0.0
     machine = tuple(Device(i, 0, kind, memory, flops, bandwidth, general_bandwidth=rate) for i in range(opts.nproc))
+    if all("device_call_overhead" in d for d in devices):
+        measured["per_rank"]["device_call_overhead"] = [_sig(d["device_call_overhead"]) for d in devices]
     classes = [d.get("kernel_floors", {}) for d in devices]
     floors = tuple(
         (cls, _sig(max(c[cls.value] for c in classes))) for cls in KernelClass if all(cls.value in c for c in classes)
@@ -981,10 +985,11 @@ def _general_bandwidth(
     devices: list[dict[str, Any]], floor: float, overhead: float, flops: float, bandwidth: float
 ) -> dict[str, Any] | None:
     """The general path's rate from the slowest rank's probe: the probe's time less the call
-    overhead and what the roofline gives each of its kernels (``max(floor * launches, flops /
-    rate, bytes / bandwidth)``), over the general kernels' bytes, so that the cost model, adding
-    ``bytes / general_bandwidth`` to those, prices the probe at its measured time; None without
-    a probe, 0 when the probe ran within its roofline (nothing to add)."""
+    overhead of one device's program (the probe runs on one device, in a loop) and what the
+    roofline gives each of its kernels (``max(floor * launches, flops / rate, bytes /
+    bandwidth)``), over the general kernels' bytes, so that the cost model, adding ``bytes /
+    general_bandwidth`` to those, prices the probe at its measured time; None without a probe,
+    0 when the probe ran within its roofline (nothing to add)."""
     probes = [d["general"] for d in devices if "general" in d]
     if not probes:
         return None
