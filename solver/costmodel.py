@@ -16,14 +16,16 @@ chosen by the cost they are then measured with.
   several at once can.  On a link with ``interference`` f, each end's compute engine loses f
   times the transfer's time (applied by the timeline).
 - A collective over a group takes NCCL's time at the port's ("bus") bandwidth: a ring, or for an
-  all-reduce a tree when that is faster (:func:`collective_seconds`).
+  all-reduce a tree when that is faster (:func:`collective_seconds`); across nodes, the faster of
+  one ring through every member and the hierarchical form (inside each node, across, inside
+  again: :func:`group_collective_seconds`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from edatalog.ir.cost import Launches
 from edatalog.ir.graph import JoinAgg
@@ -120,6 +122,51 @@ def collective_seconds(kind: CollectiveKind, nbytes: int, members: int, link: Li
         return ring
     tree = 2 * math.ceil(math.log2(members)) * latency + 2 * nbytes / link.bandwidth
     return min(ring, tree)
+
+
+def group_collective_seconds(
+    kind: CollectiveKind, nbytes: int, group: Sequence[int], topo: Topology
+) -> tuple[float, Link]:
+    """NCCL's time for a collective over the devices ``group`` of ``topo`` (``nbytes`` as for
+    :func:`collective_seconds`), and the link class whose ports it holds: the one between nodes
+    when the group spans them.  Inside a node, :func:`collective_seconds` on the node's link.
+    Across nodes, where each GPU has its own NIC, the faster of:
+
+    - flat: one ring (or tree) through every member, each step at the slower link's step
+      latency; NCCL runs a ring per NIC, so with ``g`` members on each node the ``g`` rings
+      cross between nodes side by side and the bytes move at ``min(intra, g * inter)`` per
+      port;
+    - hierarchical, with the same number ``g > 1`` of members on each node: a reduce-scatter
+      inside each node, then the collective across nodes among the members of the same local
+      rank on ``1 / g`` of the bytes (the ``g`` of them at once, each on its own NIC), then an
+      all-gather inside each node (an all-reduce: all three; a reduce-scatter: the first two;
+      an all-gather: the last two)."""
+    per_node: dict[int, int] = {}
+    for d in group:
+        node = topo.devices[d].node
+        per_node[node] = per_node.get(node, 0) + 1
+    if len(per_node) == 1 or topo.inter is None:
+        return collective_seconds(kind, nbytes, len(group), topo.intra), topo.intra
+    intra, inter = topo.intra, topo.inter
+    g, nodes = min(per_node.values()), len(per_node)
+    ring = Link(
+        inter.name,
+        min(intra.bandwidth, g * inter.bandwidth),
+        max(intra.latency, inter.latency),
+        inter.interference,
+        collective_latency=max(intra.step_latency, inter.step_latency),
+    )
+    flat = collective_seconds(kind, nbytes, len(group), ring)
+    if g == 1 or any(count != g for count in per_node.values()):
+        return flat, inter
+    rs, ag = CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER
+    inside = {
+        CollectiveKind.ALL_REDUCE: collective_seconds(rs, nbytes, g, intra) + collective_seconds(ag, nbytes, g, intra),
+        rs: collective_seconds(rs, nbytes, g, intra),
+        ag: collective_seconds(ag, nbytes, g, intra),
+    }[kind]
+    across = collective_seconds(kind, nbytes // g, nodes, inter)
+    return min(flat, inside + across), inter
 
 
 def collective_bytes(kind: CollectiveKind, nbytes: int, members: int) -> int:

@@ -36,13 +36,13 @@ from edatalog.solver.blocks import (
     through,
 )
 from edatalog.solver.costmodel import (
-    collective_seconds,
     compute_seconds,
+    group_collective_seconds,
     port_seconds,
     tiled_points,
     transfer_seconds,
 )
-from edatalog.solver.topology import Link, Topology
+from edatalog.solver.topology import Topology
 
 Held = tuple[tuple[int, tuple[Box, ...]], ...]  # per device (sorted): the boxes of a relation it holds
 Need = tuple[tuple[int, Box], ...]  # per device (sorted): the box of a relation it reads
@@ -239,8 +239,9 @@ class Costs:
             pieces = split_longest(box, len(owners), layout.cand.reduce_axis)
             if CollectiveKind.REDUCE_SCATTER in self.topo.library.collectives and len(pieces) == len(owners):
                 # One reduce-scatter call, its reduction fused into the transfers.
-                link = min((self.topo.link(a, b) for a in owners for b in owners if a != b), key=_rate)
-                seconds = collective_seconds(CollectiveKind.REDUCE_SCATTER, box_size(box) * item, len(owners), link)
+                seconds, _ = group_collective_seconds(
+                    CollectiveKind.REDUCE_SCATTER, box_size(box) * item, owners, self.topo
+                )
                 for owner, piece in zip(owners, pieces, strict=True):
                     held.setdefault(owner, []).append(piece)
                     busy[owner] = busy.get(owner, 0.0) + seconds
@@ -380,10 +381,6 @@ class Costs:
             box: Box = tuple(((0, n),) for n in rel.shape)
             out[name] = tuple((d, box) for d in range(self.topo.n))
         return out
-
-
-def _rate(link: Link) -> float:
-    return link.bandwidth
 
 
 MOST_INTERVALS = 8  # per axis, for the vectorized overlap; boxes with more take the slow path

@@ -8,7 +8,8 @@ transfer's time the devices at its ends lose from computing (``interference``): 
 engine or a NIC moves the bytes, all of it where the cores that compute copy them too (gloo
 between CPU processes, as ``edl calibrate`` measures).
 
-Presets carry the device count in their name (``a100x8``, ``h200x4``, ``cpux2``, ``2x4``); custom
+Presets carry the device count in their name (``a100x8``, ``h200x4``, ``cpux2``, ``2x4``, and
+``h100x8x16`` for 16 nodes of 8); custom
 machines are small TOML or JSON files (see ``docs/plans.md``).
 """
 
@@ -191,8 +192,12 @@ class Topology:
 
     def __str__(self) -> str:
         kinds = sorted({d.kind for d in self.devices})
-        per_node = "+".join(str(len(g)) for g in self.nodes)
-        text = f"{self.name}: {self.n} x {'/'.join(kinds)} ({per_node} per node), {_link(self.intra)}"
+        sizes = {len(g) for g in self.nodes}
+        if len(self.nodes) > 2 and len(sizes) == 1:
+            per_node = f"{len(self.nodes)} nodes of {sizes.pop()}"
+        else:
+            per_node = "+".join(str(len(g)) for g in self.nodes) + " per node"
+        text = f"{self.name}: {self.n} x {'/'.join(kinds)} ({per_node}), {_link(self.intra)}"
         if self.inter is not None and len(self.nodes) > 1:
             text += f", {_link(self.inter)} between nodes"
         return text
@@ -265,7 +270,20 @@ NVLINK_LATENCY = 3e-6
 GPU_INTERFERENCE = 0.2
 PCIE4 = Link("pcie4", 25e9, 5e-6, GPU_INTERFERENCE)
 INFINIBAND = Link("ib", 25e9, 10e-6, GPU_INTERFERENCE)
-PRESETS_HELP = "a100xN, h100xN, h200xN, pcie4xN, cpuxN (N = 1..8), or 2x4"
+# Between the nodes of a multi-node preset, each GPU has its own InfiniBand NIC (NVIDIA's DGX
+# A100: eight 200 Gb/s HDR ConnectX-6; DGX H100 and H200: eight 400 Gb/s NDR ConnectX-7), so a
+# GPU's port to other nodes is its NIC's line rate per direction: 25 and 50 GB/s.  A step of a
+# collective across nodes takes 10 us: NCCL's tuning model (src/graph/tuning.cc) charges a
+# network ring step 6.6-9.6 us and a network tree step up to 50 us (Simple protocol), against
+# 3.4-5.7 us for an NVLink ring step.
+_IB = {"a100": 25e9, "h100": 50e9, "h200": 50e9}
+IB_LATENCY = 10e-6
+NODE_GPUS = 8  # GPUs per node of the multi-node presets
+MOST_NODES = 128
+PRESETS_HELP = (
+    f"a100xN, h100xN, h200xN, pcie4xN, cpuxN (N = 1..8), a100x8xM, h100x8xM, h200x8xM "
+    f"(M = 1..{MOST_NODES} nodes of 8), or 2x4"
+)
 
 
 Peaks = tuple[tuple[str, float], ...]
@@ -282,10 +300,25 @@ def _gpus(family: str, n: int, node_size: int | None = None) -> tuple[Device, ..
     return tuple(Device(i, i // per, kind, mem, flops, bw, _SLOW_PEAKS[family], sms) for i in range(n))
 
 
+def _ib(family: str) -> Link:
+    return Link("ib", _IB[family], IB_LATENCY, GPU_INTERFERENCE)
+
+
 def preset(name: str) -> Topology:
-    """A named machine: ``a100x8``, ``h200x4``, ``pcie4x2``, ``cpux4``, ``2x4``."""
+    """A named machine: ``a100x8``, ``h200x4``, ``pcie4x2``, ``cpux4``, ``2x4``, or ``h100x8x16``
+    (16 nodes of 8 GPUs, one InfiniBand NIC per GPU)."""
     if name == "2x4":
         return Topology(name, _gpus("a100", 8, 4), _nvlink("a100"), INFINIBAND)
+    nodes = re.fullmatch(r"(a100|h100|h200)x8x(\d+)", name)
+    if nodes is not None:
+        family, count = nodes.group(1), int(nodes.group(2))
+        if not 1 <= count <= MOST_NODES:
+            raise EdlError(
+                f"unknown topology '{name}': {count} nodes",
+                help=f"multi-node presets have 1 to {MOST_NODES} nodes of 8",
+            )
+        inter = _ib(family) if count > 1 else None
+        return Topology(name, _gpus(family, NODE_GPUS * count, NODE_GPUS), _nvlink(family), inter)
     m = re.fullmatch(r"(a100|h100|h200|pcie4|cpu)x(\d+)", name)
     if m is None or not 1 <= int(m.group(2)) <= 8:
         raise EdlError(f"unknown topology '{name}'", help=f"presets: {PRESETS_HELP}; or a .toml/.json file")
@@ -532,6 +565,7 @@ def resolve(spec: str | Topology) -> Topology:
         return preset(spec)
     except EdlError:
         names = [f"{f}x{n}" for f in ("a100", "h100", "h200", "pcie4", "cpu") for n in (2, 4, 8)] + ["2x4"]
+        names += [f"{f}x8x{m}" for f in ("a100", "h100", "h200") for m in (2, 4, 8, 16, 32, 64)]
         raise EdlError(
             f"unknown topology '{spec}'",
             help=did_you_mean(spec, names) or f"presets: {PRESETS_HELP}; or a .toml/.json file",

@@ -35,8 +35,8 @@ from edatalog.ir import program as ir
 from edatalog.ir.program import region_bytes
 from edatalog.solver.costmodel import (
     collective_bytes,
-    collective_seconds,
     compute_seconds,
+    group_collective_seconds,
     port_seconds,
     transfer_seconds,
 )
@@ -143,17 +143,17 @@ def _meet(
 ) -> None:
     """Time one collective for all its members: it starts when every member has come and their
     ports are free, and holds every member's ports of its link class until it ends (NCCL's time,
-    ring or tree: :func:`collective_seconds`).  Each member sends its ring successor and
-    receives from its predecessor the ring's share of the bytes."""
+    ring or tree, across nodes also hierarchical: :func:`group_collective_seconds`).  Each
+    member sends its ring successor and receives from its predecessor the ring's share of the
+    bytes."""
     members = graph.members[tag]
     op = graph.op[members[0]]
     assert isinstance(op, ir.Collective)
     group = op.group
-    # The slowest link between members carries the ring (between nodes when the group spans them).
-    links = [s.topology.link(a, b) for a in group for b in group if a != b] or [s.topology.intra]
-    link = min(links, key=lambda lk: lk.bandwidth)
+    # Across nodes the collective holds the ports between nodes (flat or hierarchical, whichever
+    # NCCL's time is shorter for: group_collective_seconds).
     nbytes = s.costs[members[0]].nbytes
-    duration = collective_seconds(op.kind, nbytes, len(group), link)
+    duration, link = group_collective_seconds(op.kind, nbytes, group, s.topology)
     ports = [(way, d, link.name) for d in group for way in ("out", "in")]
     ready = max((times[dep].end for key in members for dep in graph.deps[key]), default=0.0)
     start = max([ready, *(free.get(p, 0.0) for p in ports)])

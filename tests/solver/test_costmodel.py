@@ -19,6 +19,7 @@ from edatalog.solver.costmodel import (
     collective_seconds,
     compute_seconds,
     gemm_shape_efficiency,
+    group_collective_seconds,
     transfer_seconds,
 )
 from edatalog.solver.costs import Costs
@@ -109,6 +110,49 @@ def test_a_collective_steps_at_its_own_latency_where_the_library_has_one() -> No
     assert collective_seconds(AR, 4096, 2, gloo) == pytest.approx(2 * 500e-6 + 4096 / 1.5e9)  # the ring
     assert collective_seconds(AG, 4096, 2, gloo) == pytest.approx(500e-6 + 4096 / 2 / 1.5e9)
     assert transfer_seconds(4096, gloo) == pytest.approx(150e-6 + 4096 / 1.5e9)
+
+
+def test_a_collective_inside_a_node_is_the_node_links() -> None:
+    topo = preset("h100x8x2")
+    seconds, link = group_collective_seconds(AR, 1 << 20, range(8, 16), topo)
+    assert link == topo.intra and seconds == collective_seconds(AR, 1 << 20, 8, topo.intra)
+
+
+def test_a_large_all_reduce_across_nodes_is_one_ring_through_every_nic() -> None:
+    """16 H100s on 2 nodes, 1 GiB: 8 rings side by side, each crossing between nodes on its own
+    400 Gb/s NIC, so the bytes move at min(NVLink 345, 8 x 50) GB/s per port; 30 steps of 10 µs
+    (the slower link's).  The hierarchical form moves 7/8 of the bytes twice over NVLink and 1/8
+    over the NICs: slower here."""
+    topo = preset("h100x8x2")
+    size = 1 << 30
+    seconds, link = group_collective_seconds(AR, size, range(16), topo)
+    ring = 30 * 10e-6 + 30 / 16 * size / 345e9
+    inside = 2 * (7 * 3e-6 + 7 / 8 * size / 345e9)  # reduce-scatter, then all-gather, over 8 in a node
+    across = 2 * 1 * 10e-6 + (size // 8) / 50e9  # the ring of 2 nodes on an eighth of the bytes
+    assert seconds == pytest.approx(ring) and ring < inside + across and link.name == "ib"
+
+
+def test_a_small_all_reduce_over_many_nodes_goes_hierarchically() -> None:
+    """4 KiB over 512 A100s (64 nodes): one ring through them all takes 1022 steps; the flat
+    tree 2 x 9 levels of 10 µs; reduce-scatter in each node (7 steps of 3 µs), a tree across the
+    64 nodes on 512 bytes (2 x 6 levels), all-gather in each node: fewer slow steps."""
+    topo = preset("a100x8x64")
+    seconds, link = group_collective_seconds(AR, 4096, range(512), topo)
+    tree = 2 * 9 * 10e-6 + 2 * 4096 / 200e9  # flat: min(230, 8 x 25) GB/s
+    hierarchical = 2 * (7 * 3e-6 + 7 / 8 * 4096 / 230e9) + 2 * 6 * 10e-6 + 2 * 512 / 25e9
+    assert seconds == pytest.approx(hierarchical) and hierarchical < tree and link.name == "ib"
+    rs, _ = group_collective_seconds(RS, 4096, range(512), topo)
+    assert rs == pytest.approx(
+        min(511 * 10e-6 + 511 / 512 * 4096 / 200e9, 7 * 3e-6 + 7 / 8 * 4096 / 230e9 + 63 * 10e-6 + 63 / 64 * 512 / 25e9)
+    )
+
+
+def test_one_member_per_node_crosses_at_one_nic() -> None:
+    """Data parallelism across 4 nodes, one GPU of each (a tensor-parallel group's rank 0): the
+    ring has one NIC per crossing: 50 GB/s, and for 1 MiB the tree is faster."""
+    topo = preset("h100x8x4")
+    seconds, _ = group_collective_seconds(AR, 1 << 20, [0, 8, 16, 24], topo)
+    assert seconds == pytest.approx(min(6 * 10e-6 + 6 / 4 * (1 << 20) / 50e9, 2 * 2 * 10e-6 + 2 * (1 << 20) / 50e9))
 
 
 LAUNCH_RULES = """

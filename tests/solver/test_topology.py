@@ -34,12 +34,38 @@ def test_two_nodes_of_four() -> None:
     assert topo.link(1, 6).bandwidth == 25e9
 
 
+@pytest.mark.parametrize(("family", "nic"), [("a100", 25e9), ("h100", 50e9), ("h200", 50e9)])
+@pytest.mark.parametrize("nodes", [1, 2, 16, 128])
+def test_multi_node_presets_are_nodes_of_eight_with_a_nic_per_gpu(family: str, nic: float, nodes: int) -> None:
+    topo = preset(f"{family}x8x{nodes}")
+    topo.verify()
+    assert topo.n == 8 * nodes and topo.nodes[-1] == tuple(range(8 * nodes - 8, 8 * nodes))
+    assert topo.link(0, 7) == preset(f"{family}x8").intra  # inside a node: the one-node preset's NVLink
+    if nodes == 1:
+        assert topo.inter is None
+        return
+    assert topo.link(7, 8).name == "ib" and topo.link(7, 8).bandwidth == nic and topo.link(7, 8).latency == 10e-6
+    assert from_dict(json.loads(json.dumps(topo.to_dict())), default_name=topo.name) == topo
+    if nodes > 2:
+        assert f"({nodes} nodes of 8)" in str(topo)
+
+
+@pytest.mark.parametrize("name", ["h100x8x0", "h100x8x129"])
+def test_multi_node_presets_stop_at_128_nodes(name: str) -> None:
+    with pytest.raises(EdlError, match=f"unknown topology '{name}'"):
+        resolve(name)
+
+
 def test_unknown_presets_suggest_names() -> None:
     with pytest.raises(EdlError, match="unknown topology 'a100x9'"):
         resolve("a100x9")
     with pytest.raises(EdlError) as info:
         resolve("a10x8")
     assert "a100x8" in str(info.value)
+    assert resolve("h100x8x6").n == 48  # any node count up to 128, not only the suggested ones
+    with pytest.raises(EdlError) as info:
+        resolve("h10x8x16")
+    assert "h100x8x16" in str(info.value)
 
 
 def test_custom_toml_machine(tmp_path: Path) -> None:

@@ -1,0 +1,44 @@
+"""Plans on multi-node presets (nodes of 8 GPUs, a NIC per GPU) run as the reference computes:
+their exchanges between nodes are synthesized, simulated and priced like those inside one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edatalog
+from edatalog.ir import program as ir
+
+DIMS = {"B": 2, "S": 16, "D": 64, "H": 4, "KVH": 4, "F": 128}
+
+
+@pytest.fixture(scope="module")
+def block() -> tuple[edatalog.Program, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    prog = edatalog.compile("programs/llama_block.edl", dims=DIMS)
+    values = prog.random_inputs(seed=0)
+    return prog, values, prog.run(values, backend="reference")
+
+
+@pytest.mark.parametrize("machine", ["h100x8x2", "a100x8x8"])
+@pytest.mark.parametrize("strategy", ["auto", "random", "megatron"])
+def test_plans_across_nodes_equal_the_reference(
+    block: tuple[edatalog.Program, dict[str, np.ndarray], dict[str, np.ndarray]], machine: str, strategy: str
+) -> None:
+    prog, values, want = block
+    plan = edatalog.plan(prog, machine, strategy, time_limit=1.0)
+    got = plan.execute(dict(values), backend="sim")
+    np.testing.assert_allclose(got["y"], want["y"], rtol=1e-4, atol=1e-5)
+    assert plan.report.seconds > 0
+
+
+def test_a_split_across_nodes_moves_bytes_between_them(
+    block: tuple[edatalog.Program, dict[str, np.ndarray], dict[str, np.ndarray]],
+) -> None:
+    """Megatron over all 16 GPUs of 2 nodes (4 heads: the other splits reach across nodes)
+    runs collectives that span both nodes, which the timeline prices on the NICs: the plan is
+    predicted slower than on one node of 8, with twice the devices."""
+    prog, _, _ = block
+    plan = edatalog.plan(prog, "h100x8x2", "megatron")
+    groups = [op.group for _, _, op in plan.lowered.programs.ops() if isinstance(op, ir.Collective)]
+    assert any({d // 8 for d in group} == {0, 1} for group in groups)
+    assert plan.report.seconds > edatalog.plan(prog, "h100x8", "megatron").report.seconds
