@@ -302,10 +302,13 @@ def _layered(
 
 
 def _whole_baselines(graph: Graph, machine: Topology, reduction: str, options: Options) -> list[tuple[str, Plan]]:
-    """The whole-program baselines this program has (see :data:`_BASELINES_WHOLE`), each built
-    and checked in its timeline."""
+    """The whole-program baselines this program has on ``machine``, each built and checked in
+    its timeline: data, zero (ZeRO's shape: what fits when replicated params and optimizer state
+    do not) where the program carries state, megatron, and on several nodes megatron inside
+    them with data parallelism between them (those it has no shape for fail to build)."""
     built = []
-    for strategy in _BASELINES_WHOLE if graph.carries else _BASELINES_WHOLE[::2]:
+    names = ("data", *(("zero",) if graph.carries else ()), "megatron", *strategies.MULTI_NODE)
+    for strategy in names:
         try:
             plan = Plan(strategies.build(graph, machine, strategy), graph, machine, reduction, options)
         except EdlError:
@@ -336,11 +339,6 @@ def _fitting_baseline(exc: EdlError, built: list[tuple[str, Plan]], graph: Graph
         help="give each device more memory (--memory), use more devices, shrink the batch or the sequence"
         + (", or make the backward recompute activations" if graph.carries else ""),
     ) from None
-
-
-# The whole-program baselines a training step's layered plan competes with; zero (ZeRO's shape:
-# what fits when replicated params and optimizer state do not) where the program carries state.
-_BASELINES_WHOLE = ("data", "zero", "megatron")
 
 
 def _against_baselines(plan: Plan, baselines: list[tuple[str, Plan]]) -> Plan:

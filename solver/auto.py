@@ -39,7 +39,7 @@ from edatalog.solver import starts
 from edatalog.solver.blocks import Box, Layout, candidates, dim_order
 from edatalog.solver.costs import Costs, Held, Need, Option, held_bytes, least_bytes, need_bytes
 from edatalog.solver.plan import Plan, Tile
-from edatalog.solver.strategies import build, plan_of
+from edatalog.solver.strategies import baseline_names, build, plan_of
 from edatalog.solver.topology import Topology
 
 SPACES = ("join", "mesh")
@@ -230,12 +230,12 @@ class _OutOfTime(Exception):
 
 
 def _unsearched(graph: Graph, topo: Topology, start: float) -> Solution:
-    """A solve whose model could not be built in its time: the baselines as built (megatron,
-    megatron-sp and data where the program has their shape, else everything on one device),
+    """A solve whose model could not be built in its time: the baselines as built
+    (:func:`baseline_names` where the program has their shape, else everything on one device),
     unsearched, for the caller to check in the timeline.  Costing every candidate of every node
     is what takes the time, and these need none of it."""
     built: list[tuple[str, Plan]] = []
-    for name in ("megatron", "megatron-sp", "data", *(("zero",) if graph.carries else ())):
+    for name in baseline_names(topo, bool(graph.carries)):
         try:
             built.append((name, replace(build(graph, topo, name), strategy="auto")))
         except EdlError:

@@ -107,14 +107,15 @@ def _lifted(
 
 
 def baselines(graph: Graph, topo: Topology, tiles: dict[str, dict[Tile, int]]) -> tuple[list[Start], list[Built]]:
-    """The megatron, megatron-sp and data plans (and zero, for programs that carry state): as
+    """The hand-written plans (:func:`strategies.baseline_names`: megatron, megatron-sp, data,
+    those across nodes, zero for programs that carry state): as
     picks where the space can express them (the search starts from them), and as built (the
     exact plans the caller checks too, so that a solved plan is never slower than a baseline:
     the picks place inputs by their consumers, and may differ from the hand-written
     placements)."""
     out: list[Start] = []
     built: list[Built] = []
-    for name in ("megatron", "megatron-sp", "data", *(("zero",) if graph.carries else ())):
+    for name in strategies.baseline_names(topo, bool(graph.carries)):
         try:
             hint = strategies.build(graph, topo, name)
         except EdlError:

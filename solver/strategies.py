@@ -15,6 +15,10 @@
   the sequence over every device instead of replicated, so the row-parallel outputs (``attn``,
   ``down``) are reduce-scattered along the sequence and the column-parallel inputs all-gathered
   (the exchanges the plan implies); the output stays split along the sequence.
+- ``megatron-dp`` and ``megatron-sp-dp``, on machines of several nodes: ``megatron`` (or
+  ``megatron-sp``) inside each node, and the batch split across the nodes (data parallelism
+  between them), as practitioners run tensor parallelism on NVLink and data parallelism over
+  InfiniBand.  With fewer batch rows than nodes, the nodes beyond them stay idle.
 - ``random``: seeded random uneven partitions and random devices, replication included.
 
 Inputs and params are placed where their consumers' blocks need them (:func:`place_by_consumers`),
@@ -33,7 +37,23 @@ from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.structure import transformer_dims
 from edatalog.solver.topology import Topology
 
-STRATEGIES = ("replicate", "data", "zero", "megatron", "megatron-sp", "random")
+STRATEGIES = ("replicate", "data", "zero", "megatron", "megatron-sp", "megatron-dp", "megatron-sp-dp", "random")
+MULTI_NODE = ("megatron-dp", "megatron-sp-dp")  # the baselines of machines of several nodes
+
+
+def baseline_names(topology: Topology, carries: bool = False) -> tuple[str, ...]:
+    """The hand-written plans a solve starts from and must beat on ``topology``: megatron,
+    megatron-sp and data, those across nodes on a machine of several, and zero for a program
+    that carries state (a training step).  Those a program has no shape for fail to build."""
+    several = len(topology.nodes) > 1
+    return ("megatron", "megatron-sp", "data", *(MULTI_NODE if several else ()), *(("zero",) if carries else ()))
+
+
+def compared_with(topology: Topology) -> tuple[str, ...]:
+    """What ``edl plan`` shows an auto plan against: megatron on one node; across nodes,
+    tensor parallelism inside the nodes and data parallelism between them, never tensor
+    parallelism over the links between nodes, which no one would run."""
+    return MULTI_NODE if len(topology.nodes) > 1 else ("megatron",)
 
 
 def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Plan:
@@ -50,6 +70,14 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
     if strategy == "megatron-sp":
         tiles, reduce_axes = sequence_parallel(graph, megatron_tiles(graph, n), n)
         return plan_of(graph, topology, strategy, tiles, outputs=False, reduce_axes=reduce_axes)
+    if strategy in MULTI_NODE:
+        g = node_size(topology, strategy)
+        inner = megatron_tiles(graph, g)
+        axes: dict[str, int] = {}
+        if strategy == "megatron-sp-dp":
+            inner, axes = sequence_parallel(graph, inner, g)
+        tiles = across_nodes(graph, inner, g, len(topology.nodes))
+        return plan_of(graph, topology, strategy, tiles, outputs=strategy == "megatron-dp", reduce_axes=axes)
     if strategy == "random":
         return random_plan(graph, topology, seed)
     close = did_you_mean(strategy, STRATEGIES)
@@ -151,10 +179,7 @@ def zero_tiles(graph: Graph, n: int) -> dict[str, Tile]:
 
 
 def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
-    first = next((r for r in graph.relations if r.kind == "input" and r.shape), None)
-    if first is None:
-        raise EdlError("the data strategy needs an input with at least one axis to split")
-    batch = first.symbols[0]
+    batch = _batch_symbol(graph)
     tiles = {}
     for node in graph.nodes:
         # Split one index of the batch dim: a rule can have two (s and t of S in attention scores).
@@ -166,6 +191,62 @@ def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
         else:
             tiles[node.name] = Tile(tuple(splits), tuple((k,) for k in range(tile_parts)))
     return tiles
+
+
+# -- across nodes: a plan in each node, data parallel between them ---------------------------------
+
+
+def node_size(topology: Topology, strategy: str) -> int:
+    """The devices of each node, for ``strategy``, which needs several nodes of the same size."""
+    sizes = {len(g) for g in topology.nodes}
+    if len(topology.nodes) < 2 or len(sizes) != 1:
+        raise EdlError(
+            f"the {strategy} strategy needs several nodes of the same size; {topology.name} has "
+            + ("one node" if len(topology.nodes) < 2 else f"nodes of {', '.join(map(str, sorted(sizes)))} devices"),
+            help="plan one node with megatron or megatron-sp, or use a machine of several nodes (h100x8x4, ...)",
+        )
+    return sizes.pop()
+
+
+def across_nodes(graph: Graph, inner: Mapping[str, Tile], g: int, nodes: int) -> dict[str, Tile]:
+    """``inner`` (tiles on one node's devices ``0..g-1``) on every node, the batch index split
+    across the nodes: block ``p`` of the batch on node ``p``'s devices.  A rule without the
+    batch index is replicated on every node that holds a part of the batch."""
+    batch = _batch_symbol(graph)
+    extent = next(i.extent for node in graph.nodes for i in node.indices if i.symbol == batch)
+    used = min(nodes, extent)
+    tiles: dict[str, Tile] = {}
+    for node in graph.nodes:
+        tile = inner[node.name]
+        b = next((i for i in node.indices if i.symbol == batch), None)
+        split_of = {s.index: s for s in tile.splits}
+        if b is None or split_of[b.name].parts > 1:  # no batch (or the inner plan splits it): on every node
+            tiles[node.name] = Tile(tile.splits, tuple(_on_nodes(d, g, range(used)) for d in tile.devices))
+            continue
+        splits = tuple(Split.even(i.name, i.extent, used) if i is b else split_of[i.name] for i in node.indices)
+        inside = {_key(blk.ranges, b.name): blk.devices for blk in tile.blocks()}
+        devices = []
+        for blk in Tile(splits, ()).blocks():
+            part = _part_of(splits, b.name, blk.ranges)
+            devices.append(_on_nodes(inside[_key(blk.ranges, b.name)], g, (part,)))
+        tiles[node.name] = Tile(splits, tuple(devices))
+    return tiles
+
+
+def _batch_symbol(graph: Graph) -> str:
+    """The batch dim: the first axis of the first input that has one."""
+    first = next((r for r in graph.relations if r.kind == "input" and r.shape), None)
+    if first is None:
+        raise EdlError("data parallelism needs an input with at least one axis to split")
+    return first.symbols[0]
+
+
+def _on_nodes(devices: Sequence[int], g: int, nodes: Sequence[int] | range) -> tuple[int, ...]:
+    return tuple(sorted(d + k * g for k in nodes for d in devices))
+
+
+def _key(ranges: Mapping[str, tuple[int, int]], skip: str) -> tuple[tuple[str, tuple[int, int]], ...]:
+    return tuple(sorted((i, r) for i, r in ranges.items() if i != skip))
 
 
 # -- Megatron-LM tensor parallelism ---------------------------------------------------------------

@@ -15,6 +15,7 @@ from edatalog.plans import Plan, composed_ms, load_plan, make_plan
 from edatalog.solver import auto, layers
 from edatalog.solver import topology as machines
 from edatalog.solver.explain import Priced, explain
+from edatalog.solver.strategies import compared_with
 
 MIN_SOLVE_SECONDS = 0.5  # the least the solver gets, however long the rest took
 OUTPUT_SECONDS = 0.5  # kept back from --time-limit for printing and writing the plan
@@ -29,8 +30,11 @@ predicted time within each device's memory), or a baseline: replicate (device 0 
 everything), data (split the batch), zero (data, with a training step's update and
 optimizer state sharded: ZeRO/FSDP), megatron (tensor parallelism for transformers),
 megatron-sp (megatron with sequence parallelism: norms and residuals split along the
-sequence), random (seeded random uneven blocks, for testing).  An auto plan is shown next to
-megatron's.  --refine gives a baseline the refinements an auto plan gets (below).
+sequence), megatron-dp and megatron-sp-dp (on several nodes: megatron or megatron-sp inside
+each node, the batch split across the nodes), random (seeded random uneven blocks, for
+testing).  An auto plan is shown next to the best baseline practitioners run on the machine:
+megatron on one node, megatron-dp or megatron-sp-dp across nodes.  --refine gives a baseline
+the refinements an auto plan gets (below).
 The solver's best plans are checked in the timeline, which overlaps steps its estimate adds
 up; there a plan may also be pipelined (blocks cut into chunks along a dim every rule has,
 such as the sequence, so that one chunk's exchange overlaps the next one's compute) or
@@ -150,34 +154,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
             check_writable(path)
     prog = compile_args(args)
     baseline = None
+    baseline_name = "megatron"
     # A model with repeated layers is reported as its solve composes it (a layer's timeline times
     # the layers, plus the rest's), unless the whole model's timeline is asked for.
     composed = layers.repeated(prog.graph) is not None and not (args.full or args.trace or args.json)
     composed_baseline: float | None = None
     if args.strategy == "auto":
         began = seconds_since_start()
-        try:
-            if composed:
-                composed_baseline, _ = composed_ms(
-                    prog,
-                    args.topology,
-                    "megatron",
-                    reduction=args.reduction,
-                    memory=args.memory,
-                    collectives=args.collectives,
-                )
-            else:
-                baseline = make_plan(
-                    prog,
-                    args.topology,
-                    "megatron",
-                    reduction=args.reduction,
-                    memory=args.memory,
-                    collectives=args.collectives,
-                )
-                baseline.report  # noqa: B018 - timed here, before the solver's budget is set
-        except EdlError:
-            baseline = None  # not a transformer: nothing to compare with
+        # The best of the baselines a practitioner would run on this machine (tensor parallelism
+        # inside a node; across nodes, with data parallelism between them), built and timed
+        # here, before the solver's budget is set.  None: not a transformer.
+        for name in compared_with(machines.resolve(args.topology)):
+            try:
+                if composed:
+                    ms, _ = composed_ms(
+                        prog,
+                        args.topology,
+                        name,
+                        reduction=args.reduction,
+                        memory=args.memory,
+                        collectives=args.collectives,
+                    )
+                    if composed_baseline is None or ms < composed_baseline:
+                        composed_baseline, baseline_name = ms, name
+                else:
+                    built = make_plan(
+                        prog,
+                        args.topology,
+                        name,
+                        reduction=args.reduction,
+                        memory=args.memory,
+                        collectives=args.collectives,
+                    )
+                    if baseline is None or built.report.seconds < baseline.report.seconds:
+                        baseline, baseline_name = built, name
+            except EdlError:
+                continue
         # --time-limit is what the user waits for the whole command: the solver gets what starting,
         # compiling and the baseline left, less a moment for printing.  When a model with repeated
         # layers will be timed whole, about what the baseline's whole-model timeline took is kept
@@ -231,18 +243,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         data = {"summary": plan.summary(), "plan": json.loads(plan.ir.to_json())}
         if baseline is not None:
-            data["megatron"] = baseline.summary()
+            data[baseline_name] = baseline.summary()
         print(json.dumps(data, indent=1))
         return 0
     print_warnings(prog)
     print(plan.ir if args.full else plan.ir.describe(plan.graph))
     print(f"\n{plan.topology}\n")
     if composed and plan.layered is not None:
-        _print_composed(plan, composed_baseline)
+        _print_composed(plan, composed_baseline, baseline_name)
     else:
         _print_summary(plan, args.full)
         if plan.solution is not None:
-            _print_solve(plan, baseline)
+            _print_solve(plan, baseline, baseline_name)
     if plan.picked:
         print(f"picked: {plan.picked}")
     if plan.solution is None and args.refine:
@@ -253,9 +265,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_composed(plan: Plan, baseline_ms: float | None) -> None:
+def _print_composed(plan: Plan, baseline_ms: float | None, baseline_name: str) -> None:
     """A plan of a model with repeated layers, as its solve composed it: one layer's timeline
-    (its devices' table), the prediction composed from it, and the megatron baseline composed
+    (its devices' table), the prediction composed from it, and the best baseline composed
     alike."""
     lay = plan.layered
     sol = plan.solution
@@ -275,20 +287,20 @@ def _print_composed(plan: Plan, baseline_ms: float | None) -> None:
     )
     rows = [["auto", f"{ms:.4g}", f"{sol.seconds:.1f}"]]
     if baseline_ms is not None:
-        rows.append(["megatron", f"{baseline_ms:.4g}", "-"])
+        rows.append([baseline_name, f"{baseline_ms:.4g}", "-"])
     print()
     print(table(["plan", "predicted ms", "solve s"], rows, right=(1, 2)))
     if baseline_ms is not None:
-        print(f"auto / megatron: {ms / baseline_ms:.3f} (both composed per layer)")
+        print(f"auto / {baseline_name}: {ms / baseline_ms:.3f} (both composed per layer)")
     _print_solver(sol)
 
 
-def _print_solve(plan: Plan, baseline: Plan | None) -> None:
-    """The solved plan next to the megatron baseline, and how the solve went."""
+def _print_solve(plan: Plan, baseline: Plan | None, baseline_name: str) -> None:
+    """The solved plan next to the best baseline, and how the solve went."""
     sol = plan.solution
     assert sol is not None
     rows = []
-    for name, p in (("auto" if plan.ir.strategy == "auto" else plan.ir.strategy, plan), ("megatron", baseline)):
+    for name, p in (("auto" if plan.ir.strategy == "auto" else plan.ir.strategy, plan), (baseline_name, baseline)):
         if p is None:
             continue
         r = p.report
@@ -306,7 +318,7 @@ def _print_solve(plan: Plan, baseline: Plan | None) -> None:
     print(table(["plan", "predicted ms", "moved", "peak memory", "solve s"], rows, right=(1, 2, 3, 4)))
     if baseline is not None:
         ratio = plan.report.seconds / baseline.report.seconds
-        print(f"{plan.ir.strategy} / megatron: {ratio:.3f}")
+        print(f"{plan.ir.strategy} / {baseline_name}: {ratio:.3f}")
     _print_solver(sol)
 
 

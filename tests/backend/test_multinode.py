@@ -20,7 +20,7 @@ def block() -> tuple[edatalog.Program, dict[str, np.ndarray], dict[str, np.ndarr
 
 
 @pytest.mark.parametrize("machine", ["h100x8x2", "a100x8x8"])
-@pytest.mark.parametrize("strategy", ["auto", "random", "megatron"])
+@pytest.mark.parametrize("strategy", ["auto", "random", "megatron", "megatron-dp", "megatron-sp-dp"])
 def test_plans_across_nodes_equal_the_reference(
     block: tuple[edatalog.Program, dict[str, np.ndarray], dict[str, np.ndarray]], machine: str, strategy: str
 ) -> None:
@@ -42,3 +42,35 @@ def test_a_split_across_nodes_moves_bytes_between_them(
     groups = [op.group for _, _, op in plan.lowered.programs.ops() if isinstance(op, ir.Collective)]
     assert any({d // 8 for d in group} == {0, 1} for group in groups)
     assert plan.report.seconds > edatalog.plan(prog, "h100x8", "megatron").report.seconds
+
+
+def test_tensor_parallel_inside_nodes_data_parallel_between() -> None:
+    """megatron-dp on 2 nodes of 8: each node runs Megatron on its half of the batch, so its
+    collectives stay inside a node; the outputs are then gathered onto every device."""
+    prog = edatalog.compile("programs/llama_block.edl", dims=DIMS)
+    plan = edatalog.plan(prog, "h100x8x2", "megatron-dp")
+    groups = [op.group for _, _, op in plan.lowered.programs.ops() if isinstance(op, ir.Collective)]
+    assert groups and all(len({d // 8 for d in group}) == 1 for group in groups)
+    q = plan.ir.node("q").tile
+    assert {d // 8 for block in q.blocks() if block.ranges["b"] == (0, 1) for d in block.devices} == {0}
+    assert {d // 8 for block in q.blocks() if block.ranges["b"] == (1, 2) for d in block.devices} == {1}
+
+
+@pytest.mark.parametrize("strategy", ["megatron-dp", "megatron-sp-dp"])
+def test_strategies_across_nodes_need_several(strategy: str) -> None:
+    prog = edatalog.compile("programs/llama_block.edl", dims=DIMS)
+    with pytest.raises(edatalog.EdlError, match=f"the {strategy} strategy needs several nodes"):
+        edatalog.plan(prog, "h100x8", strategy)
+
+
+def test_edl_plan_compares_with_the_best_baseline_across_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Across nodes, ``edl plan`` shows auto against the faster of megatron-dp and
+    megatron-sp-dp, never against Megatron over all 16 GPUs."""
+    from edatalog.cli import main
+
+    dims = [f"--dim={k}={v}" for k, v in DIMS.items()]
+    assert main(["plan", "programs/llama_block.edl", *dims, "-t", "h100x8x2", "--time-limit", "3"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("auto / "))
+    assert line.split(":")[0] in ("auto / megatron-dp", "auto / megatron-sp-dp")
+    assert not any(row.split()[:1] == ["megatron"] for row in out.splitlines())  # no row of plain megatron
