@@ -16,6 +16,7 @@ machines are small TOML or JSON files (see ``docs/plans.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import tomllib
@@ -141,14 +142,18 @@ class Topology:
 
     def floor(self, cls: KernelClass) -> float:
         """The least one kernel of class ``cls`` costs."""
-        return dict(self.kernel_floors).get(cls, self.kernel_floor)
+        return self._floors.get(cls, self.kernel_floor)
 
     def launch_seconds(self, launches: Launches | int) -> float:
         """The least a kernel making ``launches`` costs: each launch its class's floor (a bare
         count: ``kernel_floor`` each)."""
-        if isinstance(launches, int):
-            return self.kernel_floor * launches
+        if isinstance(launches, int) or not self.kernel_floors:
+            return self.kernel_floor * (launches if isinstance(launches, int) else launches.total)
         return sum(self.floor(cls) * count for cls, count in launches.items())
+
+    @functools.cached_property
+    def _floors(self) -> dict[KernelClass, float]:  # the solver prices every block's launches
+        return dict(self.kernel_floors)
 
     @property
     def n(self) -> int:
