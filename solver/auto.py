@@ -282,7 +282,7 @@ class _Setup:
                     raise _OutOfTime
                 opts.append(costs.option(node, Layout(node, c, rank)))
             self.options[node.name], self.tiles[node.name] = _prune(opts)
-        self.model = Model(graph, costs, self.options, limit)
+        self.model = Model(graph, costs, self.options, limit, deadline)
         if time.monotonic() > deadline:
             raise _OutOfTime
         self.baselines, self.built = starts.baselines(graph, topo, self.tiles)
@@ -403,8 +403,11 @@ class Model:
     pseudo-Boolean sums wrap around at 2**31, and a sequence of 10**9 tokens costs seconds and
     terabytes).  Relative precision is then what it is at any size, and the search as fast."""
 
-    def __init__(self, graph: Graph, costs: Costs, options: dict[str, list[Option]], memory: int) -> None:
+    def __init__(
+        self, graph: Graph, costs: Costs, options: dict[str, list[Option]], memory: int, deadline: float = math.inf
+    ) -> None:
         self.graph, self.costs, self.options, self.memory_limit = graph, costs, options, memory
+        self.deadline = deadline  # building the model past it raises _OutOfTime (costing transfers is most of it)
         self.x = {name: [f"x{k}_{i}" for i in range(len(opts))] for k, (name, opts) in enumerate(options.items())}
         self.names: list[str] = [v for xs in self.x.values() for v in xs]
         self.terms: list[tuple[str, int]] = []  # objective: (literal, weight in units of ``unit_ns``)
@@ -470,6 +473,8 @@ class Model:
         for rel_name, helds in self.held.items():
             needs = list(self.need.get(rel_name, {}).items())
             for held, h in helds.items():
+                if time.monotonic() > self.deadline:
+                    raise _OutOfTime
                 times = self.costs.transfers(rel_name, held, [need for need, _ in needs])
                 for (_, lit), sec in zip(needs, times, strict=True):
                     if sec > 0:

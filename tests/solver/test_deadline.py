@@ -83,3 +83,23 @@ def test_edl_plan_gives_the_solver_what_the_command_has_left(monkeypatch: pytest
     monkeypatch.setattr(common, "_process_age", lambda: 100.0)
     common.command_began()
     assert common.seconds_since_start() < 0.7
+
+
+def test_building_the_model_stops_at_the_deadline_while_it_costs_transfers() -> None:
+    """Costing the transfers between every producer's layouts and every reader's needs is most of
+    building a model on many devices (minutes on 64 GPUs): it stops once the deadline has passed,
+    so that the solve returns the baselines within its time limit instead."""
+    from edatalog.solver.blocks import Layout, candidates, dim_order
+    from edatalog.solver.costs import Costs
+
+    prog = _prog()
+    topo = machines.preset("h100x8x2")
+    costs = Costs(prog.graph, topo)
+    rank = dim_order(prog.graph)
+    options = {
+        node.name: [costs.option(node, Layout(node, c, rank)) for c in candidates(node, topo.n)][:4]
+        for node in prog.graph.nodes
+    }
+    auto.Model(prog.graph, costs, options, 1 << 40)  # no deadline: built
+    with pytest.raises(auto._OutOfTime):
+        auto.Model(prog.graph, costs, options, 1 << 40, deadline=0.0)
