@@ -80,7 +80,7 @@ from typing import Any
 from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.backend.running.compiled import Compile, compile_mode
 from edatalog.errors import EdlError
-from edatalog.ir.cost import KernelClass
+from edatalog.ir.cost import KernelClass, Launches
 from edatalog.solver.topology import Device, Library, Link, Topology
 
 ProgressFn = Callable[[float, float, str], None]  # (done, total, what is being measured)
@@ -442,9 +442,8 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
     dispatch = _seconds_per_call(lambda: torch.add(x, x), sync, sizes)
     if opts.probe is None:
         return {"kernel_floor": dispatch, "call_overhead": 0.0, "torch_dispatch": dispatch, "probe_kernels": []}
-    runs = [calibrate_probe.runner(graph, dev, mode) for graph in opts.probe]
-    seconds = (_seconds_per_call(runs[0][0], sync, sizes), _seconds_per_call(runs[1][0], sync, sizes))
-    kernels = (runs[0][1].total, runs[1][1].total)
+    seconds, launches = _two_chains(opts.probe, mode, sizes, dev, sync)
+    kernels = (launches[0].total, launches[1].total)
     floor, overhead = calibrate_probe.floor_and_overhead(seconds, kernels)
     out: dict[str, Any] = {
         "kernel_floor": floor,
@@ -485,15 +484,24 @@ def spmd_call_overhead(
     import torch.distributed as dist
 
     run, kernels = calibrate_probe.runner(probe, dev, mode, dist.get_world_size())
+    times = _after_barriers(run, sizes.link_reps * 5, sizes.warmup, sync)
+    return max(0.0, statistics.median(times) - kernels.total * floor)
+
+
+def _after_barriers(op: Callable[[], None], reps: int, warmup: int, sync: Callable[[], None]) -> list[float]:
+    """``op``'s time in each of ``reps`` runs (after ``warmup`` untimed), every run started
+    right after a barrier of the group, as ranks meet each step."""
+    import torch.distributed as dist
+
     times = []
-    for i in range(sizes.warmup + sizes.link_reps * 5):
+    for i in range(warmup + reps):
         dist.barrier()
         t0 = time.perf_counter()
-        run()
+        op()
         sync()
-        if i >= sizes.warmup:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return max(0.0, statistics.median(times) - kernels.total * floor)
+    return times
 
 
 def measure_class_floors(
@@ -510,10 +518,19 @@ def measure_class_floors(
     known: dict[KernelClass, float] = {}
     for name, short, long in probes:
         cls = KernelClass(name)
-        runs = [calibrate_probe.runner(graph, dev, mode) for graph in (short, long)]
-        seconds = (_seconds_per_call(runs[0][0], sync, sizes), _seconds_per_call(runs[1][0], sync, sizes))
-        known[cls] = calibrate_probe.class_floor(cls, seconds, (runs[0][1], runs[1][1]), known, fallback)
+        seconds, launches = _two_chains((short, long), mode, sizes, dev, sync)
+        known[cls] = calibrate_probe.class_floor(cls, seconds, launches, known, fallback)
     return {cls.value: floor for cls, floor in known.items()}
+
+
+def _two_chains(
+    graphs: tuple[str, str], mode: Compile, sizes: Sizes, dev: Any, sync: Callable[[], None]
+) -> tuple[tuple[float, float], tuple[Launches, Launches]]:
+    """A probe's short and long chain run by the runtime in ``mode``: each one's time per call
+    and the kernels it launches."""
+    runs = [calibrate_probe.runner(graph, dev, mode) for graph in graphs]
+    seconds = (_seconds_per_call(runs[0][0], sync, sizes), _seconds_per_call(runs[1][0], sync, sizes))
+    return seconds, (runs[0][1], runs[1][1])
 
 
 def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
@@ -526,15 +543,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     sync: Callable[[], None] = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def timed(op: Callable[[], None], reps: int) -> list[float]:
-        times = []
-        for i in range(sizes.warmup + reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            op()
-            sync()
-            if i >= sizes.warmup:
-                times.append(time.perf_counter() - t0)
-        return times
+        return _after_barriers(op, reps, sizes.warmup, sync)
 
     pingpong: dict[str, float] = {}
     for nbytes in sizes.p2p_bytes:
