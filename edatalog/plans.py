@@ -405,9 +405,13 @@ def _solved(
     on_progress: Callable[[auto.Progress], None] | None,
 ) -> Plan:
     """The plan :func:`edatalog.solver.policy.solve` keeps (solve, check the shortlist, re-solve,
-    refine, under one deadline), each plan checked in the backend's timeline."""
-    check = _checker(graph, machine, reduction, options)
-    checked, solution = policy.solve(graph, machine, check, time_limit, seed, space, on_progress)
+    refine, under one deadline; nested on a machine of several identical nodes), each plan
+    checked in the backend's timeline."""
+
+    def checker_for(g: Graph, m: Topology) -> Callable[[PlanIR], _Checked]:
+        return _checker(g, m, reduction, options)
+
+    checked, solution = policy.solve_nested(graph, machine, checker_for, time_limit, seed, space, on_progress)
     plan = checked.facade
     plan.solution = solution
     return plan

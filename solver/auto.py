@@ -112,6 +112,12 @@ class Solution:
     # False when building the model took all the time: nothing was searched, the shortlist is
     # the baselines as built, and there is no estimate (``predicted_ms`` and the bound are 0).
     searched: bool = True
+    # Set by the caller for a nested solve (edatalog.solver.nested): how the machine was split
+    # ("B across 8 groups of 8 devices: ..."); the rest of the fields are the group's solve.
+    nested: str = ""
+    # Set by the caller when it asked for no search (a machine too large to build the model for
+    # in time): why.  ``searched`` is then False.
+    skipped: str = ""
 
     @property
     def gap(self) -> float:

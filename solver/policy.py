@@ -18,10 +18,11 @@ from typing import Any, Protocol, TypeVar
 
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
-from edatalog.solver import auto, refine
+from edatalog.solver import auto, nested, refine
 from edatalog.solver.blocks import guarded_dims
 from edatalog.solver.costs import least_bytes
 from edatalog.solver.plan import Plan
+from edatalog.solver.strategies import baseline_names, build
 from edatalog.solver.topology import Topology
 
 SOLVE_SHARE = 0.6  # of the time left, for building and searching; checking, searching the timeline, refining: the rest
@@ -34,6 +35,8 @@ TIMELINE_SHARE = 0.6  # of the time left after checking the shortlist, for the s
 SLACK = 1.15  # a move may be this much slower than the plan it leaves, by the estimate
 PROPOSE_SECONDS = 0.3  # the most Z3 may take to propose one move
 IMPROVE = 1e-3  # a move is kept when the timeline puts it this much faster
+FLAT_MOST = 16  # devices across several nodes the solver's model is built for, when nothing nests
+MIN_INNER_SECONDS = 2.0  # what a nested solve's group gets however long the whole machine's checks took
 
 
 class Checked(Protocol):
@@ -123,12 +126,14 @@ def solve(
     seed: int = 0,
     space: str = "join",
     on_progress: Callable[[auto.Progress], None] | None = None,
+    search: bool = True,
 ) -> tuple[C, auto.Solution]:
     """Solve, then ``check`` the shortlisted plans: the fastest that fits wins, and refinements
     of the fastest are tried.  All under one deadline: the solver gets :data:`SOLVE_SHARE` of
     the time, checking and refining what is left, stopping when the deadline comes with the best
     plan checked so far.  When none fits (the solver's memory estimate was too low), solve again
-    under a budget cut by the overshoot, while time is left.  Returns the plan kept, as checked,
+    under a budget cut by the overshoot, while time is left.  Without ``search``, the solver's
+    model is not built: the baselines are checked and refined.  Returns the plan kept, as checked,
     and the solution, with where the time went."""
     clock = _Clock(time_limit, on_progress)
     limit = min(d.memory for d in machine.devices)
@@ -138,9 +143,10 @@ def solve(
     for attempt in range(ATTEMPTS):
         clock.solve_began = clock.elapsed()
         left = clock.left()
-        solution = auto.solve(
-            graph, machine, budget, left * SOLVE_SHARE, seed, space, clock.solving, build_limit=left * BUILD_SHARE
-        )
+        build_limit = left * BUILD_SHARE if search else 0.0
+        solution = auto.solve(graph, machine, budget, left * SOLVE_SHARE, seed, space, clock.solving, build_limit)
+        if not search:
+            solution.skipped = f"{machine.n} devices on {len(machine.nodes)} nodes, and no batch-like dim to nest along"
         solve_seconds += solution.seconds
         build_seconds += solution.build_seconds
         checked: list[C] = []
@@ -185,6 +191,63 @@ def solve(
     solution.check_seconds, solution.refine_seconds = clock.spent["checking"], clock.spent["refining"]
     solution.total_seconds = clock.elapsed()
     return best, solution
+
+
+NESTED_RESERVE = 2.0  # times the slowest whole-machine check, kept back for checking the lifted plan
+
+
+def solve_nested(
+    graph: Graph,
+    machine: Topology,
+    checker_for: Callable[[Graph, Topology], Checker[C]],
+    time_limit: float,
+    seed: int = 0,
+    space: str = "join",
+    on_progress: Callable[[auto.Progress], None] | None = None,
+) -> tuple[C, auto.Solution]:
+    """:func:`solve`, nested on a machine of identical nodes where the program has a batch-like
+    dim (:mod:`edatalog.solver.nested`): one group's share of the program solved on one group
+    (itself nested, when a group is several nodes), lifted to every group, and checked on the
+    whole machine beside the multi-node baselines as built; the fastest that fits is kept.  The
+    baselines are checked first, so that the group's solve gets what they leave, less room for
+    checking the lifted plan."""
+    how = nested.across(graph, machine)
+    if how is None:
+        # Several nodes and nothing to nest along: past FLAT_MOST devices the solver's model
+        # takes minutes to build (every layout pair's transfer), so the baselines are checked
+        # and refined instead of waiting on a build that ends at the deadline anyway.
+        search = len(machine.nodes) == 1 or machine.n <= FLAT_MOST
+        return solve(graph, machine, checker_for(graph, machine), time_limit, seed, space, on_progress, search)
+    clock = _Clock(time_limit, on_progress)
+    check = checker_for(graph, machine)
+    built: list[tuple[str, C]] = []
+    for name in baseline_names(machine, bool(graph.carries)):
+        try:
+            ir = dataclasses.replace(build(graph, machine, name), strategy="auto")
+        except EdlError:
+            continue  # the program has no such shape (no heads for megatron)
+        c = clock.check(ir, check, "checking", first=True)
+        assert c is not None, "a first check always runs"
+        built.append((f"baseline: {name}", c))
+    small = nested.shrink(graph, how.dim, how.groups)
+    assert small is not None, "across() splits batch-like dims only"
+    inner_time = max(MIN_INNER_SECONDS, clock.left() - NESTED_RESERVE * clock.slowest)
+    clock.solve_began = clock.elapsed()
+    group = nested.group(machine, how)
+    inner, solution = solve_nested(small, group, checker_for, inner_time, seed, space, clock.solving)
+    lifted = clock.check(nested.lift(graph, inner.plan, how, machine), check, "checking", first=True)
+    assert lifted is not None, "a first check always runs"
+    kept, origin = lifted, f"{solution.origin or 'search'}, on each group"
+    for name, c in built:
+        if c.fits and (not kept.fits or c.seconds < kept.seconds):
+            kept, origin = c, name
+    solution.nested = f"{how}: each group's plan solved at {how.dim}={dict(small.dims)[how.dim]} on {how.size} devices"
+    solution.origin = origin
+    if kept is not lifted:
+        solution.chosen_by = "timeline"
+    solution.check_seconds += clock.spent["checking"]
+    solution.total_seconds = clock.elapsed()
+    return kept, solution
 
 
 def _in_timeline(best: C, checked: list[C], solution: auto.Solution, check: Checker[C], clock: _Clock) -> C:
@@ -349,17 +412,16 @@ def solve_layers(
         devices = layers.stage_devices(machine.n, s)[0]
         per_layer = max(1, (limit - outer_bytes) * s // rep.count)
         stage = machine.subset(devices).with_memory(per_layer)
-        layer_checked, layer_sol = solve(
-            layer_g, stage, checker_for(layer_g, stage), share * LAYER_SHARE, seed, space, on_progress
+        layer_checked, layer_sol = solve_nested(
+            layer_g, stage, checker_for, share * LAYER_SHARE, seed, space, on_progress
         )
         # A call's overhead is paid once per call, not per part: the layer's time is without it,
         # the rest's (or, with nothing else, the overhead alone) with it.
         overhead_ms = machine.call_overhead * 1e3
         outer_plan, outer_sol, outer_ms, outer_peak = None, None, overhead_ms, 0
         if outer_g is not None:
-            outer_checked, outer_sol = solve(
-                outer_g, machine, checker_for(outer_g, machine), max(0.5, share * (1 - LAYER_SHARE)), seed, space
-            )
+            outer_time = max(0.5, share * (1 - LAYER_SHARE))
+            outer_checked, outer_sol = solve_nested(outer_g, machine, checker_for, outer_time, seed, space)
             outer_plan, outer_ms, outer_peak = outer_checked.plan, outer_checked.seconds * 1e3, outer_checked.peak
         plan = layers.compose(graph, rep, layer_checked.plan, outer_plan, machine, s)
         bound = layer_checked.peak * -(-rep.count // s) + outer_peak

@@ -18,7 +18,9 @@
 - ``megatron-dp`` and ``megatron-sp-dp``, on machines of several nodes: ``megatron`` (or
   ``megatron-sp``) inside each node, and the batch split across the nodes (data parallelism
   between them), as practitioners run tensor parallelism on NVLink and data parallelism over
-  InfiniBand.  With fewer batch rows than nodes, the nodes beyond them stay idle.
+  InfiniBand.  With fewer batch rows than nodes, the nodes beyond them stay idle.  Outputs stay
+  on the node that made them (data parallelism's outputs are each replica's own): gathered onto
+  the node's devices (megatron-dp) or split along the sequence (megatron-sp-dp).
 - ``random``: seeded random uneven partitions and random devices, replication included.
 
 Inputs and params are placed where their consumers' blocks need them (:func:`place_by_consumers`),
@@ -27,6 +29,7 @@ so the baselines move only activations.
 
 from __future__ import annotations
 
+import dataclasses
 import random as _random
 from collections.abc import Mapping, Sequence
 
@@ -77,7 +80,10 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
         if strategy == "megatron-sp-dp":
             inner, axes = sequence_parallel(graph, inner, g)
         tiles = across_nodes(graph, inner, g, len(topology.nodes))
-        return plan_of(graph, topology, strategy, tiles, outputs=strategy == "megatron-dp", reduce_axes=axes)
+        plan = plan_of(graph, topology, strategy, tiles, outputs=False, reduce_axes=axes)
+        if strategy == "megatron-sp-dp":
+            return plan  # outputs split along the sequence inside each node, as megatron-sp leaves them
+        return dataclasses.replace(plan, outputs=_per_node_outputs(graph, plan, g, len(topology.nodes)))
     if strategy == "random":
         return random_plan(graph, topology, seed)
     close = did_you_mean(strategy, STRATEGIES)
@@ -231,6 +237,30 @@ def across_nodes(graph: Graph, inner: Mapping[str, Tile], g: int, nodes: int) ->
             devices.append(_on_nodes(inside[_key(blk.ranges, b.name)], g, (part,)))
         tiles[node.name] = Tile(splits, tuple(devices))
     return tiles
+
+
+def _per_node_outputs(graph: Graph, plan: Plan, g: int, nodes: int) -> tuple[Placement, ...]:
+    """Outputs as data parallelism leaves them: each node's batch rows gathered onto that
+    node's devices (megatron gathers onto every device of its one node), not onto every device
+    across the network; outputs without the batch on every device."""
+    batch = _batch_symbol(graph)
+    ends = {p.relation for p in plan.outputs}
+    out = list(plan.outputs)
+    for name in graph.outputs:
+        if name in ends:
+            continue
+        rel = graph.relation(name)
+        axis = next((k for k, s in enumerate(rel.symbols) if s == batch), None)
+        if axis is None:
+            out.append(Placement(name, Tile.whole(rel.box, range(g * nodes))))
+            continue
+        used = min(nodes, rel.shape[axis])
+        splits = tuple(
+            Split.even(a, e, used if k == axis else 1)
+            for k, (a, e) in enumerate(zip(rel.axis_names, rel.shape, strict=True))
+        )
+        out.append(Placement(name, Tile(splits, tuple(tuple(range(p * g, (p + 1) * g)) for p in range(used)))))
+    return tuple(out)
 
 
 def _batch_symbol(graph: Graph) -> str:

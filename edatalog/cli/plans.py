@@ -117,7 +117,7 @@ def _print_summary(plan: Plan, full: bool = False, footer: bool = True) -> None:
     )
     idle = [d for d in range(plan.ir.n_devices) if r.flops[d] == 0]
     if idle and plan.ir.n_devices > 1:
-        print(f"note: device{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} compute nothing in this plan")
+        print(f"note: device{'s' if len(idle) > 1 else ''} {_runs(idle)} compute nothing in this plan")
     over = plan.over_memory()
     if over:
         cap = plan.topology.devices[over[0]].memory
@@ -322,8 +322,33 @@ def _print_solve(plan: Plan, baseline: Plan | None, baseline_name: str) -> None:
     _print_solver(sol)
 
 
+def _runs(numbers: list[int]) -> str:
+    """Ascending numbers with their runs folded: ``0, 2..5, 9`` (512 devices stay one line)."""
+    parts: list[str] = []
+    start = prev = numbers[0]
+    for x in [*numbers[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(str(start) if start == prev else f"{start}, {prev}" if prev == start + 1 else f"{start}..{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
+
+
 def _print_solver(sol: auto.Solution) -> None:
     """How the solve went: its time, gap, memory estimate, where the kept plan came from."""
+    if sol.nested:
+        print(f"nested: {sol.nested}; the solver's figures below are that group's")
+    if not sol.searched and sol.skipped:
+        print(
+            f"solver: not searched ({sol.skipped}: its model would take minutes to build): the fastest "
+            f"baseline checked is kept; planned in {sol.total_seconds:.1f} s (checking {sol.check_seconds:.1f}, "
+            f"refining {sol.refine_seconds:.1f})"
+        )
+        if sol.origin:
+            print(f"origin: {sol.origin}")
+        return
     if not sol.searched:
         print(
             f"solver: building the model took the {sol.build_seconds:.1f} s the time limit left, so nothing "

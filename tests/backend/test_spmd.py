@@ -466,6 +466,38 @@ def test_torchrun_runs_a_plan_for_two_nodes_on_two_agents(tmp_path: Path) -> Non
     _assert_equal(np.load(out)["y"], prog.run(prog.random_inputs(0))["y"], False, "two nodes of two")
 
 
+def test_hierarchical_collectives_equal_direct_exchanges_on_two_nodes_of_two(tmp_path: Path) -> None:
+    """Megatron on 2 x 2 gloo ranks (a machine of two nodes of two), its row-parallel partials
+    reduced hierarchically (a reduce-scatter inside each node, then an all-reduce of each piece
+    across the nodes, each a collective call) and directly (one reduce-scatter over all four):
+    both equal the reference, and each other."""
+    from edatalog.ir import program as ir
+
+    machine = tmp_path / "2x2.toml"
+    machine.write_text(TWO_NODES)
+    prog = _llama("gqa")
+    want = prog.run(prog.random_inputs(0))["y"]
+    got = {}
+    for reduction in ("hierarchical", "direct"):
+        plan = edatalog.plan(prog, topology=str(machine), strategy="megatron", reduction=reduction, collectives="on")
+        ops = [op for _, _, op in plan.lowered.programs.ops() if isinstance(op, ir.Collective)]
+        spans = {(op.kind, len({d // 2 for d in op.group}), len(op.group)) for op in ops}
+        if reduction == "hierarchical":
+            assert (ir.CollectiveKind.REDUCE_SCATTER, 1, 2) in spans  # inside each node
+            assert (ir.CollectiveKind.ALL_REDUCE, 2, 2) in spans  # across, one rank of each node
+        else:
+            assert not any(op.kind is ir.CollectiveKind.REDUCE_SCATTER and len(op.group) == 2 for op in ops)
+        plan_file, out = tmp_path / f"{reduction}.json", tmp_path / f"{reduction}.npz"
+        plan.save(plan_file)
+        run = ["-m", "edatalog.cli", "run", str(LLAMA), *_small("gqa"), "--plan", str(plan_file), "--backend", "torch"]
+        cmd = [sys.executable, *run, "--nproc", "4", "--collectives", "on", "--random", "0", "-o", str(out)]
+        done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_SECONDS)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got[reduction] = np.load(out)["y"]
+        _assert_equal(got[reduction], want, False, f"{reduction} reduction on 2 x 2 ranks")
+    np.testing.assert_allclose(got["hierarchical"], got["direct"], rtol=F32_RTOL, atol=F32_ATOL)
+
+
 # -- faults ------------------------------------------------------------------------------------------------
 
 
