@@ -11,6 +11,7 @@ resident memory; every ms figure is **predicted** by the cost model (no GPU is u
   .venv/bin/python benchmarks/scale.py                          # every case, a table
   .venv/bin/python benchmarks/scale.py --gpus 16,64 --what block  # some of them
   .venv/bin/python benchmarks/scale.py --json
+  .venv/bin/python benchmarks/scale.py --small --gpus 8,16 --time-limit 3   # a quick check
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ EDL = Path(sys.executable).parent / "edl"
 # 80 layers, vocabulary 128256.  S=4096, B=8, bf16: the block of issue 20.
 DIMS = {"D": 8192, "H": 64, "KVH": 8, "F": 28672, "S": 4096, "B": 8}
 MODEL_DIMS = {**DIMS, "L": 80, "V": 128256}
+SMALL = {"D": 64, "H": 4, "KVH": 2, "F": 128, "S": 16, "B": 4}  # --small: a quick check of the script
+SMALL_MODEL = {**SMALL, "L": 2, "V": 64}
 GPUS = (8, 16, 64, 256, 512)
 # --time-limit per machine: the issue's 60 s up to 64 GPUs, 300 s beyond.
 LIMITS = {8: 60, 16: 60, 64: 60, 256: 300, 512: 300}
@@ -59,10 +62,13 @@ def machine(gpus: int) -> str:
     return "h100x8" if gpus == 8 else f"h100x8x{gpus // 8}"
 
 
-def run(what: str, gpus: int) -> Row:
+def run(what: str, gpus: int, small: bool = False, time_limit: float | None = None) -> Row:
     program = ROOT / "programs" / ("llama_block.edl" if what == "block" else "llama.edl")
-    dims = DIMS if what == "block" else MODEL_DIMS
-    limit = LIMITS[gpus]
+    if small:
+        dims = SMALL if what == "block" else SMALL_MODEL
+    else:
+        dims = DIMS if what == "block" else MODEL_DIMS
+    limit = time_limit if time_limit is not None else LIMITS[gpus]
     cmd = [str(EDL), "plan", str(program), "--dtype", "bf16", "-t", machine(gpus), "--time-limit", str(limit)]
     cmd += [f"--dim={k}={v}" for k, v in dims.items()]
     with tempfile.TemporaryFile("w+") as log:
@@ -75,7 +81,8 @@ def run(what: str, gpus: int) -> Row:
     row = Row(what, gpus, machine(gpus), limit, wall, usage.ru_maxrss / 1024, None, "", None, None, "", "", "")
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        row.error = out.strip().splitlines()[-1] if out.strip() else f"exit {code}"
+        said = [ln.strip() for ln in out.splitlines() if ln.startswith("error:")]
+        row.error = (said[-1][:120] if said else out.strip().splitlines()[-1]) if out.strip() else f"exit {code}"
         return row
     return _parse(out, row)
 
@@ -86,8 +93,8 @@ def _parse(out: str, row: Row) -> Row:
         cells = line.split()
         if cells[:1] == ["auto"] and len(cells) >= 2 and row.auto_ms is None:
             row.auto_ms = float(cells[1])
-            if len(cells) >= 5:
-                row.peak = cells[4]
+            if len(cells) >= 5:  # plan, predicted ms, moved, peak memory, solve s
+                row.peak = cells[3]
         elif m := re.match(r"auto / (\S+): ([0-9.]+)", line):
             row.baseline, row.ratio = m.group(1), float(m.group(2))
         elif line.startswith("nested: "):
@@ -137,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default=",".join(map(str, GPUS)), help="device counts, multiples of 8")
     parser.add_argument("--what", choices=("block", "model", "both"), default="both")
     parser.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
+    parser.add_argument("--small", action="store_true", help="tiny dims (a check of the script, not a benchmark)")
+    parser.add_argument(
+        "--time-limit", type=float, help="--time-limit for every case (default: 60 s to 64 GPUs, then 300)"
+    )
     args = parser.parse_args(argv)
     gpus = [int(g) for g in args.gpus.split(",")]
     if any(g % 8 or g not in LIMITS for g in gpus):
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for what in whats:
         for g in gpus:
             print(f"planning the {what} on {g} GPUs ...", file=sys.stderr, flush=True)
-            rows.append(run(what, g))
+            rows.append(run(what, g, args.small, args.time_limit))
             if args.json:
                 print(json.dumps(asdict(rows[-1])), flush=True)
     if not args.json:

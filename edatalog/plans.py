@@ -449,7 +449,14 @@ def composed_ms(
             continue
         tiles = {n.name: whole.node(n.name).tile for n in g.nodes}
         axes = {n.name: whole.node(n.name).reduce_axis for n in g.nodes}
-        ir = strategies.plan_of(g, machine, strategy, tiles, reduce_axes=axes)
+        if strategy in strategies.MULTI_NODE:
+            # Each node keeps its own rows, as an auto plan nested across nodes does (gathering
+            # a layer's result onto every device would cross InfiniBand at every layer).
+            ir = strategies.plan_of(g, machine, strategy, tiles, outputs=False, reduce_axes=axes)
+            size, batch = strategies.node_size(machine, strategy), strategies.batch_symbol(prog.graph)
+            ir = strategies.per_node_outputs(g, ir, size, len(machine.nodes), batch)
+        else:
+            ir = strategies.plan_of(g, machine, strategy, tiles, reduce_axes=axes)
         parts.append(Plan(ir, g, machine, reduction, options))
     layer = parts[0]
     # Each part's timeline pays the call's overhead; the whole program pays it once.

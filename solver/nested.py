@@ -21,6 +21,7 @@ plan would not stand for.
 from __future__ import annotations
 
 import dataclasses
+
 from edatalog.ir.graph import AxisMap, Graph, JoinAgg, Part, VerifyError
 from edatalog.solver.plan import Placement, Plan, Split, Tile
 from edatalog.solver.strategies import plan_of
@@ -35,21 +36,38 @@ class Across:
     groups: int
     size: int
 
+    idle: int = 0  # devices past the groups, which the plan leaves idle
+
     def __str__(self) -> str:
-        return f"{self.dim} across {self.groups} groups of {self.size} devices"
+        text = f"{self.dim} across {self.groups} groups of {self.size} devices"
+        if self.idle:
+            first = self.groups * self.size
+            text += f" (devices {first}..{first + self.idle - 1} idle: {self.dim} has {self.groups} rows)"
+        return text
+
+
+FLAT_MOST = 16  # devices across several nodes whose solver model builds in time, when nothing nests
 
 
 def across(graph: Graph, machine: Topology) -> Across | None:
     """The nesting for ``graph`` on ``machine`` (None: none): on a machine of two or more
     identical nodes, the first batch-like dim (see :func:`batch_like`) split as many ways as
-    there are nodes, or, where its extent does not divide so, the most ways that divide both
-    (a group is then several nodes)."""
+    there are nodes, or, where its extent does not divide so, the most ways that divide both (a
+    group is then several nodes).  Where such a group would be more than :data:`FLAT_MOST`
+    devices (its own model would take minutes to build, and it has no rows left to nest along),
+    the dim is split as many ways as it has rows, up to the nodes, one node each, and the nodes
+    past them stay idle, as data parallelism leaves them."""
     nodes = machine.nodes
     if len(nodes) < 2 or not _identical(machine):
         return None
+    per_node = len(nodes[0])
     for dim in batch_like(graph):
         extent = dict(graph.dims)[dim]
         ways = max((g for g in range(2, len(nodes) + 1) if len(nodes) % g == 0 and extent % g == 0), default=1)
+        if machine.n // ways > max(FLAT_MOST, per_node):
+            ways = max((g for g in range(2, len(nodes) + 1) if extent % g == 0), default=1)
+            if ways > 1:
+                return Across(dim, ways, per_node, machine.n - ways * per_node)
         if ways > 1:
             return Across(dim, ways, machine.n // ways)
     return None
@@ -64,6 +82,13 @@ def batch_like(graph: Graph) -> list[str]:
         if any(dim in _tokens(s) for r in graph.relations if r.kind == "param" for s in r.symbols):
             continue
         if any(_reads_across(node, dim) for node in graph.nodes):
+            continue
+        if any(  # a support bounding the dim's axis (cells only in some rows)
+            a in r.support.vars
+            for r in graph.relations
+            for a, s in zip(r.axis_names, r.symbols, strict=True)
+            if s == dim
+        ):
             continue
         if not any(i.symbol == dim for node in graph.nodes for i in node.indices):
             continue

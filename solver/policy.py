@@ -35,8 +35,8 @@ TIMELINE_SHARE = 0.6  # of the time left after checking the shortlist, for the s
 SLACK = 1.15  # a move may be this much slower than the plan it leaves, by the estimate
 PROPOSE_SECONDS = 0.3  # the most Z3 may take to propose one move
 IMPROVE = 1e-3  # a move is kept when the timeline puts it this much faster
-FLAT_MOST = 16  # devices across several nodes the solver's model is built for, when nothing nests
 MIN_INNER_SECONDS = 2.0  # what a nested solve's group gets however long the whole machine's checks took
+SINGLE_NODE = ("megatron", "megatron-sp")  # baselines not checked on the whole machine of a nested solve
 
 
 class Checked(Protocol):
@@ -213,15 +213,18 @@ def solve_nested(
     checking the lifted plan."""
     how = nested.across(graph, machine)
     if how is None:
-        # Several nodes and nothing to nest along: past FLAT_MOST devices the solver's model
+        # Several nodes and nothing to nest along: past nested.FLAT_MOST devices the solver's model
         # takes minutes to build (every layout pair's transfer), so the baselines are checked
         # and refined instead of waiting on a build that ends at the deadline anyway.
-        search = len(machine.nodes) == 1 or machine.n <= FLAT_MOST
+        search = len(machine.nodes) == 1 or machine.n <= nested.FLAT_MOST
         return solve(graph, machine, checker_for(graph, machine), time_limit, seed, space, on_progress, search)
     clock = _Clock(time_limit, on_progress)
     check = checker_for(graph, machine)
     built: list[tuple[str, C]] = []
-    for name in baseline_names(machine, bool(graph.carries)):
+    # Not tensor parallelism over every device: its collectives would cross between nodes (and
+    # lowering it for hundreds of devices takes minutes); the group's solve has it inside a group.
+    across_nodes = [name for name in baseline_names(machine, bool(graph.carries)) if name not in SINGLE_NODE]
+    for name in across_nodes:
         try:
             ir = dataclasses.replace(build(graph, machine, name), strategy="auto")
         except EdlError:

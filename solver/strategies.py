@@ -83,7 +83,7 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
         plan = plan_of(graph, topology, strategy, tiles, outputs=False, reduce_axes=axes)
         if strategy == "megatron-sp-dp":
             return plan  # outputs split along the sequence inside each node, as megatron-sp leaves them
-        return dataclasses.replace(plan, outputs=_per_node_outputs(graph, plan, g, len(topology.nodes)))
+        return per_node_outputs(graph, plan, g, len(topology.nodes))
     if strategy == "random":
         return random_plan(graph, topology, seed)
     close = did_you_mean(strategy, STRATEGIES)
@@ -185,7 +185,7 @@ def zero_tiles(graph: Graph, n: int) -> dict[str, Tile]:
 
 
 def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
-    batch = _batch_symbol(graph)
+    batch = batch_symbol(graph)
     tiles = {}
     for node in graph.nodes:
         # Split one index of the batch dim: a rule can have two (s and t of S in attention scores).
@@ -218,7 +218,7 @@ def across_nodes(graph: Graph, inner: Mapping[str, Tile], g: int, nodes: int) ->
     """``inner`` (tiles on one node's devices ``0..g-1``) on every node, the batch index split
     across the nodes: block ``p`` of the batch on node ``p``'s devices.  A rule without the
     batch index is replicated on every node that holds a part of the batch."""
-    batch = _batch_symbol(graph)
+    batch = batch_symbol(graph)
     extent = next(i.extent for node in graph.nodes for i in node.indices if i.symbol == batch)
     used = min(nodes, extent)
     tiles: dict[str, Tile] = {}
@@ -239,11 +239,13 @@ def across_nodes(graph: Graph, inner: Mapping[str, Tile], g: int, nodes: int) ->
     return tiles
 
 
-def _per_node_outputs(graph: Graph, plan: Plan, g: int, nodes: int) -> tuple[Placement, ...]:
-    """Outputs as data parallelism leaves them: each node's batch rows gathered onto that
-    node's devices (megatron gathers onto every device of its one node), not onto every device
-    across the network; outputs without the batch on every device."""
-    batch = _batch_symbol(graph)
+def per_node_outputs(graph: Graph, plan: Plan, g: int, nodes: int, batch: str | None = None) -> Plan:
+    """``plan`` with its outputs as data parallelism leaves them: each node's batch rows
+    gathered onto that node's devices (megatron gathers onto every device of its one node), not
+    onto every device across the network; outputs without the batch on every device.  ``batch``
+    is the batch dim (default: the graph's, :func:`batch_symbol`; a part of a program, such as
+    one layer, takes the whole program's)."""
+    batch = batch or batch_symbol(graph)
     ends = {p.relation for p in plan.outputs}
     out = list(plan.outputs)
     for name in graph.outputs:
@@ -260,15 +262,20 @@ def _per_node_outputs(graph: Graph, plan: Plan, g: int, nodes: int) -> tuple[Pla
             for k, (a, e) in enumerate(zip(rel.axis_names, rel.shape, strict=True))
         )
         out.append(Placement(name, Tile(splits, tuple(tuple(range(p * g, (p + 1) * g)) for p in range(used)))))
-    return tuple(out)
+    return dataclasses.replace(plan, outputs=tuple(out))
 
 
-def _batch_symbol(graph: Graph) -> str:
-    """The batch dim: the first axis of the first input that has one."""
-    first = next((r for r in graph.relations if r.kind == "input" and r.shape), None)
-    if first is None:
+def batch_symbol(graph: Graph) -> str:
+    """The batch dim: the first axis of an input, of the inputs' first axes the one that comes
+    first among the program's dims, preferring those no param has.  (One layer of a model, as
+    a graph of its own, reads the rotary tables ``rc[S, ...]`` before the hidden ``x[B, S, D]``:
+    the first input's first axis would be the sequence.)"""
+    leading = [r.symbols[0] for r in graph.relations if r.kind == "input" and r.shape]
+    if not leading:
         raise EdlError("data parallelism needs an input with at least one axis to split")
-    return first.symbols[0]
+    order = {name: k for k, (name, _) in enumerate(graph.dims)}
+    in_params = {s for r in graph.relations if r.kind == "param" for s in r.symbols}
+    return min(leading, key=lambda s: (s in in_params, order.get(s, len(order)), leading.index(s)))
 
 
 def _on_nodes(devices: Sequence[int], g: int, nodes: Sequence[int] | range) -> tuple[int, ...]:

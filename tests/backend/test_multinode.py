@@ -74,3 +74,35 @@ def test_edl_plan_compares_with_the_best_baseline_across_nodes(capsys: pytest.Ca
     line = next(x for x in out.splitlines() if x.startswith("auto / "))
     assert line.split(":")[0] in ("auto / megatron-dp", "auto / megatron-sp-dp")
     assert not any(row.split()[:1] == ["megatron"] for row in out.splitlines())  # no row of plain megatron
+
+
+@pytest.mark.parametrize("strategy", ["megatron-dp", "megatron-sp-dp"])
+def test_composed_baselines_across_nodes_keep_each_nodes_rows_on_the_node(strategy: str) -> None:
+    """A whole model's baseline composed per layer: each layer's result stays on the node that
+    made it (its batch rows), as a nested auto plan leaves it, instead of being gathered onto
+    every device over InfiniBand at every layer."""
+    from edatalog.plans import composed_ms
+
+    prog = edatalog.compile("programs/llama.edl", dims={**DIMS, "L": 2, "V": 64})
+    ms, layer = composed_ms(prog, "h100x8x2", strategy)
+    assert ms > 0
+    for placed in layer.ir.outputs:
+        for block in placed.tile.blocks():
+            assert len({d // 8 for d in block.devices}) == 1, (placed.relation, block)
+    links = layer.summary()["bytes_per_link"]
+    assert links and not [k for k in links if len({int(d) // 8 for d in k.split("->")}) > 1]  # nothing crosses
+
+
+def test_one_layer_of_a_model_is_split_by_its_batch_across_nodes() -> None:
+    """One layer as a graph of its own reads the rotary tables (``rc[S, ...]``) before the
+    hidden state (``x0[B, S, D]``): the baselines across nodes still split the batch there."""
+    from edatalog.solver import layers, strategies
+
+    prog = edatalog.compile("programs/llama.edl", dims={**DIMS, "L": 2, "V": 64})
+    rep = layers.repeated(prog.graph)
+    assert rep is not None
+    layer = layers.layer_graph(prog.graph, rep)
+    assert strategies.batch_symbol(layer) == "B"
+    plan = strategies.build(layer, edatalog.topology("h100x8x2"), "megatron-dp")
+    q = plan.node("layers.0.q").tile
+    assert {block.ranges["b"]: {d // 8 for d in block.devices} for block in q.blocks()} == {(0, 1): {0}, (1, 2): {1}}

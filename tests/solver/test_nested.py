@@ -43,13 +43,16 @@ def test_shrinking_the_batch_is_compiling_with_a_smaller_one(block: edatalog.Pro
         ("h100x8x2", ("B", 2, 8)),
         ("a100x8x4", ("B", 4, 8)),
         ("a100x8x8", ("B", 4, 16)),  # 4 rows: groups of two nodes
+        ("h100x8x16", ("B", 4, 8)),  # groups of four nodes would not nest further: one node each, 12 idle
     ],
 )
 def test_the_batch_splits_across_as_many_nodes_as_it_can(
     block: edatalog.Program, machine: str, want: tuple[str, int, int] | None
 ) -> None:
-    how = nested.across(block.graph, machines.preset(machine))
+    topo = machines.preset(machine)
+    how = nested.across(block.graph, topo)
     assert (how and (how.dim, how.groups, how.size)) == want
+    assert how is None or how.groups * how.size + how.idle == topo.n
 
 
 def test_a_lifted_plan_runs_the_group_plan_on_every_group(block: edatalog.Program) -> None:
@@ -103,7 +106,7 @@ def _lifted_random(prog: edatalog.Program, machine_name: str, seed: int) -> edat
     return edatalog.Plan(lifted, prog.graph, machine)
 
 
-@pytest.mark.parametrize(("machine", "seed"), [("h100x8x2", 0), ("h100x8x2", 1), ("a100x8x8", 2)])
+@pytest.mark.parametrize(("machine", "seed"), [("h100x8x2", 0), ("h100x8x2", 1), ("a100x8x8", 2), ("h100x8x16", 3)])
 def test_lifted_random_plans_equal_the_reference(block: edatalog.Program, machine: str, seed: int) -> None:
     values = block.random_inputs(seed=seed)
     want = block.run(values, backend="reference")
