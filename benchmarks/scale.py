@@ -103,7 +103,7 @@ def _parse(out: str, row: Row) -> Row:
             row.origin = line.removeprefix("origin: ")
         elif m := re.search(r"predicted ([0-9.]+) ms on \S+: a layer", line):
             row.auto_ms = float(m.group(1))
-        elif m := re.search(r"peak memory at most (\S+) per device", line):
+        if m := re.search(r"peak memory at most (\S+) per device", line):
             row.peak = m.group(1)
     if row.baseline:
         base = next((ln.split() for ln in lines if ln.split()[:1] == [row.baseline]), None)
@@ -117,7 +117,8 @@ def table(rows: list[Row]) -> str:
     body = []
     for r in rows:
         if r.error:
-            body.append([r.what, str(r.gpus), f"{r.time_limit:g}", f"{r.wall_s:.1f}", f"{r.rss_mb:.0f}MB", r.error])
+            body.append([r.what, str(r.gpus), f"{r.time_limit:g}", f"{r.wall_s:.1f}", f"{r.rss_mb:.0f}MB"])
+            body[-1].append(r.error if len(r.error) <= 48 else r.error[:45] + "...")
             continue
         base = f"{r.baseline_ms:.4g} ({r.baseline})" if r.baseline_ms is not None else "-"
         body.append(
@@ -139,7 +140,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join([fmt[0], " ".join("-" * w for w in widths), *fmt[1:]])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", default=",".join(map(str, GPUS)), help="device counts, multiples of 8")
     parser.add_argument("--what", choices=("block", "model", "both"), default="both")
@@ -149,9 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         "--time-limit", type=float, help="--time-limit for every case (default: 60 s to 64 GPUs, then 300)"
     )
     args = parser.parse_args(argv)
-    gpus = [int(g) for g in args.gpus.split(",")]
-    if any(g % 8 or g not in LIMITS for g in gpus):
+    args.gpu_counts = [int(g) for g in args.gpus.split(",")]
+    if any(g % 8 or g not in LIMITS for g in args.gpu_counts):
         parser.error(f"--gpus takes some of {','.join(map(str, GPUS))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gpus = args.gpu_counts
     whats = ("block", "model") if args.what == "both" else (args.what,)
     rows = []
     for what in whats:

@@ -37,6 +37,7 @@ PROPOSE_SECONDS = 0.3  # the most Z3 may take to propose one move
 IMPROVE = 1e-3  # a move is kept when the timeline puts it this much faster
 MIN_INNER_SECONDS = 2.0  # what a nested solve's group gets however long the whole machine's checks took
 SINGLE_NODE = ("megatron", "megatron-sp")  # baselines not checked on the whole machine of a nested solve
+NESTED_RESERVE = 2.0  # times the slowest whole-machine check, kept back for checking the lifted plan
 
 
 class Checked(Protocol):
@@ -191,9 +192,6 @@ def solve(
     solution.check_seconds, solution.refine_seconds = clock.spent["checking"], clock.spent["refining"]
     solution.total_seconds = clock.elapsed()
     return best, solution
-
-
-NESTED_RESERVE = 2.0  # times the slowest whole-machine check, kept back for checking the lifted plan
 
 
 def solve_nested(
