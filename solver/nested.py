@@ -8,9 +8,9 @@ each node (or group of nodes) takes its own slice of the batch and runs the same
 a program with a dim that no param has and no guard or lookup reads (the batch ``B``: see
 :func:`across`) is planned as a program of ``B / g`` on one group of ``n / g`` devices
 (:func:`shrink`, :func:`group`), a solve the size of one node's, and that plan is lifted to the
-whole machine (:func:`lift`): group ``k`` runs it on its own slice of ``B``.  What the groups
-exchange (the outputs gathered, gradients summed over the batch in a training step) the exact
-check of the lifted plan, on the whole machine, prices.
+whole machine (:func:`lift`): group ``k`` runs it on its own slice of ``B``, and its outputs
+stay on the group.  What the groups exchange (a training step's gradients, summed over the
+batch) the exact check of the lifted plan, on the whole machine, prices.
 
 A dim a param has (``D``, ``H``, ``F``) is not split this way: splitting it across groups is
 tensor parallelism over the network between nodes, which the group's solve would not price; and
@@ -35,7 +35,6 @@ class Across:
     dim: str
     groups: int
     size: int
-
     idle: int = 0  # devices past the groups, which the plan leaves idle
 
     def __str__(self) -> str:
