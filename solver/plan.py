@@ -20,6 +20,7 @@ from typing import Any
 
 from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph
+from edatalog.ir.printer import runs
 
 FORMAT = 1
 
@@ -328,13 +329,4 @@ def _render(plan: Plan, skip: set[str], note: str) -> str:
 
 def _ranges(ks: Sequence[int], prefix: str) -> str:
     """``[1, 2, 3, 5]`` as ``layers.1 .. layers.3, layers.5``."""
-    out: list[str] = []
-    start = prev = ks[0]
-    for k in [*ks[1:], None]:
-        if k is not None and k == prev + 1:
-            prev = k
-            continue
-        out.append(f"{prefix}.{start}" if start == prev else f"{prefix}.{start} .. {prefix}.{prev}")
-        if k is not None:
-            start = prev = k
-    return ", ".join(out)
+    return ", ".join(f"{prefix}.{a}" if a == b else f"{prefix}.{a} .. {prefix}.{b}" for a, b in runs(ks))

@@ -103,3 +103,15 @@ def binary(nbytes: float) -> str:
             return f"{nbytes:.3g} {unit}" if unit != "B" else f"{int(nbytes)} B"
         nbytes /= 1024
     raise AssertionError("unreachable")
+
+
+def runs(numbers: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending numbers as their runs of consecutive ones, first and last: ``[1, 2, 3, 5]`` is
+    ``[(1, 3), (5, 5)]`` (devices and layers print as ranges)."""
+    out: list[tuple[int, int]] = []
+    for x in numbers:
+        if out and x == out[-1][1] + 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    return out
