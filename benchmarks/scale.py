@@ -3,10 +3,12 @@
 
 Each case runs the ``edl plan`` command a user would, in its own process, and reads what it
 prints: the predicted times of auto and of the best baseline it compares with (on several nodes
-the better of Megatron inside each node with data parallelism across, with and without sequence
-parallelism), the ratio, the peak memory, how the solve nested.  ``wall s`` is the command's
-**measured** wall time (``--time-limit`` is meant to bound it), ``RSS`` its measured peak
-resident memory; every ms figure is **predicted** by the cost model (no GPU is used).
+the fastest of Megatron inside each node with data parallelism across, with and without sequence
+parallelism, and for the model pipeline stages across the nodes too), the ratio, the peak
+memory, how the solve nested, and for the model on several nodes the fastest pipeline
+(``edatalog.pipelined``) with its shape.  ``wall s`` is the command's **measured** wall time
+(``--time-limit`` is meant to bound it), ``RSS`` its measured peak resident memory; every ms
+figure is **predicted** by the cost model (no GPU is used).
 
   .venv/bin/python benchmarks/scale.py                          # every case, a table
   .venv/bin/python benchmarks/scale.py --gpus 16,64 --what block  # some of them
@@ -56,6 +58,7 @@ class Row:
     nested: str
     origin: str
     error: str = ""
+    pipeline: str = ""  # the model on several nodes: the fastest pipeline baseline, predicted ms and shape
 
 
 def machine(gpus: int) -> str:
@@ -105,6 +108,10 @@ def _parse(out: str, row: Row) -> Row:
             row.auto_ms = float(m.group(1))
         if m := re.search(r"peak memory at most (\S+) per device", line):
             row.peak = m.group(1)
+    pipes = [ln.split() for ln in lines if ln.split()[:1] in (["megatron-pp"], ["megatron-sp-pp"])]
+    if pipes:
+        fastest = min(pipes, key=lambda cells: float(cells[1]))
+        row.pipeline = f"{fastest[1]} ({fastest[0]}: {' '.join(fastest[3:])})"
     if row.baseline:
         base = next((ln.split() for ln in lines if ln.split()[:1] == [row.baseline]), None)
         if base is not None and len(base) >= 2:
@@ -113,7 +120,19 @@ def _parse(out: str, row: Row) -> Row:
 
 
 def table(rows: list[Row]) -> str:
-    head = ["what", "GPUs", "limit s", "wall s", "RSS", "auto ms", "best baseline ms", "auto/best", "peak", "nested"]
+    head = [
+        "what",
+        "GPUs",
+        "limit s",
+        "wall s",
+        "RSS",
+        "auto ms",
+        "best baseline ms",
+        "auto/best",
+        "peak",
+        "nested",
+        "best pipeline ms",
+    ]
     body = []
     for r in rows:
         if r.error:
@@ -133,6 +152,7 @@ def table(rows: list[Row]) -> str:
                 f"{r.ratio:.3f}" if r.ratio is not None else "-",
                 r.peak or "-",
                 r.nested or "-",
+                r.pipeline or "-",
             ]
         )
     widths = [max(len(x[k]) for x in [head, *body] if k < len(x)) for k in range(len(head))]

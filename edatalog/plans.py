@@ -69,7 +69,8 @@ class Plan:
     @cached_property
     def schedule(self) -> Schedule:
         """The synthesized per-device programs (tasks: loads, computes, sends, combines)."""
-        return synthesize(self.graph, self.ir, self.topology, self.reduction)
+        kinds = self.options.collectives.kinds(self.topology.library)
+        return synthesize(self.graph, self.ir, self.topology, self.reduction, kinds)
 
     @property
     def lowered(self) -> Lowered:
@@ -221,10 +222,16 @@ def make_plan(
     ``stages`` pipeline stages (None: the fewest that fit, from 1).  ``collectives`` (``"auto"``,
     ``"on"``, ``"off"``) says which exchanges run as collective calls, in the plan's predictions
     and its runs (auto: those the machine's library runs faster so)."""
-    options = _options(collectives)
+    options = lowering_options(collectives)
     machine = machines.resolve(topology)
     if memory is not None:
         machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
+    if strategy in strategies.PIPELINED:
+        raise EdlError(
+            f"{strategy} is a baseline that edl plan compares whole models with on several nodes, priced from one "
+            "node's timelines (edatalog.pipelined); there is no plan of it to build or run",
+            help=f"plan with {strategy.removesuffix('-pp')}-dp, or with auto",
+        )
     if strategy not in STRATEGIES:
         close = did_you_mean(strategy, STRATEGIES)
         known = f"strategies: {', '.join(STRATEGIES)}"
@@ -417,7 +424,7 @@ def _solved(
     return plan
 
 
-def _options(collectives: str) -> Options:
+def lowering_options(collectives: str) -> Options:
     choices = [c.value for c in Collectives]
     if collectives not in choices:
         raise EdlError(f"unknown collectives choice '{collectives}'", help=f"choose one of {', '.join(choices)}")
@@ -441,7 +448,7 @@ def composed_ms(
     machine = machines.resolve(topology)
     if memory is not None:
         machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
-    options = _options(collectives)
+    options = lowering_options(collectives)
     whole = strategies.build(prog.graph, machine, strategy)  # the baseline's tiles of every rule
     parts = []
     for g in (layers.layer_graph(prog.graph, rep), layers.outer_graph(prog.graph, rep)):

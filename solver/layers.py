@@ -86,6 +86,26 @@ def stage_of(k: int, count: int, stages: int) -> int:
     return k * stages // count
 
 
+def stage_sizes(count: int, stages: int) -> list[int]:
+    """How many of ``count`` instances each of ``stages`` pipeline stages runs (:func:`stage_of`)."""
+    sizes = [0] * stages
+    for k in range(count):
+        sizes[stage_of(k, count, stages)] += 1
+    return sizes
+
+
+def pipeline_seconds(stage_seconds: Sequence[float], microbatches: int) -> float:
+    """When the last of ``microbatches`` leaves the last stage, each stage taking
+    ``stage_seconds[s]`` per microbatch (its compute, and the send to the next stage) and taking
+    them in order, as soon as each arrives (GPipe's forward, buffers unbounded): microbatch ``j``
+    leaves stage ``s`` at ``max(its leaving s - 1, j - 1 leaving s) + t_s``, whose last value
+    is the longest path through the grid, ``sum(t) + (microbatches - 1) * max(t)``: the bubble
+    is the slowest stage's, once per microbatch beyond the first."""
+    if microbatches < 1 or not stage_seconds:
+        raise ValueError("a pipeline has at least one stage and one microbatch")
+    return sum(stage_seconds) + (microbatches - 1) * max(stage_seconds)
+
+
 def _moved(tile: Tile, devices: Sequence[int]) -> Tile:
     """``tile`` with its device ``d`` (of a group's own numbering) as ``devices[d]``."""
     return dataclasses.replace(tile, devices=tuple(tuple(devices[d] for d in ds) for ds in tile.devices))

@@ -42,6 +42,9 @@ from edatalog.solver.topology import Topology
 
 STRATEGIES = ("replicate", "data", "zero", "megatron", "megatron-sp", "megatron-dp", "megatron-sp-dp", "random")
 MULTI_NODE = ("megatron-dp", "megatron-sp-dp")  # the baselines of machines of several nodes
+# Whole models across nodes: layers in stages, one node each, microbatched.  Their time is
+# composed from one node's timelines by a later stage; no whole plan of them is built.
+PIPELINED = ("megatron-pp", "megatron-sp-pp")
 
 
 def baseline_names(topology: Topology, carries: bool = False) -> tuple[str, ...]:
@@ -52,11 +55,14 @@ def baseline_names(topology: Topology, carries: bool = False) -> tuple[str, ...]
     return ("megatron", "megatron-sp", "data", *(MULTI_NODE if several else ()), *(("zero",) if carries else ()))
 
 
-def compared_with(topology: Topology) -> tuple[str, ...]:
+def compared_with(topology: Topology, layered: bool = False) -> tuple[str, ...]:
     """What ``edl plan`` shows an auto plan against: megatron on one node; across nodes,
-    tensor parallelism inside the nodes and data parallelism between them, never tensor
-    parallelism over the links between nodes, which no one would run."""
-    return MULTI_NODE if len(topology.nodes) > 1 else ("megatron",)
+    tensor parallelism inside the nodes and data parallelism between them, and for a model of
+    repeated layers (``layered``) pipeline stages across the nodes too; never tensor parallelism
+    over the links between nodes, which no one would run."""
+    if len(topology.nodes) < 2:
+        return ("megatron",)
+    return (*MULTI_NODE, *PIPELINED) if layered else MULTI_NODE
 
 
 def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Plan:

@@ -5,8 +5,8 @@ Every consumer block pulls, for each relation it reads, the intersection of its 
 piece of that relation's final layout; a device never receives what it holds or already received.
 Partials (an aggregated index split across blocks, or several ``+=`` rules) are reduced on a
 schedule chosen from the topology: a reduce-scatter with direct sends inside a node, and a
-hierarchical one (inside nodes first, then across) when the partials span nodes.  Blocks that
-guards or supports leave empty are never computed or sent.
+hierarchical one (inside nodes first, then across) when the partials span nodes and run as
+messages.  Blocks that guards or supports leave empty are never computed or sent.
 
 The pass first builds one global list of tasks in an order that respects every dependency, then
 lowers it (:func:`_lower`): each device's ops in that order, every transfer a send on its source
@@ -67,17 +67,33 @@ class Schedule:
                 yield device, op
 
 
-def synthesize(graph: Graph, plan: Plan, topology: Topology, reduction: str = "auto") -> Schedule:
-    """The per-device task programs that execute ``graph`` under ``plan`` on ``topology``."""
+def synthesize(
+    graph: Graph,
+    plan: Plan,
+    topology: Topology,
+    reduction: str = "auto",
+    collectives: frozenset[ir.CollectiveKind] = frozenset(),
+) -> Schedule:
+    """The per-device task programs that execute ``graph`` under ``plan`` on ``topology``.
+    ``collectives``: the kinds the lowering will run as one collective call (which form of
+    reduction ``auto`` picks depends on them)."""
     plan.verify(graph)
     if topology.n < plan.n_devices:
         raise EdlError(f"the plan uses {plan.n_devices} devices but {topology.name} has {topology.n}")
-    return _Synthesizer(graph, plan, topology, reduction).run()
+    return _Synthesizer(graph, plan, topology, reduction, collectives).run()
 
 
 class _Synthesizer:
-    def __init__(self, graph: Graph, plan: Plan, topology: Topology, reduction: str) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        plan: Plan,
+        topology: Topology,
+        reduction: str,
+        collectives: frozenset[ir.CollectiveKind] = frozenset(),
+    ) -> None:
         assert reduction in REDUCTIONS
+        self.collectives = collectives
         self.layout: dict[str, list[Entry]] = {}
         self.outputs: dict[str, list[Entry]] = {}
         self.blocks: dict[str, set[int]] = {}
@@ -314,10 +330,17 @@ class _Synthesizer:
         return self.plan.node(producers[0].name).reduce_axis if producers else None
 
     def _hierarchy(self) -> bool:
-        """Reduce inside nodes first?  Always when asked; with "auto", when links between nodes
-        are slower than links inside them."""
+        """Reduce inside nodes first?  Always when asked.  With "auto": not where the lowering
+        runs reductions as collective calls (NCCL), since a direct reduce-scatter (and its
+        all-gather) then becomes one collective that the library runs in its own hierarchical
+        form where that is faster, as the cost model prices it
+        (:func:`edatalog.solver.costmodel.group_collective_seconds`), while the hierarchical
+        exchange stays messages; else (messages, gloo) when links between nodes are slower than
+        links inside them: only one partial per node then crosses them."""
         if self.reduction != "auto":
             return self.reduction == "hierarchical"
+        if {ir.CollectiveKind.REDUCE_SCATTER, ir.CollectiveKind.ALL_REDUCE} <= self.collectives:
+            return False
         inter = self.topo.inter
         return inter is not None and inter.bandwidth < self.topo.intra.bandwidth
 

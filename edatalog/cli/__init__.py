@@ -177,7 +177,8 @@ def _parser() -> argparse.ArgumentParser:
         "--reduction",
         choices=("auto", "direct", "hierarchical"),
         default="auto",
-        help="how partial results are combined (default: from the topology)",
+        help="how partial results spanning nodes are combined (auto: directly where the machine's library runs "
+        "them as collectives, else inside each node first when the links between nodes are slower)",
     )
     pl.add_argument(
         "--full",

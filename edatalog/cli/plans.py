@@ -12,11 +12,12 @@ from edatalog.errors import EdlError, did_you_mean
 from edatalog.ir import printer
 from edatalog.ir.printer import human
 from edatalog.ir.regions import Region, runs_text
+from edatalog.pipelined import pipelined_ms
 from edatalog.plans import Plan, composed_ms, load_plan, make_plan
 from edatalog.solver import auto, layers
 from edatalog.solver import topology as machines
 from edatalog.solver.explain import Priced, explain
-from edatalog.solver.strategies import compared_with
+from edatalog.solver.strategies import PIPELINED, compared_with
 
 MIN_SOLVE_SECONDS = 0.5  # the least the solver gets, however long the rest took
 OUTPUT_SECONDS = 0.5  # kept back from --time-limit for printing and writing the plan
@@ -159,16 +160,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # A model with repeated layers is reported as its solve composes it (a layer's timeline times
     # the layers, plus the rest's), unless the whole model's timeline is asked for.
     composed = layers.repeated(prog.graph) is not None and not (args.full or args.trace or args.json)
-    composed_baseline: float | None = None
+    composed_baselines: list[tuple[str, float, str]] = []  # each baseline composed: name, predicted ms, its shape
     if args.strategy == "auto":
         began = seconds_since_start()
         # The best of the baselines a practitioner would run on this machine (tensor parallelism
-        # inside a node; across nodes, with data parallelism between them), built and timed
-        # here, before the solver's budget is set.  None: not a transformer.
+        # inside a node; across nodes, with data parallelism between them, and for a model,
+        # pipeline stages across them too), built and timed here, before the solver's budget is
+        # set.  None: not a transformer.
         best_ms: float | None = None
-        for name in compared_with(machines.resolve(args.topology)):
+        for name in compared_with(machines.resolve(args.topology), layered=composed):
+            shape = ""
             try:
-                if composed:  # a layer's timeline times the layers, plus the rest's
+                if name in PIPELINED:  # priced from one node's timelines; never built whole
+                    pipe = pipelined_ms(
+                        prog,
+                        args.topology,
+                        name,
+                        reduction=args.reduction,
+                        memory=args.memory,
+                        collectives=args.collectives,
+                    )
+                    ms, built = pipe.ms, None
+                    shape = pipe.shape
+                elif composed:  # a layer's timeline times the layers, plus the rest's
                     ms, built = (
                         composed_ms(
                             prog,
@@ -192,9 +206,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     ms = built.report.seconds * 1e3
             except EdlError:
                 continue
+            if composed:
+                composed_baselines.append((name, ms, shape))
             if best_ms is None or ms < best_ms:
                 best_ms, baseline_name, baseline = ms, name, built
-        composed_baseline = best_ms if composed else None
         # --time-limit is what the user waits for the whole command: the solver gets what starting,
         # compiling and the baseline left, less a moment for printing.  When a model with repeated
         # layers will be timed whole, about what the baseline's whole-model timeline took is kept
@@ -255,7 +270,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.ir if args.full else plan.ir.describe(plan.graph))
     print(f"\n{plan.topology}\n")
     if composed and plan.layered is not None:
-        _print_composed(plan, composed_baseline, baseline_name)
+        _print_composed(plan, composed_baselines)
     else:
         _print_summary(plan, args.full)
         if plan.solution is not None:
@@ -270,10 +285,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_composed(plan: Plan, baseline_ms: float | None, baseline_name: str) -> None:
+def _print_composed(plan: Plan, baselines: list[tuple[str, float, str]]) -> None:
     """A plan of a model with repeated layers, as its solve composed it: one layer's timeline
-    (its devices' table), the prediction composed from it, and the best baseline composed
-    alike."""
+    (its devices' table), the prediction composed from it, and each baseline composed alike
+    (name, predicted ms, its shape where it has one to tell)."""
     lay = plan.layered
     sol = plan.solution
     assert lay is not None and sol is not None
@@ -290,13 +305,13 @@ def _print_composed(plan: Plan, baseline_ms: float | None, baseline_name: str) -
         + " (--full times the whole model); "
         f"peak memory at most {human(lay.peak_bound)}B per device"
     )
-    rows = [["auto", f"{ms:.4g}", f"{sol.seconds:.1f}"]]
-    if baseline_ms is not None:
-        rows.append([baseline_name, f"{baseline_ms:.4g}", "-"])
+    rows = [["auto", f"{ms:.4g}", f"{sol.seconds:.1f}", ""]]
+    rows += [[name, f"{b_ms:.4g}", "-", shape] for name, b_ms, shape in sorted(baselines, key=lambda b: b[1])]
     print()
-    print(table(["plan", "predicted ms", "solve s"], rows, right=(1, 2)))
-    if baseline_ms is not None:
-        print(f"auto / {baseline_name}: {ms / baseline_ms:.3f} (both composed per layer)")
+    print(table(["plan", "predicted ms", "solve s", "shape"], rows, right=(1, 2)))
+    if baselines:
+        name, b_ms, _ = min(baselines, key=lambda b: b[1])
+        print(f"auto / {name}: {ms / b_ms:.3f} (all composed per layer)")
     _print_solver(sol)
 
 

@@ -177,7 +177,7 @@ def test_rewritten_plans_compute_the_reference(topology: str, strategy: str, see
 
 def test_a_hierarchical_reduction_is_reduce_scatters_inside_nodes_then_all_reduces_across() -> None:
     prog = _llama()
-    programs = _rewritten(prog, edatalog.plan(prog, topology="2x4", strategy="megatron"))
+    programs = _rewritten(prog, edatalog.plan(prog, topology="2x4", strategy="megatron", reduction="hierarchical"))
     kinds = _kinds(programs)
     for relation in ("attn", "down"):
         assert kinds[("reduce_scatter", relation, 4)] == 2  # one per node of four
@@ -186,6 +186,24 @@ def test_a_hierarchical_reduction_is_reduce_scatters_inside_nodes_then_all_reduc
         op = members[0][1]
         assert op.kind is not ir.CollectiveKind.REDUCE_SCATTER or len({d // 4 for d in op.group}) == 1
         assert op.kind is not AR or len({d // 4 for d in op.group}) == 2
+
+
+def test_auto_reduces_directly_where_the_library_runs_collectives() -> None:
+    """On NCCL a direct reduction across nodes becomes one collective, which the library (and
+    the cost model) runs hierarchically where that is faster; the hierarchical exchange stays
+    messages.  So ``auto`` reduces directly there, and hierarchically where exchanges are
+    messages."""
+    prog = _llama()
+    auto = edatalog.plan(prog, topology="2x4", strategy="megatron")
+    direct = edatalog.plan(prog, topology="2x4", strategy="megatron", reduction="direct")
+    hierarchical = edatalog.plan(prog, topology="2x4", strategy="megatron", reduction="hierarchical")
+    assert auto.report.seconds == direct.report.seconds < hierarchical.report.seconds
+    kinds = _kinds(_rewritten(prog, auto))
+    assert kinds[("all_reduce", "attn", 8)] >= 1 and not kinds[("reduce_scatter", "attn", 4)]
+    messages = Options(Collectives.OFF)
+    as_messages = edatalog.Plan(auto.ir, prog.graph, auto.topology, options=messages)
+    as_hierarchical = edatalog.Plan(auto.ir, prog.graph, auto.topology, "hierarchical", options=messages)
+    assert as_messages.report.bytes_moved == as_hierarchical.report.bytes_moved
 
 
 # -- what stays point-to-point ------------------------------------------------------------------------

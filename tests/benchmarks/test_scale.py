@@ -23,3 +23,4 @@ def test_scale_reads_back_every_case() -> None:
         assert not r["error"] and r["auto_ms"] > 0 and r["baseline_ms"] > 0 and r["wall_s"] > 0, r
         assert abs(r["ratio"] - r["auto_ms"] / r["baseline_ms"]) < 2e-3  # the figures printed, rounded
         assert r["nested"].startswith("B across 2 groups of 8 devices") == (r["gpus"] == 16), r
+        assert bool(r["pipeline"]) == (r["what"] == "model" and r["gpus"] == 16), r  # pipelines: models across nodes
