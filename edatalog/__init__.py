@@ -9,6 +9,7 @@ print(prog.graph)
 from edatalog.api import Program, compile, compile_string, executable, grad
 from edatalog.errors import Diagnostic, EdlError, EdlWarning
 from edatalog.generation import Generation, Generator, generate
+from edatalog.importer import from_torch, to_edl, torch_params
 from edatalog.plans import Plan, load_plan
 from edatalog.plans import make_plan as plan
 from edatalog.rules.optim import SGD, AdamW
@@ -31,11 +32,14 @@ __all__ = [
     "compile",
     "compile_string",
     "executable",
+    "from_torch",
     "generate",
     "grad",
     "load_plan",
     "plan",
     "step_program",
+    "to_edl",
     "topology",
+    "torch_params",
 ]
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from edatalog import __version__
 from edatalog.backend.running.runtime import RUNTIMES
-from edatalog.cli import calibrate, generate, plans, programs, show, train
+from edatalog.cli import calibrate, generate, importing, plans, programs, show, train
 from edatalog.cli.common import COMPILE_MODES, command_began, positive_int, seed
 from edatalog.errors import EdlError, show_notices
 from edatalog.ir.dtypes import FLOATS
@@ -240,6 +240,7 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_parser(sub, _RAW)
     generate.add_parser(sub, _RAW)
     train.add_parser(sub, _RAW)
+    importing.add_parser(sub, _RAW)
     return p
 
 
@@ -254,6 +255,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "calibrate": calibrate.cmd_calibrate,
     "generate": generate.cmd_generate,
     "train": train.cmd_train,
+    "import": importing.cmd_import,
 }
 
 
