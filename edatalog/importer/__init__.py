@@ -26,6 +26,7 @@ from edatalog.importer import (
     capture,
     constants,
     conv,  # noqa: F401 - registers convolutions, pooling and batch norm in ops.OPS
+    layers,
     ops,
 )
 from edatalog.importer import terms as T
@@ -96,7 +97,7 @@ def to_edl(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = N
             names = capture.output_names(program, len(outs))
             for spec, name in zip(outs, names, strict=True):
                 b.output(view_of(spec.arg.name), name)
-    return b.text(f"{type(module).__name__}, imported from PyTorch by edatalog.from_torch")
+    return layers.program_text(b, f"{type(module).__name__}, imported from PyTorch by edatalog.from_torch")
 
 
 def from_torch(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, name: str = "") -> Program:
@@ -137,14 +138,25 @@ def _call(b: Builder, node: Any, view_of: Any) -> Any:
     kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: view_of(n.name))
     readers = [u for u in node.users if "_assert_tensor_metadata" not in str(u.target)]  # export's dtype checks
     cx = ops.Context(b, where.replace(".", "_"))
+    layer = capture.layer_of(node)
+    b.layer = _layer(node)
+    if layer:
+        b.module_names.setdefault(layer[0], layer[2])
     try:
         result = handler(cx, *args, **kwargs)
     except ops.Unsupported as exc:
         raise _unsupported(node, key, where, exc.what, exc.hint) from None
-    # An elementwise chain read by several ops is written once, not recomputed in each.
-    if isinstance(result, T.View) and not isinstance(result.term, T.Read) and len(readers) > 1:
+    # An elementwise chain read by several ops is written once, not recomputed in each; one read
+    # in another layer (or outside them) is written in its own, so that layers stay alike.
+    crossing = any(_layer(u) != b.layer for u in readers)
+    if isinstance(result, T.View) and not isinstance(result.term, T.Read) and (len(readers) > 1 or crossing):
         result = b.materialize(result, cx.name(node.name))
     return result
+
+
+def _layer(node: Any) -> tuple[str, int] | None:
+    layer = capture.layer_of(node)
+    return (layer[0], layer[1]) if layer else None
 
 
 def _unsupported(node: Any, key: str, where: str, what: str, hint: str = "") -> EdlError:

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from edatalog.importer import terms as T
-from edatalog.importer.ops import Context, Unsupported, contract, elementwise, op
+from edatalog.importer.ops import Context, Unsupported, contract, elementwise, op, whole
 
 
 @op("aten.scaled_dot_product_attention.default")
@@ -40,18 +40,28 @@ def _sdpa(
     rank = len(q.shape)
     size_s, size_t, size_e = q.shape[-2], k.shape[-2], q.shape[-1]
     c = scale if scale is not None else 1.0 / math.sqrt(size_e)
+    shared_k, shared_v = _unexpanded(k), _unexpanded(v)
+    if shared_k is not None and shared_v is not None and shared_k[1] == shared_v[1]:
+        # Key/value heads repeated for the query heads that share them (transformers' repeat_kv:
+        # an expand and a reshape): attention with the heads grouped, as enable_gqa says.
+        k, v, enable_gqa = shared_k[0], shared_v[0], True
     heads = None
+    batch = "ABCDEFGH"[: rank - 2]
+    shared = batch  # the batch letters of k and v
     if enable_gqa and rank >= 3 and q.shape[-3] != k.shape[-3]:
-        # Query heads h = (g, r): key/value head g, and r of the query heads sharing it.
+        # Query heads h = (g, r): key/value head g, and r of the query heads sharing it (k and v
+        # have no r).
         groups, kv = q.shape[-3] // k.shape[-3], k.shape[-3]
         heads = q.shape[-3]
         q = T.reshape(q, [*q.shape[:-3], kv, groups, size_s, size_e])
-        k, v = T.unsqueeze(k, rank - 2), T.unsqueeze(v, rank - 2)
-        rank += 1
-    batch = "ABCDEFGH"[: rank - 2]
+        batch = "ABCDEFGH"[: rank - 1]
+        shared = batch[:-1]
+    # The five rules read q, k and v as relations of their own, whole (as the fused kernel reads
+    # them): views of a projection are written out first.
+    q, k, v = whole(cx, q), whole(cx, k), whole(cx, v)
     band = _band_guard(attn_mask, size_s, size_t) if attn_mask is not None else None
     if attn_mask is not None and band is None:
-        scores = contract(cx, [(q, f"{batch}se"), (k, f"{batch}te")], f"{batch}st", "scores", scale=c)
+        scores = contract(cx, [(q, f"{batch}se"), (k, f"{shared}te")], f"{batch}st", "scores", scale=c)
         scores = _masked(cx, scores, attn_mask)
     else:
 
@@ -60,18 +70,31 @@ def _sdpa(
             out = [T.Cmp("<=", T.Index(t), T.Index(s))] if is_causal else []
             return out + [_on(cmp, s, t) for cmp in band or []]
 
-        scores = contract(cx, [(q, f"{batch}se"), (k, f"{batch}te")], f"{batch}st", "scores", scale=c, guard=guard)
+        scores = contract(cx, [(q, f"{batch}se"), (k, f"{shared}te")], f"{batch}st", "scores", scale=c, guard=guard)
     last = len(scores.shape) - 1
     top = cx.builder.aggregate(scores, [last], "max=", cx.name("max"), keep=True)
     probs = elementwise(cx, lambda a, m: T.Unary("exp", T.Binary("-", a, m)), scores, top)
     probs = cx.builder.materialize(probs, cx.name("probs"))
     sums = cx.builder.aggregate(probs, [last], "+=", cx.name("sums"))
     out = contract(
-        cx, [(probs, f"{batch}st"), (v, f"{batch}tf"), (sums, f"{batch}s")], f"{batch}sf", "attention", divisor=2
+        cx, [(probs, f"{batch}st"), (v, f"{shared}tf"), (sums, f"{batch}s")], f"{batch}sf", "attention", divisor=2
     )
     if heads is not None:
         out = T.reshape(out, [*out.shape[:-4], heads, size_s, out.shape[-1]])
     return out
+
+
+def _unexpanded(view: T.View) -> tuple[T.View, int] | None:
+    """``view`` without the repetition of its heads (axis -3 read as ``(kv, g)`` with ``g``
+    broadcast: each key/value head repeated ``g`` times), and ``g``; None if it has none."""
+    if len(view.shape) < 3:
+        return None
+    group = [a for a in view.axes[-3] if view.extent[a] != 1]
+    used = T.atoms_of(view.term)
+    if len(group) != 2 or group[1] in used or group[0] not in used:
+        return None
+    axes = (*view.axes[:-3], (group[0],), *view.axes[-2:])
+    return T.View(view.term, axes, view.extent, view.dtype), view.extent[group[1]]
 
 
 # A band's comparisons, on placeholders for the query and key positions.

@@ -21,16 +21,44 @@ _LETTERS = "bsdfhijklmnopqrtuvwxyzaceg"
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "^": 4}
 
 
+@dataclass(frozen=True)
+class Declared:
+    """An input or param: its declaration's parts."""
+
+    kind: str  # "input" or "param"
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: str | None  # the state_dict name it loads from
+
+    def line(self, name: str | None = None, source: str | None = None) -> str:
+        dims = ", ".join(str(s) for s in self.shape)
+        where = source or self.source
+        return f"{self.kind} {name or self.name}[{dims}] : {self.dtype}" + (f' from "{where}"' if where else "") + "."
+
+
+@dataclass(frozen=True)
+class Written:
+    """A rule: the relation it defines, its text, and the layer whose op wrote it (a repeated
+    module's path and instance, as ``("model.layers", 3)``)."""
+
+    name: str
+    text: str
+    layer: tuple[str, int] | None
+
+
 @dataclass
 class Builder:
-    """The program being written."""
+    """The program being written: declarations and rules in order, the shape and dtype of every
+    relation, and (``layer``) the layer the op being imported belongs to."""
 
-    inputs: list[str] = field(default_factory=list)
-    params: list[str] = field(default_factory=list)
-    rules: list[str] = field(default_factory=list)
+    declared: list[Declared] = field(default_factory=list)
+    written: list[Written] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
-    header: list[str] = field(default_factory=list)
+    shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    layer: tuple[str, int] | None = None
+    module_names: dict[str, str] = field(default_factory=dict)  # a layer stack's path -> its module's name
 
     def name(self, wanted: str) -> str:
         """A fresh relation name from ``wanted`` (a module path, an op): dots to underscores."""
@@ -47,21 +75,24 @@ class Builder:
         return name
 
     def declare(self, kind: str, name: str, shape: Sequence[int], dtype: str, source: str | None = None) -> T.View:
-        dims = ", ".join(str(s) for s in shape)
-        line = f"{kind} {name}[{dims}] : {dtype}" + (f' from "{source}"' if source else "") + "."
-        (self.inputs if kind == "input" else self.params).append(line)
+        self.declared.append(Declared(kind, name, tuple(shape), dtype, source))
+        self.shapes[name] = (tuple(shape), dtype)
         return T.read(name, shape, dtype)
+
+    def _write(self, name: str, text: str, view: T.View) -> None:
+        self.written.append(Written(name, text, self.layer))
+        self.shapes[name] = (view.shape, view.dtype)
 
     def materialize(self, view: T.View, wanted: str) -> T.View:
         """``view`` as a relation of its own (one ``=`` rule), read whole."""
         name = self.name(wanted)
-        self.rules.append(_rule(name, view, "=", view.term, ()))
+        self._write(name, _rule(name, view, "=", view.term, ()), view)
         return T.read(name, view.shape, view.dtype)
 
     def output(self, view: T.View, name: str) -> None:
         """``view`` written as the output ``name`` (taken: the program's output names are fixed)."""
         self.names.add(name)
-        self.rules.append(_rule(name, view, "=", view.term, ()))
+        self._write(name, _rule(name, view, "=", view.term, ()), view)
         self.outputs.append(name)
 
     def lookup(self, table: T.View, ids: T.View, wanted: str) -> T.View:
@@ -72,7 +103,7 @@ class Builder:
         row = T.substitute(table.term, {a: ((v, table.extent[a]),) for a in table.axes[0]})
         extent = {**ids.extent, **table.extent, v: table.shape[0]}
         head = T.View(row, (*ids.axes, *table.axes[1:]), extent, table.dtype)
-        self.rules.append(_rule(name, head, "=", row, (), (ids.term, v)))
+        self._write(name, _rule(name, head, "=", row, (), (ids.term, v)), head)
         return T.read(name, head.shape, table.dtype)
 
     def concat(self, pieces: Sequence[T.View], axis: int, wanted: str) -> T.View:
@@ -95,7 +126,7 @@ class Builder:
                 T.Cmp(">=", T.Index(atoms[axis]), T.Num(offset)),
                 T.Cmp("<", T.Index(atoms[axis]), T.Num(offset + p.shape[axis])),
             ]
-            self.rules.append(_rule(name, head, "=", term, (), guards=window))
+            self._write(name, _rule(name, head, "=", term, (), guards=window), head)
             offset += p.shape[axis]
         return T.read(name, shape, pieces[0].dtype)
 
@@ -103,7 +134,7 @@ class Builder:
         """``head.term``'s maximum over the atoms ``reduced`` at the points ``guards`` admit (a
         pooling window, as a band)."""
         name = self.name(wanted)
-        self.rules.append(_rule(name, head, "max=", head.term, reduced, guards=guards))
+        self._write(name, _rule(name, head, "max=", head.term, reduced, guards=guards), head)
         return T.read(name, head.shape, head.dtype)
 
     def aggregate(self, view: T.View, over: Iterable[int], op: str, wanted: str, keep: bool = False) -> T.View:
@@ -114,7 +145,7 @@ class Builder:
         kept = tuple(axis for k, axis in enumerate(view.axes) if k not in over)
         reduced = [a for k in sorted(over) for a in view.axes[k]]
         head = T.View(view.term, kept, view.extent, view.dtype)
-        self.rules.append(_rule(name, head, op, view.term, reduced))
+        self._write(name, _rule(name, head, op, view.term, reduced), head)
         out = T.read(name, head.shape, view.dtype)
         for k in sorted(over) if keep else ():
             out = T.unsqueeze(out, k)
@@ -124,12 +155,17 @@ class Builder:
         """``head.term`` summed over the atoms ``reduced`` (shared by the factors it multiplies),
         at the points ``guards`` admit."""
         name = self.name(wanted)
-        self.rules.append(_rule(name, head, "+=", head.term, reduced, guards=guards))
+        self._write(name, _rule(name, head, "+=", head.term, reduced, guards=guards), head)
         return T.read(name, head.shape, head.dtype)
 
     def text(self, title: str) -> str:
-        parts = [f"# {title}", *self.header, "", *self.inputs, *self.params, f"output {', '.join(self.outputs)}.", ""]
-        return "\n".join([*parts, *self.rules, ""])
+        """The program, every rule written out (see :mod:`edatalog.importer.layers` for the
+        form with repeated layers as a module)."""
+        heads = [d.line() for d in self.declared if d.kind == "input"] + [
+            d.line() for d in self.declared if d.kind == "param"
+        ]
+        parts = [f"# {title}", "", *heads, f"output {', '.join(self.outputs)}.", ""]
+        return "\n".join([*parts, *(w.text for w in self.written), ""])
 
 
 def _rule(

@@ -82,6 +82,18 @@ def module_path(node: Any) -> str:
     return re.sub(r"^L\['self'\]\.?", "", str(path))
 
 
+def layer_of(node: Any) -> tuple[str, int, str] | None:
+    """The repeated layer a node ran in: the outermost module of its stack whose path ends in an
+    index (``model.layers.3``), as (``model.layers``, 3, its class's name in snake case)."""
+    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+        m = re.fullmatch(r"(.+)\.(\d+)", re.sub(r"^L\['self'\]\.?", "", str(path)))
+        if m:
+            name = str(cls).rsplit(".", 1)[-1]
+            snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+            return m.group(1), int(m.group(2)), snake
+    return None
+
+
 def source_span(node: Any) -> tuple[Span | None, list[Note]]:
     """The user's source line the node came from (the last frame outside torch), as a span of
     that file, and the frames as notes."""

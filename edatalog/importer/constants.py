@@ -38,7 +38,9 @@ def evaluate(node: Any, values: dict[str, Any]) -> Any:
     import torch.fx
 
     args = torch.fx.node.map_arg(node.args, lambda n: values[n.name])
-    kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name])
+    kwargs = dict(torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name]))
+    if "device" in kwargs:  # computed here, on the CPU, whatever device the model was captured on
+        kwargs["device"] = torch.device("cpu")
     return node.target(*args, **kwargs)
 
 

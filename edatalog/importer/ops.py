@@ -195,8 +195,10 @@ def elementwise(cx: Context, f: Callable[..., T.Term], *args: Any, dtype: str | 
 
 
 def whole(cx: Context, v: T.View) -> T.View:
-    """``v`` as a relation read with one atom per axis (written first unless it is one)."""
-    if v.is_plain() and all(len(axis) == 1 for axis in v.axes):
+    """``v`` as a relation read whole, axis by axis: one atom per axis of the view and of the
+    relation (written first unless it is one)."""
+    direct = isinstance(v.term, T.Read) and all(len(axis) == 1 for axis in v.term.axes)
+    if direct and v.is_plain() and all(len(axis) == 1 for axis in v.axes):
         return v
     return cx.builder.materialize(v, cx.name("operand"))
 

@@ -385,7 +385,11 @@ def shift(term: Term, old: int, new: int, by: int) -> Term:
         )
         return Read(term.relation, axes)
     if isinstance(term, Index):
-        return Binary("+", Index(new), Num(float(by))) if term.id == old else term
+        if term.id != old:
+            return term
+        if by == 0:
+            return Index(new)
+        return Binary("+" if by > 0 else "-", Index(new), Num(float(abs(by))))
     return _map(term, lambda t: shift(t, old, new, by))
 
 

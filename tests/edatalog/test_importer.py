@@ -278,6 +278,16 @@ def test_transformers_causal_lms_import_and_equal_their_logits(kind: str, dtype:
     assert np.abs(got - want).max() <= rel * np.abs(want).max()
     text = to_edl(model, (), {"input_ids": ids})
     assert re.search(r"_scores\[.*\] \+= .* where (\w+) - (\w+) <= 0\.$", text, re.M), text
+    # The decoder layers are one module, repeated: the planner solves one layer.
+    (rep,) = prog.graph.repeats
+    assert rep.count == 2 and rep.module == {"llama": "llama_decoder_layer", "qwen2": "qwen2_decoder_layer"}.get(
+        kind, "gpt2_block"
+    )
+    assert f"repeat 2 as {'h' if kind == 'gpt2' else 'layers'}." in text
+    # Each layer's attention is the five rules the runtime fuses into one kernel.
+    from edatalog.ir.attention import attention_chains
+
+    assert len(attention_chains(prog.graph)) == 2
 
 
 def test_an_imported_model_loads_its_save_pretrained_checkpoint(tmp_path: Any) -> None:
@@ -365,3 +375,20 @@ def test_an_imported_llama_runs_under_a_solved_plan_on_two_ranks(tmp_path: Any) 
     values = prog.random_inputs(0, names=["input_ids"]) | prog.load_checkpoint(tmp_path / "model")
     want = prog.run(values)["logits"]
     np.testing.assert_allclose(np.load(out)["logits"], want, rtol=1e-4, atol=1e-5)
+
+
+class Unlike(nn.Module):
+    """Two layers of one class with different ops between them: not one module repeated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: Any) -> Any:
+        return self.layers[1](self.layers[0](x).relu()).tanh()
+
+
+def test_layers_that_differ_are_written_out() -> None:
+    torch.manual_seed(0)
+    prog = _check(Unlike().double(), torch.randn(3, 8, dtype=torch.float64), 1e-12)
+    assert not prog.graph.repeats
