@@ -34,13 +34,27 @@ from edatalog.importer.builder import Builder
 
 
 def to_edl(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> str:
-    """The ``.edl`` text of ``module``'s forward at the shapes of ``args``."""
+    """The ``.edl`` text of ``module``'s forward at the shapes of ``args``.
+
+    The captured graph is imported twice when the first import saw relations' axes read in
+    parts (a projection's output, one axis of heads times features, read as ``(h, e)``): the
+    second writes those axes apart (``q[b, s, h, e]``), so that plans can split them and
+    readers read them plainly."""
+    program = capture.export(module, args, kwargs)
+    b = _import(module, program, {})
+    splits = {key: sizes for key, sizes in b.seen.items() if sizes is not None and len(sizes) > 1}
+    if splits:
+        b = _import(module, program, splits)
+    return layers.program_text(b, f"{type(module).__name__}, imported from PyTorch by edatalog.from_torch")
+
+
+def _import(module: Any, program: Any, splits: dict[tuple[str, int], list[int]]) -> Builder:
+    """One import of the captured ``program``, writing apart the axes ``splits`` says."""
     from torch.export.graph_signature import InputKind, OutputKind
 
-    program = capture.export(module, args, kwargs)
     sig = program.graph_signature
     specs = {spec.arg.name: spec for spec in sig.input_specs}
-    b = Builder()
+    b = Builder(splits=dict(splits))
     values: dict[str, Any] = {}  # node -> its view (or a tuple of them, a number)
     folded: dict[str, Any] = {}  # node -> its value, where it depends on shapes (and fixed buffers) only
     nodes = {node.name: node for node in program.graph.nodes}
@@ -97,7 +111,7 @@ def to_edl(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = N
             names = capture.output_names(program, len(outs))
             for spec, name in zip(outs, names, strict=True):
                 b.output(view_of(spec.arg.name), name)
-    return layers.program_text(b, f"{type(module).__name__}, imported from PyTorch by edatalog.from_torch")
+    return b
 
 
 def from_torch(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, name: str = "") -> Program:

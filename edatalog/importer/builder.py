@@ -9,8 +9,9 @@ annotate their parts.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edatalog.importer import terms as T
@@ -59,6 +60,10 @@ class Builder:
     shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     layer: tuple[str, int] | None = None
     module_names: dict[str, str] = field(default_factory=dict)  # a layer stack's path -> its module's name
+    # How readers split each axis of each relation (composites: the finest split of all of them,
+    # None where two cross), and what an earlier pass saw of it: the axes to write apart.
+    seen: dict[tuple[str, int], list[int] | None] = field(default_factory=dict)
+    splits: dict[tuple[str, int], list[int]] = field(default_factory=dict)
 
     def name(self, wanted: str) -> str:
         """A fresh relation name from ``wanted`` (a module path, an op): dots to underscores."""
@@ -79,20 +84,63 @@ class Builder:
         self.shapes[name] = (tuple(shape), dtype)
         return T.read(name, shape, dtype)
 
-    def _write(self, name: str, text: str, view: T.View) -> None:
+    def _write(self, name: str, text: str, view: T.View, body: T.Term) -> None:
         self.written.append(Written(name, text, self.layer))
         self.shapes[name] = (view.shape, view.dtype)
+        for relation, axis, factors in _composites(body, view.extent):
+            key = (relation, axis)
+            if key not in self.seen:
+                self.seen[key] = factors
+            elif self.seen[key] is not None:
+                self.seen[key] = T.refine(self.seen[key] or [], factors)
 
-    def materialize(self, view: T.View, wanted: str) -> T.View:
-        """``view`` as a relation of its own (one ``=`` rule), read whole."""
+    def materialize(self, view: T.View, wanted: str, apart: bool = True) -> T.View:
+        """``view`` as a relation of its own (one ``=`` rule), read whole.  With ``apart``, its
+        axes' parts are the relation's axes (see ``_apart``); without, the relation has the
+        view's axes and is read with one atom for each."""
         name = self.name(wanted)
-        self._write(name, _rule(name, view, "=", view.term, ()), view)
-        return T.read(name, view.shape, view.dtype)
+        if not apart:
+            self._write(name, _rule(name, view, "=", view.term, ()), view, view.term)
+            return T.read(name, view.shape, view.dtype)
+        head = self._apart(name, view)
+        self._write(name, _rule(name, head, "=", head.term, ()), head, head.term)
+        return self._read(name, view, head)
+
+    def _apart(self, name: str, head: T.View) -> T.View:
+        """``head`` with each of its atoms an axis of the relation, and each axis that readers
+        split into parts (an earlier pass of the import saw them: ``splits``, by the relation's
+        axis) split so: ``q[b, s, h, e]`` rather than ``q[(b, s), (h, e)]``, as a person would
+        write it, and as plans split it."""
+        flat = T.View(head.term, tuple((a,) for axis in head.axes for a in axis), head.extent, head.dtype)
+        for k in reversed(range(len(flat.axes))):
+            sizes = self.splits.get((name, k))
+            if sizes and len(sizes) > 1:
+                try:
+                    flat = T.split_axis(flat, k, sizes)
+                except T.Unfoldable:
+                    continue
+        return T.View(flat.term, tuple((a,) for axis in flat.axes for a in axis), flat.extent, flat.dtype)
+
+    def _read(self, name: str, view: T.View, head: T.View) -> T.View:
+        """The relation ``name`` (written from ``head``, maybe with axes apart) read as ``view``'s
+        axes: each of them the relation's axes it was split into."""
+        whole = T.read(name, head.shape, view.dtype)
+        if len(head.axes) == len(view.axes):
+            return whole
+        groups, k = [], 0
+        for size in view.shape:
+            group: list[int] = list(whole.axes[k])
+            k += 1
+            while k < len(whole.axes) and math.prod(whole.extent[a] for a in group) < size:
+                group.extend(whole.axes[k])
+                k += 1
+            groups.append(tuple(group))
+        return T.View(whole.term, tuple(groups), whole.extent, view.dtype)
 
     def output(self, view: T.View, name: str) -> None:
         """``view`` written as the output ``name`` (taken: the program's output names are fixed)."""
         self.names.add(name)
-        self._write(name, _rule(name, view, "=", view.term, ()), view)
+        self._write(name, _rule(name, view, "=", view.term, ()), view, view.term)
         self.outputs.append(name)
 
     def lookup(self, table: T.View, ids: T.View, wanted: str) -> T.View:
@@ -103,38 +151,65 @@ class Builder:
         row = T.substitute(table.term, {a: ((v, table.extent[a]),) for a in table.axes[0]})
         extent = {**ids.extent, **table.extent, v: table.shape[0]}
         head = T.View(row, (*ids.axes, *table.axes[1:]), extent, table.dtype)
-        self._write(name, _rule(name, head, "=", row, (), (ids.term, v)), head)
+        self._write(name, _rule(name, head, "=", row, (), (ids.term, v)), head, row)
         return T.read(name, head.shape, table.dtype)
 
     def concat(self, pieces: Sequence[T.View], axis: int, wanted: str) -> T.View:
-        """``pieces`` one after another along ``axis``: one rule per piece, each guarded to its
-        window of the axis and reading its piece shifted (``y[i] = x[i - 4] where i >= 4, i < 7``)."""
+        """``pieces`` one after another along ``axis``.  Pieces of one size: one rule each, its
+        place a literal part of the axis (``y[(1, i)] = x[i]``); else one rule each guarded to
+        its window and reading its piece shifted (``y[i] = x[i - 4] where i >= 4, i < 7``)."""
         name = self.name(wanted)
-        pieces = [p if _shiftable(p, axis) else self.materialize(p, f"{wanted}_piece") for p in pieces]
-        shape = list(pieces[0].shape)
-        shape[axis] = sum(p.shape[axis] for p in pieces)
-        atoms = [T.fresh() for _ in shape]
-        extent = dict(zip(atoms, shape, strict=True))
+        equal = len({p.shape[axis] for p in pieces}) == 1
+        if not equal and any(len([a for a in p.axes[axis] if p.extent[a] != 1]) > 1 for p in pieces):
+            pieces = [p if _shiftable(p, axis) else self.materialize(p, f"{wanted}_piece", apart=False) for p in pieces]
+        if not equal and not all(_shiftable(p, axis) for p in pieces):
+            raise T.Unfoldable("a concatenation of pieces of different sizes along a split axis")
+        tables: list[dict[int, T.Replacement]] = [{} for _ in pieces]
+        extent: dict[int, int] = {}
+        head: list[tuple[int, ...]] = []
+        for k, size in enumerate(pieces[0].shape):
+            if k == axis and not equal:
+                head.append((T.fresh(),))
+                continue
+            groups = [(j, [a for a in p.axes[k] if p.extent[a] != 1]) for j, p in enumerate(pieces)]
+            for j, p in enumerate(pieces):
+                tables[j].update({a: T.Fixed(0) for a in p.axes[k] if p.extent[a] == 1})
+            if size == 1:
+                one = T.fresh()
+                extent[one] = 1
+                head.append((one,))
+                continue
+            head.append(T.share(pieces, groups, tables, extent))
+        literal = T.fresh()  # the piece's place along the axis, when the pieces are of one size
+        if equal:
+            extent[literal] = len(pieces)
+            head[axis] = (literal, *head[axis])
         offset = 0
-        for p in pieces:
-            table: dict[int, T.Replacement] = {
-                group[0]: ((atoms[k], shape[k]),) for k, group in enumerate(p.axes) if k != axis
-            }
-            term = T.shift(T.substitute(p.term, table), p.axes[axis][0], atoms[axis], -offset)
-            head = T.View(term, tuple((a,) for a in atoms), {**p.extent, **extent}, p.dtype)
-            window = [
-                T.Cmp(">=", T.Index(atoms[axis]), T.Num(offset)),
-                T.Cmp("<", T.Index(atoms[axis]), T.Num(offset + p.shape[axis])),
-            ]
-            self._write(name, _rule(name, head, "=", term, (), guards=window), head)
+        for j, p in enumerate(pieces):
+            term = T.substitute(p.term, tables[j])
+            guards: list[T.Cmp] = []
+            if not equal:
+                (at,) = head[axis]
+                extent[at] = sum(q.shape[axis] for q in pieces)
+                (mine,) = [a for a in p.axes[axis] if p.extent[a] != 1]
+                term = T.shift(term, mine, at, -offset)
+                guards = [
+                    T.Cmp(">=", T.Index(at), T.Num(offset)),
+                    T.Cmp("<", T.Index(at), T.Num(offset + p.shape[axis])),
+                ]
+            view = T.View(term, tuple(head), {**p.extent, **extent}, p.dtype)
+            flat = T.View(term, tuple((a,) for axis_atoms in head for a in axis_atoms), view.extent, p.dtype)
+            text = _rule(name, flat, "=", term, (), guards=guards, literals={literal: j} if equal else None)
+            self._write(name, text, flat, term)
             offset += p.shape[axis]
-        return T.read(name, shape, pieces[0].dtype)
+        whole = T.View(T.Num(0.0), tuple(head), extent, pieces[0].dtype)  # the axes as ops read them
+        return self._read(name, whole, flat)
 
     def window_max(self, head: T.View, reduced: Sequence[int], guards: Sequence[T.Cmp], wanted: str) -> T.View:
         """``head.term``'s maximum over the atoms ``reduced`` at the points ``guards`` admit (a
         pooling window, as a band)."""
         name = self.name(wanted)
-        self._write(name, _rule(name, head, "max=", head.term, reduced, guards=guards), head)
+        self._write(name, _rule(name, head, "max=", head.term, reduced, guards=guards), head, head.term)
         return T.read(name, head.shape, head.dtype)
 
     def aggregate(self, view: T.View, over: Iterable[int], op: str, wanted: str, keep: bool = False) -> T.View:
@@ -145,7 +220,7 @@ class Builder:
         kept = tuple(axis for k, axis in enumerate(view.axes) if k not in over)
         reduced = [a for k in sorted(over) for a in view.axes[k]]
         head = T.View(view.term, kept, view.extent, view.dtype)
-        self._write(name, _rule(name, head, op, view.term, reduced), head)
+        self._write(name, _rule(name, head, op, view.term, reduced), head, view.term)
         out = T.read(name, head.shape, view.dtype)
         for k in sorted(over) if keep else ():
             out = T.unsqueeze(out, k)
@@ -155,8 +230,9 @@ class Builder:
         """``head.term`` summed over the atoms ``reduced`` (shared by the factors it multiplies),
         at the points ``guards`` admit."""
         name = self.name(wanted)
-        self._write(name, _rule(name, head, "+=", head.term, reduced, guards=guards), head)
-        return T.read(name, head.shape, head.dtype)
+        flat = self._apart(name, head)
+        self._write(name, _rule(name, flat, "+=", flat.term, reduced, guards=guards), flat, flat.term)
+        return self._read(name, head, flat)
 
     def text(self, title: str) -> str:
         """The program, every rule written out (see :mod:`edatalog.importer.layers` for the
@@ -176,6 +252,7 @@ def _rule(
     reduced: Sequence[int],
     lookup: tuple[T.Term, int] | None = None,
     guards: Sequence[T.Cmp] = (),
+    literals: Mapping[int, int] | None = None,
 ) -> str:
     """One rule's text; ``lookup`` (a term of integers, an atom): the atom takes the term's
     values (``where ids[b, s] = v``); ``guards``: comparisons of indices that restrict its points."""
@@ -185,18 +262,42 @@ def _rule(
         names.get(a)
     for a in sorted(T.atoms_of(body) - set(atoms)):
         names.get(a)
+    fixed = literals or {}
+
+    def at(a: int) -> str:
+        return f"{fixed[a] if a in fixed else names.get(a)}:{head.extent[a]}"
+
     positions = []
     for axis in head.axes:
         real = [a for a in axis if head.extent[a] != 1] or list(axis[:1])
-        if len(real) == 1:
-            positions.append(f"{names.get(real[0])}:{head.extent[real[0]]}")
-        else:
-            positions.append("(" + ", ".join(f"{names.get(a)}:{head.extent[a]}" for a in real) + ")")
+        positions.append(at(real[0]) if len(real) == 1 else "(" + ", ".join(at(a) for a in real) + ")")
     extent = head.extent
     conditions = [f"{_term(lookup[0], names, extent)} = {names.get(lookup[1])}"] if lookup else []
     conditions += [f"{_affine(c.left, names)} {c.op} {_affine(c.right, names)}" for c in guards]
     guard = f" where {', '.join(conditions)}" if conditions else ""
     return f"{name}[{', '.join(positions)}] {op} {_term(body, names, extent)}{guard}."
+
+
+def _composites(term: T.Term, extent: Mapping[int, int]) -> list[tuple[str, int, list[int]]]:
+    """Each read of a relation's axis as a composite: (relation, axis, the parts' extents)."""
+    if isinstance(term, T.Read):
+        out = []
+        for k, axis in enumerate(term.axes):
+            parts = [p for p in axis if not (isinstance(p, T.Fixed) and p.extent == 1)]
+            if len(parts) > 1 and all(isinstance(p, T.Atom | T.Fixed) for p in parts):
+                sizes = [p.extent if isinstance(p, T.Fixed) else extent[p.id] for p in parts]  # type: ignore[union-attr]
+                out.append((term.relation, k, sizes))
+        return out
+    if isinstance(term, T.Unary):
+        return _composites(term.arg, extent)
+    if isinstance(term, T.Binary):
+        return _composites(term.left, extent) + _composites(term.right, extent)
+    if isinstance(term, T.Where):
+        found = []
+        for t in (term.cond.left, term.cond.right, term.then, term.other):
+            found += _composites(t, extent)
+        return found
+    return []
 
 
 def _shiftable(view: T.View, axis: int) -> bool:

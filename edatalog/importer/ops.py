@@ -139,7 +139,10 @@ def _assert_metadata(cx: Context, *_: Any, **__: Any) -> None:
 @op("aten.cat.default")
 def _cat(cx: Context, pieces: Sequence[T.View], dim: int = 0) -> T.View:
     d = _dim(dim, len(pieces[0].shape))
-    return cx.builder.concat([p for p in pieces if p.shape[d] > 0], d, cx.name("cat"))
+    try:
+        return cx.builder.concat([p for p in pieces if p.shape[d] > 0], d, cx.name("cat"))
+    except T.Unfoldable as exc:
+        raise Unsupported(str(exc)) from None
 
 
 @op("aten.clone.default", "aten.alias.default", "aten.contiguous.default", "aten.detach.default")
@@ -166,7 +169,7 @@ def _folded(cx: Context, x: T.View, f: Callable[[T.View], T.View], what: str) ->
     try:
         return f(x)
     except T.Unfoldable:
-        return f(cx.builder.materialize(x, cx.name(what)))
+        return f(cx.builder.materialize(x, cx.name(what), apart=False))
 
 
 # -- elementwise -------------------------------------------------------------------------------------
@@ -200,7 +203,7 @@ def whole(cx: Context, v: T.View) -> T.View:
     direct = isinstance(v.term, T.Read) and all(len(axis) == 1 for axis in v.term.axes)
     if direct and v.is_plain() and all(len(axis) == 1 for axis in v.axes):
         return v
-    return cx.builder.materialize(v, cx.name("operand"))
+    return cx.builder.materialize(v, cx.name("operand"), apart=False)
 
 
 def _binary(symbol: str) -> Handler:
@@ -549,9 +552,9 @@ def _embedding(cx: Context, table: T.View, ids: T.View, padding_idx: int = -1, *
         term = T.shift(table.term, row, atom, offset)
         return T.View(term, (*ids.axes, *table.axes[1:]), {**table.extent, **ids.extent}, table.dtype)
     if len(table.axes[0]) != 1 or not isinstance(table.term, T.Read):
-        table = cx.builder.materialize(table, cx.name("table"))
+        table = cx.builder.materialize(table, cx.name("table"), apart=False)
     if not isinstance(ids.term, T.Read):
-        ids = cx.builder.materialize(ids, cx.name("ids"))
+        ids = cx.builder.materialize(ids, cx.name("ids"), apart=False)
     return cx.builder.lookup(table, ids, cx.name("embedding") if not cx.where else cx.where)
 
 

@@ -257,6 +257,32 @@ def refine(a: Sequence[int], b: Sequence[int]) -> list[int] | None:
     return out if i == len(a) and j == len(b) else None
 
 
+def split_axis(view: View, axis: int, sizes: Sequence[int]) -> View:
+    """``view`` with the atoms of ``axis`` split into atoms of ``sizes`` (which must refine
+    them; size-1 atoms fixed at 0).  Raises :class:`Unfoldable` otherwise."""
+    old = [a for a in view.axes[axis] if view.extent[a] != 1]
+    if refine([view.extent[a] for a in old], sizes) != list(sizes):
+        raise Unfoldable(f"axis of {view.shape[axis]} cannot be split as {list(sizes)}")
+    table: dict[int, Replacement] = {a: Fixed(0) for a in view.axes[axis] if view.extent[a] == 1}
+    extent = dict(view.extent)
+    new: list[int] = []
+    k = 0
+    for a in old:
+        need, parts = view.extent[a], []
+        while need > 1:
+            parts.append((fresh(), sizes[k]))
+            need //= sizes[k]
+            k += 1
+        if len(parts) == 1:
+            new.append(a)
+            continue
+        table[a] = tuple(parts)
+        extent.update(parts)
+        new.extend(i for i, _ in parts)
+    axes = (*view.axes[:axis], tuple(new), *view.axes[axis + 1 :])
+    return View(substitute(view.term, table), axes, extent, view.dtype)
+
+
 def reshape(view: View, shape: Sequence[int]) -> View:
     """``view`` as ``shape`` (same size): atoms split where the new axes cut through them."""
     flat = [a for axis in view.axes for a in axis if view.extent[a] != 1]

@@ -288,6 +288,8 @@ def test_transformers_causal_lms_import_and_equal_their_logits(kind: str, dtype:
     from edatalog.ir.attention import attention_chains
 
     assert len(attention_chains(prog.graph)) == 2
+    if kind == "llama":  # the projections' heads written apart, as readers split them: q[b, s, g, r, half, e]
+        assert re.search(r"self_attn_q_proj_mm\[b:2, s:7, \w:2, \w:2, \w:2, \w:4\] \+=", text), text
 
 
 def test_an_imported_model_loads_its_save_pretrained_checkpoint(tmp_path: Any) -> None:
