@@ -27,9 +27,8 @@ from edatalog.errors import EdlError
 from edatalog.ir.graph import Graph, Repeat
 from edatalog.ir.printer import human
 from edatalog.ir.program import CollectiveKind
-from edatalog.plans import Plan, ProgramLike, lowering_options
+from edatalog.plans import Plan, ProgramLike, lowering_options, resolve_machine
 from edatalog.solver import layers, nested, strategies
-from edatalog.solver import topology as machines
 from edatalog.solver.costmodel import collective_seconds, transfer_seconds
 from edatalog.solver.topology import Topology
 
@@ -94,9 +93,7 @@ def pipelined_ms(
             f"the {strategy} baseline splits a repeated module's layers into stages; this program has none",
             help="compare a single block with megatron-dp or megatron-sp-dp",
         )
-    machine = machines.resolve(topology)
-    if memory is not None:
-        machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
+    machine = resolve_machine(topology, memory)
     g = strategies.node_size(machine, strategy)
     inner = strategy.removesuffix("-pp")
     options = lowering_options(collectives)

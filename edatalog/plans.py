@@ -223,9 +223,7 @@ def make_plan(
     ``"on"``, ``"off"``) says which exchanges run as collective calls, in the plan's predictions
     and its runs (auto: those the machine's library runs faster so)."""
     options = lowering_options(collectives)
-    machine = machines.resolve(topology)
-    if memory is not None:
-        machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
+    machine = resolve_machine(topology, memory)
     if strategy in strategies.PIPELINED:
         raise EdlError(
             f"{strategy} is a baseline that edl plan compares whole models with on several nodes, priced from one "
@@ -424,6 +422,14 @@ def _solved(
     return plan
 
 
+def resolve_machine(topology: str | Topology, memory: int | str | None = None) -> Topology:
+    """The machine of a preset, a file or a :class:`Topology`, with ``memory`` per device if given."""
+    machine = machines.resolve(topology)
+    if memory is not None:
+        machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
+    return machine
+
+
 def lowering_options(collectives: str) -> Options:
     choices = [c.value for c in Collectives]
     if collectives not in choices:
@@ -445,9 +451,7 @@ def composed_ms(
     checked alone: what ``edl plan`` compares), and the baseline's plan of one layer."""
     rep = layers.repeated(prog.graph)
     assert rep is not None, "a program with a repeated module"
-    machine = machines.resolve(topology)
-    if memory is not None:
-        machine = machine.with_memory(int(machines.quantity(memory, "B", "memory")))
+    machine = resolve_machine(topology, memory)
     options = lowering_options(collectives)
     whole = strategies.build(prog.graph, machine, strategy)  # the baseline's tiles of every rule
     parts = []

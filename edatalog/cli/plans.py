@@ -168,41 +168,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # pipeline stages across them too), built and timed here, before the solver's budget is
         # set.  None: not a transformer.
         best_ms: float | None = None
+        options = {"reduction": args.reduction, "memory": args.memory, "collectives": args.collectives}
         for name in compared_with(machines.resolve(args.topology), layered=composed):
             shape = ""
             try:
                 if name in PIPELINED:  # priced from one node's timelines; never built whole
-                    pipe = pipelined_ms(
-                        prog,
-                        args.topology,
-                        name,
-                        reduction=args.reduction,
-                        memory=args.memory,
-                        collectives=args.collectives,
-                    )
-                    ms, built = pipe.ms, None
-                    shape = pipe.shape
+                    pipe = pipelined_ms(prog, args.topology, name, **options)
+                    ms, built, shape = pipe.ms, None, pipe.shape
                 elif composed:  # a layer's timeline times the layers, plus the rest's
-                    ms, built = (
-                        composed_ms(
-                            prog,
-                            args.topology,
-                            name,
-                            reduction=args.reduction,
-                            memory=args.memory,
-                            collectives=args.collectives,
-                        )[0],
-                        None,
-                    )
+                    ms, built = composed_ms(prog, args.topology, name, **options)[0], None
                 else:
-                    built = make_plan(
-                        prog,
-                        args.topology,
-                        name,
-                        reduction=args.reduction,
-                        memory=args.memory,
-                        collectives=args.collectives,
-                    )
+                    built = make_plan(prog, args.topology, name, **options)
                     ms = built.report.seconds * 1e3
             except EdlError:
                 continue

@@ -257,6 +257,29 @@ def refine(a: Sequence[int], b: Sequence[int]) -> list[int] | None:
     return out if i == len(a) and j == len(b) else None
 
 
+def _split_atoms(
+    atoms: Sequence[int], sizes: Sequence[int], table: dict[int, Replacement], extent: dict[int, int]
+) -> list[int]:
+    """``atoms`` (in order, none of extent 1) split into new atoms of ``sizes``, which refine
+    them: each split atom's replacement goes into ``table`` and the new extents into ``extent``
+    (which has the old ones); the atoms after, in order (an atom left whole is itself)."""
+    out: list[int] = []
+    k = 0
+    for a in atoms:
+        need, parts = extent[a], []
+        while need > 1:
+            parts.append((fresh(), sizes[k]))
+            need //= sizes[k]
+            k += 1
+        if len(parts) == 1:
+            out.append(a)
+            continue
+        table[a] = tuple(parts)
+        extent.update(parts)
+        out.extend(i for i, _ in parts)
+    return out
+
+
 def split_axis(view: View, axis: int, sizes: Sequence[int]) -> View:
     """``view`` with the atoms of ``axis`` split into atoms of ``sizes`` (which must refine
     them; size-1 atoms fixed at 0).  Raises :class:`Unfoldable` otherwise."""
@@ -265,20 +288,7 @@ def split_axis(view: View, axis: int, sizes: Sequence[int]) -> View:
         raise Unfoldable(f"axis of {view.shape[axis]} cannot be split as {list(sizes)}")
     table: dict[int, Replacement] = {a: Fixed(0) for a in view.axes[axis] if view.extent[a] == 1}
     extent = dict(view.extent)
-    new: list[int] = []
-    k = 0
-    for a in old:
-        need, parts = view.extent[a], []
-        while need > 1:
-            parts.append((fresh(), sizes[k]))
-            need //= sizes[k]
-            k += 1
-        if len(parts) == 1:
-            new.append(a)
-            continue
-        table[a] = tuple(parts)
-        extent.update(parts)
-        new.extend(i for i, _ in parts)
+    new = _split_atoms(old, sizes, table, extent)
     axes = (*view.axes[:axis], tuple(new), *view.axes[axis + 1 :])
     return View(substitute(view.term, table), axes, extent, view.dtype)
 
@@ -292,21 +302,7 @@ def reshape(view: View, shape: Sequence[int]) -> View:
     # Fix size-1 atoms, split the rest as ``sizes`` says, then group by the new shape.
     table: dict[int, Replacement] = {a: Fixed(0) for axis in view.axes for a in axis if view.extent[a] == 1}
     extent = dict(view.extent)
-    atoms: list[int] = []
-    k = 0
-    for a in flat:
-        need, parts = view.extent[a], []
-        while need > 1:
-            parts.append((fresh(), sizes[k]))
-            need //= sizes[k]
-            k += 1
-        if len(parts) == 1:
-            atoms.append(a)
-            continue
-        table[a] = tuple(parts)
-        for i, e in parts:
-            extent[i] = e
-        atoms.extend(i for i, _ in parts)
+    atoms = _split_atoms(flat, sizes, table, extent)
     axes: list[tuple[int, ...]] = []
     for size in shape:
         group: list[int] = []
