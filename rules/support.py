@@ -8,13 +8,14 @@ axes, and a guard written once on a score rule makes a whole softmax causal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import z3
 
 from edatalog.errors import Diagnostic, EdlError, Note, Span
 from edatalog.ir.affine import Affine, Constraint, Guard
-from edatalog.ir.graph import JoinAgg, Relation
+from edatalog.ir.graph import AxisMap, JoinAgg, Relation
 
 
 def effective_guard(node: JoinAgg, relations: Mapping[str, Relation]) -> Guard:
@@ -34,10 +35,38 @@ def effective_guard(node: JoinAgg, relations: Mapping[str, Relation]) -> Guard:
 def head_support(node: JoinAgg, axis_names: Sequence[str]) -> tuple[Guard, bool]:
     """The cells of the head relation a node writes, over ``axis_names``; and whether exact."""
     tmp = [f"@{k}" for k in range(len(node.out_axes))]
-    links = Guard.of(Constraint(Affine.var(t) - ax.affine(), eq=True) for t, ax in zip(tmp, node.out_axes, strict=True))
+    links = []
+    for t, ax in zip(tmp, node.out_axes, strict=True):
+        span = _contiguous(node, ax)
+        if span is None:
+            links.append(Constraint(Affine.var(t) - ax.affine(), eq=True))
+        else:  # lo <= t < hi, whatever the other indices: no link to eliminate
+            links += [Constraint(Affine.var(t) - span[0]), Constraint(Affine.var(t, -1) + (span[1] - 1))]
     box = node.box | {t: ax.extent for t, ax in zip(tmp, node.out_axes, strict=True)}
-    shadow, exact = (node.guard & links).project(tmp, box)
+    shadow, exact = (node.guard & Guard.of(links)).project(tmp, box)
     return shadow.rename(dict(zip(tmp, axis_names, strict=True))), exact
+
+
+def _contiguous(node: JoinAgg, axis: AxisMap) -> tuple[int, int] | None:
+    """The places a composite head axis covers, when they are one contiguous range whatever the
+    guard: fixed places, then indices that only this axis and no guard names, each over its
+    whole range (``y[(1, f, h)]`` writes 128 f + h over 128..255).  None otherwise: projecting
+    ``t = 64 f + h`` by Fourier-Motzkin is not exact over the integers."""
+    if len(axis.parts) < 2:
+        return None
+    names = [p.index for p in axis.parts]
+    free = [n for n in names if n is not None]
+    if len(set(free)) != len(free) or any(names[k] is None for k in range(len(names) - len(free), len(names))):
+        return None  # a fixed place after an index: the places are not contiguous
+    if any(p.const is None for p in axis.parts[: len(names) - len(free)]):
+        return None
+    if any(node.box[n] != p.extent for n, p in zip(names, axis.parts, strict=True) if n is not None):
+        return None
+    elsewhere = set(node.guard.vars) | {v for ax in node.out_axes if ax is not axis for v in ax.indices}
+    if elsewhere & set(free):
+        return None
+    lo = axis.affine().substitute({n: Affine((), 0) for n in free}).const
+    return lo, lo + math.prod(p.extent for p in axis.parts if p.index is not None)
 
 
 def check_disjoint(rel: str, nodes: Sequence[JoinAgg], spans: Sequence[Span], exact: bool) -> list[Diagnostic]:

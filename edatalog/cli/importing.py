@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFor
     i = sub.add_parser(
         "import", help="a PyTorch module's forward as an .edl program", epilog=EPILOG, formatter_class=formatter
     )
-    i.add_argument("spec", metavar="SPEC", help="package.module:factory (see below)")
+    i.add_argument("spec", metavar="SPEC", help="package.module:factory, or a save_pretrained directory (see below)")
     i.add_argument("--shape", action="append", default=[], metavar="SHAPE", help="an example argument: 2x5x16, 2x7:i64")
     i.add_argument("--high", type=int, default=2, metavar="N", help="integer example arguments are in [0, N)")
     i.add_argument("--seed", type=int, default=0, help="seed of the example arguments' values")

@@ -59,12 +59,21 @@ def _import(module: Any, program: Any, splits: dict[tuple[str, int], list[int]])
     folded: dict[str, Any] = {}  # node -> its value, where it depends on shapes (and fixed buffers) only
     nodes = {node.name: node for node in program.graph.nodes}
 
+    # Every name of each tensor: a head tied to the embedding is one param of two names, and a
+    # checkpoint (save_pretrained's) keeps one of them.
+    names_of: dict[int, list[str]] = {}
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        names_of.setdefault(id(tensor), []).append(name)
+
     def declared(node: Any) -> T.View:
         spec, val = specs[node.name], node.meta["val"]
         shape, dtype = tuple(int(s) for s in val.shape), capture.dtype_name(val.dtype)
         if spec.kind == InputKind.USER_INPUT:
             return b.declare("input", b.name(node.name), shape, dtype)
-        return b.declare("param", b.name(spec.target), shape, dtype, spec.target)
+        tensor = _tensor(module, spec.target)
+        aliases = [n for n in names_of.get(id(tensor), []) if n != spec.target]
+        return b.declare("param", b.name(spec.target), shape, dtype, spec.target, aliases)
 
     def view_of(name: str) -> Any:
         """What ops read of node ``name``.  A folded value is written as a term of its indices
@@ -112,6 +121,13 @@ def _import(module: Any, program: Any, splits: dict[tuple[str, int], list[int]])
             for spec, name in zip(outs, names, strict=True):
                 b.output(view_of(spec.arg.name), name)
     return b
+
+
+def _tensor(module: Any, target: str) -> Any:
+    try:
+        return module.get_parameter(target)
+    except AttributeError:
+        return module.get_buffer(target)
 
 
 def from_torch(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, name: str = "") -> Program:

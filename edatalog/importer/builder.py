@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edatalog.importer import terms as T
@@ -20,6 +20,7 @@ from edatalog.lang.parser import KEYWORDS
 _RESERVED = {*KEYWORDS, "repeat", "as", "from", "pi", "inf", "max", "min", "where"}
 _LETTERS = "bsdfhijklmnopqrtuvwxyzaceg"
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "^": 4}
+_NAMES = re.compile(r"([A-Za-z_]\w*)\[")  # the relations a rule's text names, its head's first
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,15 @@ class Declared:
     shape: tuple[int, ...]
     dtype: str
     source: str | None  # the state_dict name it loads from
+    aliases: tuple[str, ...] = ()  # the same tensor's other names (a head tied to the embedding)
 
-    def line(self, name: str | None = None, source: str | None = None) -> str:
+    def line(self, name: str | None = None, rename: Callable[[str], str] = str) -> str:
+        """The declaration, ``rename`` applied to each checkpoint name (a layer's to the
+        module's ``{i}`` form)."""
         dims = ", ".join(str(s) for s in self.shape)
-        where = source or self.source
-        return f"{self.kind} {name or self.name}[{dims}] : {self.dtype}" + (f' from "{where}"' if where else "") + "."
+        names = [rename(n) for n in (self.source, *self.aliases) if n]
+        where = " from " + ", ".join(f'"{n}"' for n in names) if names else ""
+        return f"{self.kind} {name or self.name}[{dims}] : {self.dtype}{where}."
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,10 @@ class Written:
     name: str
     text: str
     layer: tuple[str, int] | None
+
+    def reads(self) -> list[str]:
+        """The relations the rule reads (its head's name left out)."""
+        return _NAMES.findall(self.text)[1:]
 
 
 @dataclass
@@ -64,6 +73,9 @@ class Builder:
     # None where two cross), and what an earlier pass saw of it: the axes to write apart.
     seen: dict[tuple[str, int], list[int] | None] = field(default_factory=dict)
     splits: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    # A relation of one rule: its head, and the rule's text for another name and head (an output
+    # that is the relation reshaped takes its rule rather than a copy of it).
+    rules: dict[str, tuple[T.View, Callable[[str, T.View], str]]] = field(default_factory=dict)
 
     def name(self, wanted: str) -> str:
         """A fresh relation name from ``wanted`` (a module path, an op): dots to underscores."""
@@ -79,13 +91,25 @@ class Builder:
         self.names.add(name)
         return name
 
-    def declare(self, kind: str, name: str, shape: Sequence[int], dtype: str, source: str | None = None) -> T.View:
-        self.declared.append(Declared(kind, name, tuple(shape), dtype, source))
+    def declare(
+        self,
+        kind: str,
+        name: str,
+        shape: Sequence[int],
+        dtype: str,
+        source: str | None = None,
+        aliases: Sequence[str] = (),
+    ) -> T.View:
+        self.declared.append(Declared(kind, name, tuple(shape), dtype, source, tuple(aliases)))
         self.shapes[name] = (tuple(shape), dtype)
         return T.read(name, shape, dtype)
 
-    def _write(self, name: str, text: str, view: T.View, body: T.Term) -> None:
+    def _write(
+        self, name: str, text: str, view: T.View, body: T.Term, render: Callable[[str, T.View], str] | None = None
+    ) -> None:
         self.written.append(Written(name, text, self.layer))
+        if render is not None:
+            self.rules[name] = (view, render)
         self.shapes[name] = (view.shape, view.dtype)
         for relation, axis, factors in _composites(body, view.extent):
             key = (relation, axis)
@@ -99,12 +123,9 @@ class Builder:
         axes' parts are the relation's axes (see ``_apart``); without, the relation has the
         view's axes and is read with one atom for each."""
         name = self.name(wanted)
-        if not apart:
-            self._write(name, _rule(name, view, "=", view.term, ()), view, view.term)
-            return T.read(name, view.shape, view.dtype)
-        head = self._apart(name, view)
-        self._write(name, _rule(name, head, "=", head.term, ()), head, head.term)
-        return self._read(name, view, head)
+        head = self._apart(name, view) if apart else view
+        self._write(name, _rule(name, head, "=", head.term, ()), head, head.term, _renderer("=", ()))
+        return self._read(name, view, head) if apart else T.read(name, view.shape, view.dtype)
 
     def _apart(self, name: str, head: T.View) -> T.View:
         """``head`` with each of its atoms an axis of the relation, and each axis that readers
@@ -138,10 +159,49 @@ class Builder:
         return T.View(whole.term, tuple(groups), whole.extent, view.dtype)
 
     def output(self, view: T.View, name: str) -> None:
-        """``view`` written as the output ``name`` (taken: the program's output names are fixed)."""
+        """``view`` written as the output ``name`` (taken: the program's output names are fixed).
+        Where ``view`` reads, reshaped, a relation of one rule that nothing else reads (the
+        logits' matmul), that rule writes the output itself."""
         self.names.add(name)
-        self._write(name, _rule(name, view, "=", view.term, ()), view, view.term)
         self.outputs.append(name)
+        taken = self._taken_over(view, name)
+        if not taken:
+            self._write(name, _rule(name, view, "=", view.term, ()), view, view.term)
+
+    def _taken_over(self, view: T.View, name: str) -> bool:
+        """Whether the rule of the relation ``view`` reads now writes ``name`` (see ``output``)."""
+        term = view.term
+        if not isinstance(term, T.Read) or term.relation not in self.rules:
+            return False
+        head, render = self.rules[term.relation]
+        spots = [k for k, w in enumerate(self.written) if w.name == term.relation]
+        if len(spots) != 1 or self.written[spots[0]].layer != self.layer or term.relation in self.outputs:
+            return False
+        if any(term.relation in w.reads() for w in self.written):
+            return False
+        renames: dict[int, int] = {}
+        for parts, atoms in zip(term.axes, head.axes, strict=True):
+            (mine,) = atoms
+            if len(parts) != 1:
+                return False
+            (part,) = parts
+            if isinstance(part, T.Atom) and not part.sliced and part.offset == 0 and part.id not in renames:
+                renames[part.id] = mine
+            elif not (head.extent[mine] == 1 and part == T.Fixed(0)):
+                return False
+        extent = dict(head.extent)
+        axes = []
+        for axis in view.axes:
+            if any(a not in renames and view.extent[a] != 1 for a in axis):
+                return False
+            axes.append(tuple(renames.get(a, a) for a in axis))
+            extent.update({a: view.extent[a] for a in axis if a not in renames})
+        if len({renames[a] for a in renames}) != len([a for axis in view.axes for a in axis if a in renames]):
+            return False  # an atom read twice (a diagonal): not a reshape
+        new = T.View(head.term, tuple(axes), extent, head.dtype)
+        self.written[spots[0]] = Written(name, render(name, new), self.layer)
+        self.shapes[name] = (view.shape, view.dtype)
+        return True
 
     def lookup(self, table: T.View, ids: T.View, wanted: str) -> T.View:
         """Rows of ``table`` picked by the integers ``ids``: ``name[ids' axes, d] = table[v, d]
@@ -209,7 +269,8 @@ class Builder:
         """``head.term``'s maximum over the atoms ``reduced`` at the points ``guards`` admit (a
         pooling window, as a band)."""
         name = self.name(wanted)
-        self._write(name, _rule(name, head, "max=", head.term, reduced, guards=guards), head, head.term)
+        render = _renderer("max=", reduced, guards)
+        self._write(name, render(name, head), head, head.term, render)
         return T.read(name, head.shape, head.dtype)
 
     def aggregate(self, view: T.View, over: Iterable[int], op: str, wanted: str, keep: bool = False) -> T.View:
@@ -220,7 +281,8 @@ class Builder:
         kept = tuple(axis for k, axis in enumerate(view.axes) if k not in over)
         reduced = [a for k in sorted(over) for a in view.axes[k]]
         head = T.View(view.term, kept, view.extent, view.dtype)
-        self._write(name, _rule(name, head, op, view.term, reduced), head, view.term)
+        render = _renderer(op, reduced)
+        self._write(name, render(name, head), head, view.term, render)
         out = T.read(name, head.shape, view.dtype)
         for k in sorted(over) if keep else ():
             out = T.unsqueeze(out, k)
@@ -231,7 +293,8 @@ class Builder:
         at the points ``guards`` admit."""
         name = self.name(wanted)
         flat = self._apart(name, head)
-        self._write(name, _rule(name, flat, "+=", flat.term, reduced, guards=guards), flat, flat.term)
+        render = _renderer("+=", reduced, guards)
+        self._write(name, render(name, flat), flat, flat.term, render)
         return self._read(name, head, flat)
 
     def text(self, title: str) -> str:
@@ -276,6 +339,11 @@ def _rule(
     conditions += [f"{_affine(c.left, names)} {c.op} {_affine(c.right, names)}" for c in guards]
     guard = f" where {', '.join(conditions)}" if conditions else ""
     return f"{name}[{', '.join(positions)}] {op} {_term(body, names, extent)}{guard}."
+
+
+def _renderer(op: str, reduced: Sequence[int], guards: Sequence[T.Cmp] = ()) -> Callable[[str, T.View], str]:
+    """A rule's text for a name and head (its body the head's term)."""
+    return lambda name, head: _rule(name, head, op, head.term, reduced, guards=guards)
 
 
 def _composites(term: T.Term, extent: Mapping[int, int]) -> list[tuple[str, int, list[int]]]:

@@ -17,8 +17,6 @@ from collections.abc import Mapping, Sequence
 
 from edatalog.importer.builder import Builder, Declared, Written
 
-_NAMES = re.compile(r"([A-Za-z_]\w*)\[")
-
 
 def program_text(b: Builder, title: str) -> str:
     """The program's text, its repeated layers as a module where they fold."""
@@ -40,14 +38,14 @@ def _fold(b: Builder, prefix: str, count: int, title: str) -> str | None:
         return None
     params = [_layer_params(b.declared, prefix, k) for k in range(count)]
     outside = [w for w in b.written if w.layer is None or w.layer[0] != prefix]
-    reads_after: set[str] = set(b.outputs) | {n for w in outside for n in _reads(w)}
+    reads_after: set[str] = set(b.outputs) | {n for w in outside for n in w.reads()}
     outs: list[str] = []
     externals: list[set[str]] = []
     for k, rules in enumerate(layers):
         mine = set(defined[k])
-        reads = {n for w in rules for n in _reads(w)} - mine - set(params[k])
+        reads = {n for w in rules for n in w.reads()} - mine - set(params[k])
         externals.append(reads)
-        later = reads_after | {n for j in range(count) if j != k for w in layers[j] for n in _reads(w)}
+        later = reads_after | {n for j in range(count) if j != k for w in layers[j] for n in w.reads()}
         leaving = [n for n in defined[k] if n in later]
         if len(leaving) != 1:
             return None
@@ -104,9 +102,13 @@ def _text(
     body = [f"module {module}."]
     body.append("  " + _input_line("x", *b.shapes[x0]))
     body += ["  " + _input_line(s, *b.shapes[s]) for s in shared]
+    first = re.compile(rf"^{re.escape(prefix)}\.0\.")
+
+    def every_layer(source: str) -> str:  # layer 0's checkpoint name, as the module's "{i}" form
+        return first.sub(f"{prefix}.{{i}}.", source)
+
     for local_name, declared in params.values():
-        source = re.sub(rf"^{re.escape(prefix)}\.0\.", f"{prefix}.{{i}}.", declared.source or "")
-        body.append("  " + declared.line(local_name, source))
+        body.append("  " + declared.line(local_name, every_layer))
     body.append("  output y.")
     body += ["  " + t for t in texts]
     body.append("end.")
@@ -141,11 +143,6 @@ def _layer_params(declared: Sequence[Declared], prefix: str, k: int) -> dict[str
 def _index_of(source: str | None, prefix: str) -> int | None:
     m = re.match(rf"{re.escape(prefix)}\.(\d+)\.", source or "")
     return int(m.group(1)) if m else None
-
-
-def _reads(w: Written) -> list[str]:
-    """The relations a rule reads (its head's name left out)."""
-    return _NAMES.findall(w.text)[1:]
 
 
 def _renamed(text: str, renames: Mapping[str, str]) -> str:

@@ -408,6 +408,8 @@ def _contract(
                 for a in views[j].axes[k]:
                     tables[j][a] = T.Fixed(0)
         shared[c] = T.share(views, groups, tables, extent)
+        if size == 1:  # every operand's axis of 1 read at the head's index: x[b, s] for x[0, s]
+            T.one_index([(tables[j], views[j].axes[k]) for j, k in uses], shared[c][0])
     factors = [T.substitute(v.term, t) for v, t in zip(views, tables, strict=True)]
     body = factors[0]
     for k, f in enumerate(factors[1:], start=1):

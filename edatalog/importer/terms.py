@@ -362,8 +362,8 @@ def narrow(view: View, axis: int, start: int, end: int) -> View:
     if (start, end) == (0, size):
         return view
     group = [a for a in view.axes[axis] if view.extent[a] != 1]
-    if len(group) != 1:
-        raise Unfoldable("a slice of a composite axis")
+    if len(group) > 1:
+        return _narrow_composite(view, axis, group, start, end)
     (a,) = group
     if in_composite(view.term, a):
         raise Unfoldable("a slice of a part of a composite")
@@ -371,6 +371,39 @@ def narrow(view: View, axis: int, start: int, end: int) -> View:
     term = shift(view.term, a, new, start)
     axes = (*view.axes[:axis], (new,), *view.axes[axis + 1 :])
     return View(term, axes, {**view.extent, new: end - start}, view.dtype)
+
+
+def _narrow_composite(view: View, axis: int, group: Sequence[int], start: int, end: int) -> View:
+    """A slice of an axis of several atoms that keeps whole the atoms inside one atom ``k``
+    and one place of each atom outside it: those are fixed, ``k`` kept whole or fixed too (a
+    rotary embedding's halves of a head axis read as (half, e))."""
+    for k, a in enumerate(group):
+        inner = math.prod(view.extent[b] for b in group[k + 1 :])
+        outer = view.extent[a] * inner
+        if start % inner or (end - start) % inner or start // outer != (end - 1) // outer:
+            continue
+        length = (end - start) // inner
+        if length not in (1, view.extent[a]):
+            continue
+        table: dict[int, Replacement] = {}
+        rest = start // outer
+        for b in reversed(group[:k]):
+            table[b] = Fixed(rest % view.extent[b], view.extent[b])
+            rest //= view.extent[b]
+        keep = list(group[k + 1 :])
+        if length == 1:
+            table[a] = Fixed(start // inner % view.extent[a], view.extent[a])
+        else:
+            keep.insert(0, a)
+        if not keep:  # one place left: the axis is a new atom of extent 1
+            one = fresh()
+            extent = {**view.extent, one: 1}
+            keep = [one]
+        else:
+            extent = dict(view.extent)
+        axes = (*view.axes[:axis], tuple(keep), *view.axes[axis + 1 :])
+        return View(substitute(view.term, table), axes, extent, view.dtype)
+    raise Unfoldable("a slice of a composite axis")
 
 
 def select(view: View, axis: int, place: int) -> View:
@@ -455,6 +488,15 @@ def share(
     return tuple(ids)
 
 
+def one_index(axes: Sequence[tuple[dict[int, Replacement], Sequence[int]]], one: int) -> None:
+    """Operands' axes of extent 1 read at the atom ``one`` (the head's axis of 1) rather than
+    at place 0: the first atom of each axis renamed in its operand's table, as a person writes
+    ``x[b, s] * y[b, s]`` (and as the attention chain's rules must read, index for index)."""
+    for table, atoms in axes:
+        if atoms:
+            table[atoms[0]] = ((one, 1),)
+
+
 def align(
     views: Sequence[View], shape: Sequence[int]
 ) -> tuple[list[Term], tuple[tuple[int, ...], ...], dict[int, int]]:
@@ -481,6 +523,9 @@ def align(
             one = fresh()
             extent[one] = size
             out_axes.append((one,))
+            if size == 1:
+                ones = [(tables[j], v.axes[at]) for j, v in enumerate(views) if (at := k - (n - len(v.shape))) >= 0]
+                one_index(ones, one)
             continue
         out_axes.append(share(views, groups, tables, extent))
     terms = [substitute(v.term, t) for v, t in zip(views, tables, strict=True)]

@@ -350,33 +350,59 @@ def test_a_small_cnn_equals_the_module(dtype: Any, rel: float) -> None:
     assert len(prog.graph.nodes) == 7
 
 
+def _bar_model(kind: str, tmp_path: Any) -> tuple[Any, dict[str, Any], Any]:
+    """One of the issue's models in f32, its forward's arguments by name, and its checkpoint
+    (transformers' save_pretrained directory, or a safetensors file of the state_dict)."""
+    from safetensors.torch import save_file
+
+    if kind in ("llama", "gpt2", "qwen2"):
+        model, ids = _causal_lm(kind, torch.float32)
+        model.save_pretrained(tmp_path / "model")
+        return model, {"input_ids": ids}, tmp_path / "model"
+    torch.manual_seed(0)
+    if kind == "encoder":
+        module: Any = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+        inputs = {"src": torch.randn(2, 5, 16)}
+    else:
+        module = CNN().eval()
+        with torch.no_grad():
+            module.bn.running_mean.normal_()
+            module.bn.running_var.uniform_(0.5, 2.0)
+        inputs = {"x": torch.randn(2, 3, 8, 8)}
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, tmp_path / "model.safetensors")
+    return module, inputs, tmp_path / "model.safetensors"
+
+
 @pytest.mark.distributed
-def test_an_imported_llama_runs_under_a_solved_plan_on_two_ranks(tmp_path: Any) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2", "encoder", "cnn"])
+def test_imported_models_run_under_a_solved_plan_on_two_ranks(kind: str, tmp_path: Any) -> None:
     """The imported program is an ordinary one: solved for 2 devices, run by the torch runtime
-    on 2 gloo ranks from the model's own checkpoint, it gives the reference's logits."""
+    on 2 gloo ranks from the model's own checkpoint, it gives the module's outputs."""
     import os
     import subprocess
     import sys
 
-    model, ids = _causal_lm("llama", torch.float32)
-    model.save_pretrained(tmp_path / "model")
-    program = tmp_path / "llama.edl"
-    program.write_text(to_edl(model, (), {"input_ids": ids}))
+    module, inputs, weights = _bar_model(kind, tmp_path)
+    program = tmp_path / "model.edl"
+    program.write_text(to_edl(module, (), inputs))
+    np.savez(tmp_path / "inputs.npz", **{k: v.numpy() for k, v in inputs.items()})
     edl = [sys.executable, "-m", "edatalog.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EDL_DIST_TIMEOUT": "60"}
     plan, out = tmp_path / "plan.json", tmp_path / "out.npz"
-    run = ["--weights", str(tmp_path / "model"), "--plan", str(plan), "--backend", "torch", "--nproc", "2"]
+    run = ["--weights", str(weights), "--inputs", str(tmp_path / "inputs.npz"), "--plan", str(plan)]
     steps = [
-        [*edl, "plan", str(program), "-t", "cpux2", "--time-limit", "5", "-o", str(plan)],
-        [*edl, "run", str(program), *run, "--random", "0", "-o", str(out)],
+        [*edl, "plan", str(program), "-t", "cpux2", "--time-limit", "5", "-o", str(plan), "--json"],
+        [*edl, "run", str(program), *run, "--backend", "torch", "--nproc", "2", "-o", str(out)],
     ]
     for cmd in steps:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
         assert done.returncode == 0, done.stderr[-3000:]
-    prog = edatalog.compile(program)
-    values = prog.random_inputs(0, names=["input_ids"]) | prog.load_checkpoint(tmp_path / "model")
-    want = prog.run(values)["logits"]
-    np.testing.assert_allclose(np.load(out)["logits"], want, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        want = module(**inputs)
+    name, want = ("logits", want.logits) if kind in ("llama", "gpt2", "qwen2") else ("y", want)
+    got = np.load(out)[name]
+    assert got.shape == tuple(want.shape)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
 
 
 class Unlike(nn.Module):
