@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edatalog.api import compile_string
 from edatalog.cli.common import check_writable
 from edatalog.errors import EdlError
 from edatalog.importer import capture, to_edl
@@ -58,8 +59,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         text = to_edl(module, example)
     if args.output:
         Path(args.output).write_text(text)
-        rules = sum(1 for line in text.splitlines() if re.match(r"\w+\[.*\]\s*(=|\+=|max=)", line))
-        print(f"wrote {args.output}: {rules} rules", file=sys.stderr)
+        graph = compile_string(text, name=args.output).graph  # as edl check counts them
+        repeated = "".join(f", module {r.module} repeated {r.count} times" for r in graph.repeats)
+        print(f"wrote {args.output}: {len(graph.nodes)} rules{repeated}", file=sys.stderr)
     else:
         print(text, end="")
     return 0

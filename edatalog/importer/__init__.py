@@ -41,20 +41,24 @@ def to_edl(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = N
     second writes those axes apart (``q[b, s, h, e]``), so that plans can split them and
     readers read them plainly."""
     program = capture.export(module, args, kwargs)
-    b = _import(module, program, {})
+    hints = capture.index_hints(module, program)
+    b = _import(module, program, {}, hints)
     splits = {key: sizes for key, sizes in b.seen.items() if sizes is not None and len(sizes) > 1}
     if splits:
-        b = _import(module, program, splits)
+        b = _import(module, program, splits, hints)
     return layers.program_text(b, f"{type(module).__name__}, imported from PyTorch by edatalog.from_torch")
 
 
-def _import(module: Any, program: Any, splits: dict[tuple[str, int], list[int]]) -> Builder:
-    """One import of the captured ``program``, writing apart the axes ``splits`` says."""
+def _import(
+    module: Any, program: Any, splits: dict[tuple[str, int], list[int]], hints: dict[int, tuple[str, ...]]
+) -> Builder:
+    """One import of the captured ``program``, writing apart the axes ``splits`` says, naming
+    indices as ``hints`` says."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     sig = program.graph_signature
     specs = {spec.arg.name: spec for spec in sig.input_specs}
-    b = Builder(splits=dict(splits))
+    b = Builder(splits=dict(splits), hints=hints)
     values: dict[str, Any] = {}  # node -> its view (or a tuple of them, a number)
     folded: dict[str, Any] = {}  # node -> its value, where it depends on shapes (and fixed buffers) only
     nodes = {node.name: node for node in program.graph.nodes}
@@ -190,7 +194,7 @@ def _layer(node: Any) -> tuple[str, int] | None:
 
 
 def _unsupported(node: Any, key: str, where: str, what: str, hint: str = "") -> EdlError:
-    span, notes = capture.source_span(node)
+    span, notes = capture.source_span(node.meta.get("stack_trace") or "")
     at = f" in module '{where}'" if where else ""
     return EdlError(
         f"cannot import {key}{at}: {what}",

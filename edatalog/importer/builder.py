@@ -76,6 +76,9 @@ class Builder:
     # A relation of one rule: its head, and the rule's text for another name and head (an output
     # that is the relation reshaped takes its rule rather than a copy of it).
     rules: dict[str, tuple[T.View, Callable[[str, T.View], str]]] = field(default_factory=dict)
+    # Index names by extent, from the model's config (capture.index_hints): s and t for the
+    # sequence, d for the hidden size, h for heads...; rules name other atoms by letter.
+    hints: Mapping[int, Sequence[str]] = field(default_factory=dict)
 
     def name(self, wanted: str) -> str:
         """A fresh relation name from ``wanted`` (a module path, an op): dots to underscores."""
@@ -124,7 +127,8 @@ class Builder:
         view's axes and is read with one atom for each."""
         name = self.name(wanted)
         head = self._apart(name, view) if apart else view
-        self._write(name, _rule(name, head, "=", head.term, ()), head, head.term, _renderer("=", ()))
+        render = _renderer("=", (), hints=self.hints)
+        self._write(name, render(name, head), head, head.term, render)
         return self._read(name, view, head) if apart else T.read(name, view.shape, view.dtype)
 
     def _apart(self, name: str, head: T.View) -> T.View:
@@ -166,7 +170,7 @@ class Builder:
         self.outputs.append(name)
         taken = self._taken_over(view, name)
         if not taken:
-            self._write(name, _rule(name, view, "=", view.term, ()), view, view.term)
+            self._write(name, _rule(name, view, "=", view.term, (), hints=self.hints), view, view.term)
 
     def _taken_over(self, view: T.View, name: str) -> bool:
         """Whether the rule of the relation ``view`` reads now writes ``name`` (see ``output``)."""
@@ -211,7 +215,7 @@ class Builder:
         row = T.substitute(table.term, {a: ((v, table.extent[a]),) for a in table.axes[0]})
         extent = {**ids.extent, **table.extent, v: table.shape[0]}
         head = T.View(row, (*ids.axes, *table.axes[1:]), extent, table.dtype)
-        self._write(name, _rule(name, head, "=", row, (), (ids.term, v)), head, row)
+        self._write(name, _rule(name, head, "=", row, (), (ids.term, v), hints=self.hints), head, row)
         return T.read(name, head.shape, table.dtype)
 
     def concat(self, pieces: Sequence[T.View], axis: int, wanted: str) -> T.View:
@@ -259,7 +263,8 @@ class Builder:
                 ]
             view = T.View(term, tuple(head), {**p.extent, **extent}, p.dtype)
             flat = T.View(term, tuple((a,) for axis_atoms in head for a in axis_atoms), view.extent, p.dtype)
-            text = _rule(name, flat, "=", term, (), guards=guards, literals={literal: j} if equal else None)
+            literals = {literal: j} if equal else None
+            text = _rule(name, flat, "=", term, (), guards=guards, literals=literals, hints=self.hints)
             self._write(name, text, flat, term)
             offset += p.shape[axis]
         whole = T.View(T.Num(0.0), tuple(head), extent, pieces[0].dtype)  # the axes as ops read them
@@ -269,7 +274,7 @@ class Builder:
         """``head.term``'s maximum over the atoms ``reduced`` at the points ``guards`` admit (a
         pooling window, as a band)."""
         name = self.name(wanted)
-        render = _renderer("max=", reduced, guards)
+        render = _renderer("max=", reduced, guards, self.hints)
         self._write(name, render(name, head), head, head.term, render)
         return T.read(name, head.shape, head.dtype)
 
@@ -281,7 +286,7 @@ class Builder:
         kept = tuple(axis for k, axis in enumerate(view.axes) if k not in over)
         reduced = [a for k in sorted(over) for a in view.axes[k]]
         head = T.View(view.term, kept, view.extent, view.dtype)
-        render = _renderer(op, reduced)
+        render = _renderer(op, reduced, hints=self.hints)
         self._write(name, render(name, head), head, view.term, render)
         out = T.read(name, head.shape, view.dtype)
         for k in sorted(over) if keep else ():
@@ -293,7 +298,7 @@ class Builder:
         at the points ``guards`` admit."""
         name = self.name(wanted)
         flat = self._apart(name, head)
-        render = _renderer("+=", reduced, guards)
+        render = _renderer("+=", reduced, guards, self.hints)
         self._write(name, render(name, flat), flat, flat.term, render)
         return self._read(name, head, flat)
 
@@ -316,10 +321,12 @@ def _rule(
     lookup: tuple[T.Term, int] | None = None,
     guards: Sequence[T.Cmp] = (),
     literals: Mapping[int, int] | None = None,
+    hints: Mapping[int, Sequence[str]] | None = None,
 ) -> str:
     """One rule's text; ``lookup`` (a term of integers, an atom): the atom takes the term's
-    values (``where ids[b, s] = v``); ``guards``: comparisons of indices that restrict its points."""
-    names = _Names()
+    values (``where ids[b, s] = v``); ``guards``: comparisons of indices that restrict its
+    points; ``hints``: index names by extent."""
+    names = _Names(head.extent, hints or {})
     atoms = [a for axis in head.axes for a in axis] + list(reduced)
     for a in atoms:
         names.get(a)
@@ -336,14 +343,16 @@ def _rule(
         positions.append(at(real[0]) if len(real) == 1 else "(" + ", ".join(at(a) for a in real) + ")")
     extent = head.extent
     conditions = [f"{_term(lookup[0], names, extent)} = {names.get(lookup[1])}"] if lookup else []
-    conditions += [f"{_affine(c.left, names)} {c.op} {_affine(c.right, names)}" for c in guards]
+    conditions += [_guard(c, names) for c in guards]
     guard = f" where {', '.join(conditions)}" if conditions else ""
     return f"{name}[{', '.join(positions)}] {op} {_term(body, names, extent)}{guard}."
 
 
-def _renderer(op: str, reduced: Sequence[int], guards: Sequence[T.Cmp] = ()) -> Callable[[str, T.View], str]:
+def _renderer(
+    op: str, reduced: Sequence[int], guards: Sequence[T.Cmp] = (), hints: Mapping[int, Sequence[str]] | None = None
+) -> Callable[[str, T.View], str]:
     """A rule's text for a name and head (its body the head's term)."""
-    return lambda name, head: _rule(name, head, op, head.term, reduced, guards=guards)
+    return lambda name, head: _rule(name, head, op, head.term, reduced, guards=guards, hints=hints)
 
 
 def _composites(term: T.Term, extent: Mapping[int, int]) -> list[tuple[str, int, list[int]]]:
@@ -375,17 +384,36 @@ def _shiftable(view: T.View, axis: int) -> bool:
 
 
 class _Names:
-    """Index variable names of one rule, by atom."""
+    """Index variable names of one rule, by atom: the first free name ``hints`` gives the
+    atom's extent, else the first free letter no hint uses (so ``s`` always means the
+    sequence where a config says so)."""
 
-    def __init__(self) -> None:
+    def __init__(self, extent: Mapping[int, int], hints: Mapping[int, Sequence[str]]) -> None:
         self.by_atom: dict[int, str] = {}
+        self.extent, self.hints = extent, hints
+        hinted = {n for names in hints.values() for n in names}
+        self.spare = [c for c in _LETTERS if c not in hinted]
 
     def get(self, atom: int) -> str:
         if atom not in self.by_atom:
-            k = len(self.by_atom)
-            letter = _LETTERS[k % len(_LETTERS)]
-            self.by_atom[atom] = letter if k < len(_LETTERS) else f"{letter}{k // len(_LETTERS)}"
+            used = set(self.by_atom.values())
+            wanted = [n for n in self.hints.get(self.extent.get(atom, 0), ()) if n not in used]
+            k = 0
+            while not wanted:
+                letter = self.spare[k % len(self.spare)]
+                name = letter if k < len(self.spare) else f"{letter}{k // len(self.spare)}"
+                wanted = [name] if name not in used else []
+                k += 1
+            self.by_atom[atom] = wanted[0]
         return self.by_atom[atom]
+
+
+def _guard(cmp: T.Cmp, names: _Names) -> str:
+    """A guard's text; ``a - b <= 0`` (a band folded from a mask) as ``a <= b``."""
+    diff = cmp.left
+    if cmp.right == T.Num(0.0) and isinstance(diff, T.Binary) and diff.op == "-" and isinstance(diff.right, T.Index):
+        return f"{_affine(diff.left, names)} {cmp.op} {_affine(diff.right, names)}"
+    return f"{_affine(cmp.left, names)} {cmp.op} {_affine(cmp.right, names)}"
 
 
 def _term(term: T.Term, names: _Names, extent: dict[int, int] | object, parent: int = 0) -> str:

@@ -54,10 +54,14 @@ def export(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = N
             return program.run_decompositions(table)
     except Exception as exc:  # export raises many kinds; each becomes the same clear error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # Export names the user's line that raised ("The following call raised this error").
+        span, notes = source_span(str(exc))
         raise EdlError(
             f"torch.export could not capture {type(module).__name__}: {first}",
+            span,
             help="make the forward traceable (no data-dependent Python control flow; for transformers "
             "models pass use_cache=False), or export it yourself and check torch.export's message",
+            notes=tuple(notes),
         ) from exc
 
 
@@ -94,10 +98,9 @@ def layer_of(node: Any) -> tuple[str, int, str] | None:
     return None
 
 
-def source_span(node: Any) -> tuple[Span | None, list[Note]]:
-    """The user's source line the node came from (the last frame outside torch), as a span of
-    that file, and the frames as notes."""
-    trace = node.meta.get("stack_trace") or ""
+def source_span(trace: str) -> tuple[Span | None, list[Note]]:
+    """The user's source line a stack trace (a node's, an exception's) ends in (the last frame
+    outside torch), as a span of that file; or a note naming it where the file cannot be read."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
     user = [f for f in frames if "/torch/" not in f[0] and "site-packages/torch" not in f[0]]
     if not user:
@@ -116,3 +119,43 @@ def source_span(node: Any) -> tuple[Span | None, list[Note]]:
     body = lines[k].rstrip("\n")
     indent = len(body) - len(body.lstrip())
     return source.span(start + indent, start + len(body)), []
+
+
+# A config's sizes (transformers' attribute names, GPT-2's) and the index name each one's extent
+# takes in the imported rules.
+_ROLES = (
+    (("hidden_size", "n_embd", "d_model"), "d"),
+    (("intermediate_size", "n_inner", "ffn_dim"), "f"),
+    (("num_attention_heads", "n_head"), "h"),
+    (("num_key_value_heads",), "g"),
+    (("head_dim",), "e"),
+    (("vocab_size",), "v"),
+)
+
+
+def index_hints(module: Any, program: Any) -> dict[int, tuple[str, ...]]:
+    """Index names by extent for a transformers model (a module with a config, reading
+    ``input_ids``): ``b`` the batch, ``s`` and ``t`` the sequence, ``d`` the hidden size, ``f``
+    the feed-forward's, ``h`` heads, ``g`` key/value heads, ``r`` query heads per key/value
+    head, ``e`` a head's features, ``v`` the vocabulary.  Extents two roles share list both
+    names, in that order.  Empty for other modules: their rules name indices by letter."""
+    config = getattr(module, "config", None)
+    ids = next((node for node in program.graph.nodes if node.op == "placeholder" and node.name == "input_ids"), None)
+    if config is None or ids is None or len(ids.meta["val"].shape) != 2:
+        return {}
+    batch, seq = (int(n) for n in ids.meta["val"].shape)
+    sizes: dict[str, int] = {}
+    for attributes, letter in _ROLES:
+        value = next((getattr(config, a) for a in attributes if isinstance(getattr(config, a, None), int)), None)
+        if value:
+            sizes[letter] = value
+    if "h" in sizes and "d" in sizes and "e" not in sizes and sizes["d"] % sizes["h"] == 0:
+        sizes["e"] = sizes["d"] // sizes["h"]
+    if "h" in sizes and sizes.get("g") and sizes["h"] % sizes["g"] == 0:
+        sizes["r"] = sizes["h"] // sizes["g"]
+    pairs = [(batch, "b"), (seq, "s"), (seq, "t"), *((n, letter) for letter, n in sizes.items() if n > 1)]
+    hints: dict[int, tuple[str, ...]] = {}
+    for extent, letter in pairs:
+        if letter not in hints.get(extent, ()):
+            hints[extent] = (*hints.get(extent, ()), letter)
+    return hints

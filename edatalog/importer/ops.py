@@ -546,6 +546,11 @@ def _layer_norm(
 
 @op("aten.embedding.default")
 def _embedding(cx: Context, table: T.View, ids: T.View, padding_idx: int = -1, *_: Any) -> T.View:
+    return _rows(cx, table, ids, "embedding")
+
+
+def _rows(cx: Context, table: T.View, ids: T.View, what: str) -> T.View:
+    """The rows (axis 0) of ``table`` that the integers ``ids`` pick."""
     shift = _positions(ids.term)
     if shift is not None and len(table.axes[0]) == 1 and isinstance(table.term, T.Read):
         # Rows by position (an arange): a window of the table, read in place.
@@ -557,7 +562,16 @@ def _embedding(cx: Context, table: T.View, ids: T.View, padding_idx: int = -1, *
         table = cx.builder.materialize(table, cx.name("table"), apart=False)
     if not isinstance(ids.term, T.Read):
         ids = cx.builder.materialize(ids, cx.name("ids"), apart=False)
-    return cx.builder.lookup(table, ids, cx.name("embedding") if not cx.where else cx.where)
+    return cx.builder.lookup(table, ids, cx.name(what) if not cx.where else cx.where)
+
+
+@op("aten.index_select.default")
+def _index_select(cx: Context, x: T.View, dim: int, index: T.View) -> T.View:
+    """Places of ``dim`` picked by the integers ``index``: a lookup, as an embedding's rows."""
+    d = _dim(dim, len(x.shape))
+    table = T.permute(x, [d, *(k for k in range(len(x.shape)) if k != d)])
+    picked = _rows(cx, table, index, "index_select")  # the picked axis first, the others after
+    return T.permute(picked, [*range(1, d + 1), 0, *range(d + 1, len(x.shape))])
 
 
 def _positions(term: T.Term) -> tuple[int, int] | None:

@@ -363,8 +363,16 @@ def narrow(view: View, axis: int, start: int, end: int) -> View:
         return view
     group = [a for a in view.axes[axis] if view.extent[a] != 1]
     if len(group) > 1:
-        return _narrow_composite(view, axis, group, start, end)
+        return _narrow_composite(view, axis, start, end)
     (a,) = group
+    length = end - start
+    if size % length == 0 and start % length == 0:
+        # One of equal pieces (a split into q, k and v): the axis read as (piece, place), the
+        # piece fixed, ``qkv[(1, d)]``, so that the place can be split again (into heads).
+        try:
+            return _narrow_composite(split_axis(view, axis, [size // length, length]), axis, start, end)
+        except Unfoldable:
+            pass
     if in_composite(view.term, a):
         raise Unfoldable("a slice of a part of a composite")
     new = fresh()
@@ -373,10 +381,11 @@ def narrow(view: View, axis: int, start: int, end: int) -> View:
     return View(term, axes, {**view.extent, new: end - start}, view.dtype)
 
 
-def _narrow_composite(view: View, axis: int, group: Sequence[int], start: int, end: int) -> View:
+def _narrow_composite(view: View, axis: int, start: int, end: int) -> View:
     """A slice of an axis of several atoms that keeps whole the atoms inside one atom ``k``
     and one place of each atom outside it: those are fixed, ``k`` kept whole or fixed too (a
     rotary embedding's halves of a head axis read as (half, e))."""
+    group = [a for a in view.axes[axis] if view.extent[a] != 1]
     for k, a in enumerate(group):
         inner = math.prod(view.extent[b] for b in group[k + 1 :])
         outer = view.extent[a] * inner
