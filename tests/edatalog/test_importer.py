@@ -341,6 +341,35 @@ def test_transformers_causal_lms_import_and_equal_their_logits(kind: str, dtype:
         assert re.search(r"self_attn_q_proj_mm\[b:2, s:7, \w:2, \w:2, \w:2, \w:4\] \+=", text), text
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_llama_and_qwen2_in_f64_agree_to_1e9_without_transformers_f32_rounding(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In an f64 model transformers still rounds its RMS norms and rotary angles to f32
+    (``hidden_states.to(torch.float32)``, ``inv_freq.float()``): the 1e-6 above.  With those
+    two forwards computing in the model's dtype, the imported rules agree to 1e-9 in f64: the
+    import itself adds no error."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def rms_norm(self: Any, h: Any) -> Any:
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self: Any, x: Any, position_ids: Any) -> Any:
+        angles = position_ids[..., None].to(x.dtype) * self.inv_freq.to(x.dtype)
+        both = torch.cat((angles, angles), dim=-1)
+        return both.cos() * self.attention_scaling, both.sin() * self.attention_scaling
+
+    source, prefix = (modeling_llama, "Llama") if kind == "llama" else (modeling_qwen2, "Qwen2")
+    monkeypatch.setattr(getattr(source, f"{prefix}RMSNorm"), "forward", rms_norm)
+    monkeypatch.setattr(getattr(source, f"{prefix}RotaryEmbedding"), "forward", rotary)
+    model, ids = _causal_lm(kind, torch.float64)
+    prog = from_torch(model, (), {"input_ids": ids})
+    got = prog.run(torch_params(prog, model) | {"input_ids": ids.numpy()})["logits"]
+    want = model(input_ids=ids).logits.detach().numpy()
+    assert np.abs(got - want).max() <= 1e-9 * np.abs(want).max()
+
+
 def test_an_imported_model_loads_its_save_pretrained_checkpoint(tmp_path: Any) -> None:
     """Params declare their state_dict names: the program loads the directory transformers'
     save_pretrained writes, and gives the model's logits."""
