@@ -114,24 +114,6 @@ def test_names_come_from_the_forward_and_the_modules() -> None:
     assert "output y." in text and "fc1_mm[" in text and "ln_var[" in text
 
 
-class Unsupported(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: Any) -> Any:
-        return torch.cumsum(self.fc(x), dim=-1)
-
-
-def test_an_unsupported_op_names_the_op_the_module_and_the_line() -> None:
-    with pytest.raises(edatalog.EdlError) as err:
-        from_torch(Unsupported(), (torch.randn(2, 4),))
-    text = str(err.value)
-    assert "cannot import aten.cumsum.default" in text
-    assert "test_importer.py" in text and "return torch.cumsum(self.fc(x), dim=-1)" in text
-    assert "help:" in text
-
-
 class DataDependent(nn.Module):
     def forward(self, x: Any) -> Any:
         if x.sum() > 0:  # control flow on a value: export cannot capture it
@@ -480,7 +462,7 @@ def test_imported_models_run_under_a_solved_plan_on_two_ranks(kind: str, tmp_pat
     name, want = ("logits", want.logits) if kind in ("llama", "gpt2", "qwen2") else ("y", want)
     got = np.load(out)[name]
     assert got.shape == tuple(want.shape)
-    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+    assert np.abs(got - want.numpy()).max() <= 1e-5 * np.abs(want.numpy()).max()  # the f32 bar
 
 
 class Unlike(nn.Module):
