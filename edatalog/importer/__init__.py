@@ -14,6 +14,7 @@ loading from its ``state_dict`` name (``from "fc1.weight"``).  docs/importing.md
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -184,8 +185,28 @@ def _call(b: Builder, node: Any, view_of: Any) -> Any:
     # in another layer (or outside them) is written in its own, so that layers stay alike.
     crossing = any(_layer(u) != b.layer for u in readers)
     if isinstance(result, T.View) and not isinstance(result.term, T.Read) and (len(readers) > 1 or crossing):
-        result = b.materialize(result, cx.name(node.name))
+        # What a module returns takes the module's name (input_layernorm), when it returns one
+        # tensor; else the op's (the rotary module's cos and sin).
+        leaves = where and _leaving(node.graph).get(where) == 1 and not any(_inside(u, where) for u in readers)
+        result = b.materialize(result, cx.where if leaves else cx.name(node.name))
     return result
+
+
+def _inside(node: Any, module: str) -> bool:
+    path = capture.module_path(node)
+    return path == module or path.startswith(module + ".")
+
+
+@functools.lru_cache(maxsize=4)
+def _leaving(graph: Any) -> dict[str, int]:
+    """How many ops of each module (by its path) are read outside it: its results."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        where = capture.module_path(node) if node.op == "call_function" else ""
+        users = [u for u in node.users if "_assert_tensor_metadata" not in str(u.target)]  # export's checks
+        if where and any(not _inside(u, where) for u in users):
+            counts[where] = counts.get(where, 0) + 1
+    return counts
 
 
 def _layer(node: Any) -> tuple[str, int] | None:
