@@ -219,9 +219,11 @@ class Builder:
         return T.read(name, head.shape, table.dtype)
 
     def concat(self, pieces: Sequence[T.View], axis: int, wanted: str) -> T.View:
-        """``pieces`` one after another along ``axis``.  Pieces of one size: one rule each, its
-        place a literal part of the axis (``y[(1, i)] = x[i]``); else one rule each guarded to
-        its window and reading its piece shifted (``y[i] = x[i - 4] where i >= 4, i < 7``)."""
+        """``pieces`` one after another along ``axis``.  Two pieces of one size: a view that
+        picks one by the place (``where(p == 0, a, b)``, read in place by the ops after it);
+        more of one size: one rule each, its place a literal part of the axis
+        (``y[(1, i)] = x[i]``); else one rule each guarded to its window and reading its piece
+        shifted (``y[i] = x[i - 4] where i >= 4, i < 7``)."""
         name = self.name(wanted)
         equal = len({p.shape[axis] for p in pieces}) == 1
         if not equal and any(len([a for a in p.axes[axis] if p.extent[a] != 1]) > 1 for p in pieces):
@@ -248,6 +250,15 @@ class Builder:
         if equal:
             extent[literal] = len(pieces)
             head[axis] = (literal, *head[axis])
+        if equal and len(pieces) == 2:
+            # Two halves (rotary's rotate_half): a view that picks one by the place, read in
+            # place by the ops after it rather than written out as two copies.
+            first, second = (T.substitute(p.term, t) for p, t in zip(pieces, tables, strict=True))
+            merged = {a: n for p in pieces for a, n in p.extent.items()} | extent
+            pick = T.Cmp("==", T.Index(literal), T.Num(0.0))
+            self.names.discard(name)
+            term = first if first == second else T.Where(pick, first, second)  # cat((x, x)): a broadcast
+            return T.View(term, tuple(head), merged, pieces[0].dtype)
         offset = 0
         for j, p in enumerate(pieces):
             term = T.substitute(p.term, tables[j])
@@ -439,9 +450,22 @@ def _term(term: T.Term, names: _Names, extent: dict[int, int] | object, parent: 
         )
         return f"({text})" if parent > level else text
     if isinstance(term, T.Where):
-        cond = f"{_term(term.cond.left, names, extent)} {term.cond.op} {_term(term.cond.right, names, extent)}"
+        cond = (
+            _guard(term.cond, names)  # a comparison of places: whole numbers
+            if _is_affine(term.cond.left) and _is_affine(term.cond.right)
+            else f"{_term(term.cond.left, names, extent)} {term.cond.op} {_term(term.cond.right, names, extent)}"
+        )
         return f"where({cond}, {_term(term.then, names, extent)}, {_term(term.other, names, extent)})"
     raise AssertionError(term)
+
+
+def _is_affine(term: T.Term) -> bool:
+    """Whether ``term`` is indices and whole numbers under + - * (a place, not a value)."""
+    if isinstance(term, T.Index):
+        return True
+    if isinstance(term, T.Num):
+        return float(term.value).is_integer()
+    return isinstance(term, T.Binary) and term.op in "+-*" and _is_affine(term.left) and _is_affine(term.right)
 
 
 def _affine(term: T.Term, names: _Names) -> str:

@@ -297,7 +297,7 @@ def test_transformers_causal_lms_import_and_equal_their_logits(kind: str, dtype:
     """Imported as they are (the importer turns their KV cache off): the input is ``input_ids``,
     the output ``logits``.  The causal mask, built from shapes only, folds into a guard of the
     attention scores (``where t <= s``: masked cells are not computed); rotary halves are a
-    concatenation, rotary frequencies (a buffer outside the state_dict) a term; heads are
+    where() of the two halves, rotary frequencies (a buffer outside the state_dict) a term; heads are
     composites."""
     model, ids = _causal_lm(kind, dtype)
     prog = from_torch(model, (), {"input_ids": ids})
@@ -319,6 +319,8 @@ def test_transformers_causal_lms_import_and_equal_their_logits(kind: str, dtype:
     from edatalog.ir.attention import attention_chains
 
     assert len(attention_chains(prog.graph)) == 2
+    if kind != "gpt2":  # rotate_half inside the rotation, no copies of the halves
+        assert re.search(r"where\(\w+ == 0, -self_attn_\w+\[", text), text
     if kind == "llama":  # the projections' heads written apart, as readers split them: q[b, s, g, r, half, e]
         assert re.search(r"self_attn_q_proj_mm\[b:2, s:7, \w:2, \w:2, \w:2, \w:4\] \+=", text), text
 
