@@ -161,34 +161,50 @@ def torch_params(prog: Program, module: Any) -> dict[str, np.ndarray]:
 def _call(b: Builder, node: Any, view_of: Any) -> Any:
     import torch.fx
 
-    if node.target is operator.getitem:
+    where = capture.module_path(node)
+    if node.target is operator.getitem:  # one result of an op of several (layer norm's output)
         whole, k = node.args
-        return view_of(whole.name)[k]
+        value = view_of(whole.name)[k]
+        b.layer = _layer(node)  # after view_of, which may import what it reads (in another layer)
+        return _named(b, node, value, where, None)
     key = str(node.target)
     handler = ops.OPS.get(key)
-    where = capture.module_path(node)
     if handler is None:
         raise _unsupported(node, key, where, "edatalog has no rule for it yet")
     args = torch.fx.node.map_arg(node.args, lambda n: view_of(n.name))
     kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: view_of(n.name))
-    readers = [u for u in node.users if "_assert_tensor_metadata" not in str(u.target)]  # export's dtype checks
     cx = ops.Context(b, where.replace(".", "_"))
     layer = capture.layer_of(node)
-    b.layer = _layer(node)
+    b.layer = _layer(node)  # after the arguments, which may import what they read (in another layer)
     if layer:
         b.module_names.setdefault(layer[0], layer[2])
     try:
         result = handler(cx, *args, **kwargs)
     except ops.Unsupported as exc:
         raise _unsupported(node, key, where, exc.what, exc.hint) from None
-    # An elementwise chain read by several ops is written once, not recomputed in each; one read
-    # in another layer (or outside them) is written in its own, so that layers stay alike.
-    crossing = any(_layer(u) != b.layer for u in readers)
-    if isinstance(result, T.View) and not isinstance(result.term, T.Read) and (len(readers) > 1 or crossing):
-        # What a module returns takes the module's name (input_layernorm), when it returns one
-        # tensor; else the op's (the rotary module's cos and sin).
-        leaves = where and _leaving(node.graph).get(where) == 1 and not any(_inside(u, where) for u in readers)
-        result = b.materialize(result, cx.where if leaves else cx.name(node.name))
+    first = args[0] if args else None
+    carried = b.preferred_name(first) if isinstance(first, T.View) and key in ops.REARRANGING else None
+    return _named(b, node, result, where, carried)
+
+
+def _named(b: Builder, node: Any, result: Any, where: str, carried: str | None) -> Any:
+    """``result`` (a view the op made) written out where several ops read it (an elementwise
+    chain is written once, not recomputed in each), or one in another layer or outside them (so
+    that layers stay alike).  Its name: ``carried`` (a view of a module's result is still that
+    result), else the module's where it is what the module returns, as one tensor
+    (``input_layernorm``; the rotary module's cos and sin keep their ops' names), else the op's.
+    Not written out, it keeps that name for an op after it that writes it (a contraction's
+    operand)."""
+    if not isinstance(result, T.View) or isinstance(result.term, T.Read):
+        return result
+    readers = [u for u in node.users if "_assert_tensor_metadata" not in str(u.target)]  # export's dtype checks
+    module = where.replace(".", "_")
+    leaves = where and _leaving(node.graph).get(where) == 1 and not any(_inside(u, where) for u in readers)
+    name = carried or (module if leaves else None)
+    if len(readers) > 1 or any(_layer(u) != b.layer for u in readers):
+        return b.materialize(result, name or (f"{module}_{node.name}" if module else node.name))
+    if name:
+        b.prefer(result, name)
     return result
 
 

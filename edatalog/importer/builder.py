@@ -79,6 +79,16 @@ class Builder:
     # Index names by extent, from the model's config (capture.index_hints): s and t for the
     # sequence, d for the hidden size, h for heads...; rules name other atoms by letter.
     hints: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    # Names for views not yet written, by id: what a module returns is named after the module
+    # wherever an op after it writes it out (a contraction's operand).
+    preferred: dict[int, tuple[T.View, str]] = field(default_factory=dict)
+
+    def prefer(self, view: T.View, name: str) -> None:
+        self.preferred[id(view)] = (view, name)  # the view kept, so that its id is not reused
+
+    def preferred_name(self, view: T.View) -> str | None:
+        entry = self.preferred.get(id(view))
+        return entry[1] if entry is not None and entry[0] is view else None
 
     def name(self, wanted: str) -> str:
         """A fresh relation name from ``wanted`` (a module path, an op): dots to underscores."""
@@ -125,7 +135,7 @@ class Builder:
         """``view`` as a relation of its own (one ``=`` rule), read whole.  With ``apart``, its
         axes' parts are the relation's axes (see ``_apart``); without, the relation has the
         view's axes and is read with one atom for each."""
-        name = self.name(wanted)
+        name = self.name(self.preferred_name(view) or wanted)
         head = self._apart(name, view) if apart else view
         render = _renderer("=", (), hints=self.hints)
         self._write(name, render(name, head), head, head.term, render)

@@ -30,6 +30,25 @@ class Context:
 
 Handler = Callable[..., Any]
 OPS: dict[str, Handler] = {}
+# The ops that only rearrange or relabel a tensor's cells: what they make is what they read.
+REARRANGING = frozenset(
+    {
+        "aten.view.default",
+        "aten._unsafe_view.default",
+        "aten.reshape.default",
+        "aten.permute.default",
+        "aten.t.default",
+        "aten.transpose.int",
+        "aten.unsqueeze.default",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.expand.default",
+        "aten.clone.default",
+        "aten.alias.default",
+        "aten.contiguous.default",
+        "aten._to_copy.default",
+    }
+)
 
 
 def op(*names: str) -> Callable[[Handler], Handler]:
