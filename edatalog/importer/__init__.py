@@ -197,7 +197,7 @@ def _named(b: Builder, node: Any, result: Any, where: str, carried: str | None) 
     operand)."""
     if not isinstance(result, T.View) or isinstance(result.term, T.Read):
         return result
-    readers = [u for u in node.users if "_assert_tensor_metadata" not in str(u.target)]  # export's dtype checks
+    readers = _readers(node)
     module = where.replace(".", "_")
     leaves = where and _leaving(node.graph).get(where) == 1 and not any(_inside(u, where) for u in readers)
     name = carried or (module if leaves else None)
@@ -206,6 +206,11 @@ def _named(b: Builder, node: Any, result: Any, where: str, carried: str | None) 
     if name:
         b.prefer(result, name)
     return result
+
+
+def _readers(node: Any) -> list[Any]:
+    """The ops that read ``node``'s result (export's dtype checks left out)."""
+    return [u for u in node.users if "_assert_tensor_metadata" not in str(u.target)]
 
 
 def _inside(node: Any, module: str) -> bool:
@@ -219,8 +224,7 @@ def _leaving(graph: Any) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in graph.nodes:
         where = capture.module_path(node) if node.op == "call_function" else ""
-        users = [u for u in node.users if "_assert_tensor_metadata" not in str(u.target)]  # export's checks
-        if where and any(not _inside(u, where) for u in users):
+        if where and any(not _inside(u, where) for u in _readers(node)):
             counts[where] = counts.get(where, 0) + 1
     return counts
 

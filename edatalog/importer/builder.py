@@ -210,8 +210,8 @@ class Builder:
                 return False
             axes.append(tuple(renames.get(a, a) for a in axis))
             extent.update({a: view.extent[a] for a in axis if a not in renames})
-        if len({renames[a] for a in renames}) != len([a for axis in view.axes for a in axis if a in renames]):
-            return False  # an atom read twice (a diagonal): not a reshape
+        if sorted(a for axis in view.axes for a in axis if a in renames) != sorted(renames):
+            return False  # each atom once, or it is no reshape (a diagonal reads one twice)
         new = T.View(head.term, tuple(axes), extent, head.dtype)
         self.written[spots[0]] = Written(name, render(name, new), self.layer)
         self.shapes[name] = (view.shape, view.dtype)
@@ -234,7 +234,6 @@ class Builder:
         more of one size: one rule each, its place a literal part of the axis
         (``y[(1, i)] = x[i]``); else one rule each guarded to its window and reading its piece
         shifted (``y[i] = x[i - 4] where i >= 4, i < 7``)."""
-        name = self.name(wanted)
         equal = len({p.shape[axis] for p in pieces}) == 1
         if not equal and any(len([a for a in p.axes[axis] if p.extent[a] != 1]) > 1 for p in pieces):
             pieces = [p if _shiftable(p, axis) else self.materialize(p, f"{wanted}_piece", apart=False) for p in pieces]
@@ -266,9 +265,9 @@ class Builder:
             first, second = (T.substitute(p.term, t) for p, t in zip(pieces, tables, strict=True))
             merged = {a: n for p in pieces for a, n in p.extent.items()} | extent
             pick = T.Cmp("==", T.Index(literal), T.Num(0.0))
-            self.names.discard(name)
             term = first if first == second else T.Where(pick, first, second)  # cat((x, x)): a broadcast
             return T.View(term, tuple(head), merged, pieces[0].dtype)
+        name = self.name(wanted)
         offset = 0
         for j, p in enumerate(pieces):
             term = T.substitute(p.term, tables[j])

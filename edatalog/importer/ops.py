@@ -30,33 +30,20 @@ class Context:
 
 Handler = Callable[..., Any]
 OPS: dict[str, Handler] = {}
-# The ops that only rearrange or relabel a tensor's cells: what they make is what they read.
-REARRANGING = frozenset(
-    {
-        "aten.view.default",
-        "aten._unsafe_view.default",
-        "aten.reshape.default",
-        "aten.permute.default",
-        "aten.t.default",
-        "aten.transpose.int",
-        "aten.unsqueeze.default",
-        "aten.squeeze.dim",
-        "aten.squeeze.dims",
-        "aten.expand.default",
-        "aten.clone.default",
-        "aten.alias.default",
-        "aten.contiguous.default",
-        "aten._to_copy.default",
-    }
-)
+# The ops that only rearrange or relabel a tensor's cells (registered with ``rearranging``): what
+# they make is what they read.
+REARRANGING: set[str] = set()
 
 
-def op(*names: str) -> Callable[[Handler], Handler]:
-    """Registers a handler for the ATen ops ``names`` (``aten.mm.default``) in :data:`OPS`."""
+def op(*names: str, rearranging: bool = False) -> Callable[[Handler], Handler]:
+    """Registers a handler for the ATen ops ``names`` (``aten.mm.default``) in :data:`OPS`, and in
+    :data:`REARRANGING` too where the ops only rearrange cells (views, transposes, copies)."""
 
     def register(f: Handler) -> Handler:
         for name in names:
             OPS[name] = f
+            if rearranging:
+                REARRANGING.add(name)
         return f
 
     return register
@@ -69,7 +56,7 @@ def _dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
 
-@op("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+@op("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", rearranging=True)
 def _view(cx: Context, x: T.View, shape: Sequence[int]) -> T.View:
     size = math.prod(x.shape)
     shape = list(shape)
@@ -79,17 +66,17 @@ def _view(cx: Context, x: T.View, shape: Sequence[int]) -> T.View:
     return _folded(cx, x, lambda v: T.reshape(v, shape), "view")
 
 
-@op("aten.permute.default")
+@op("aten.permute.default", rearranging=True)
 def _permute(cx: Context, x: T.View, order: Sequence[int]) -> T.View:
     return T.permute(x, [_dim(d, len(x.shape)) for d in order])
 
 
-@op("aten.t.default")
+@op("aten.t.default", rearranging=True)
 def _t(cx: Context, x: T.View) -> T.View:
     return T.permute(x, list(range(len(x.shape)))[::-1])
 
 
-@op("aten.transpose.int")
+@op("aten.transpose.int", rearranging=True)
 def _transpose(cx: Context, x: T.View, a: int, b: int) -> T.View:
     order = list(range(len(x.shape)))
     a, b = _dim(a, len(order)), _dim(b, len(order))
@@ -97,12 +84,12 @@ def _transpose(cx: Context, x: T.View, a: int, b: int) -> T.View:
     return T.permute(x, order)
 
 
-@op("aten.unsqueeze.default")
+@op("aten.unsqueeze.default", rearranging=True)
 def _unsqueeze(cx: Context, x: T.View, d: int) -> T.View:
     return T.unsqueeze(x, _dim(d, len(x.shape) + 1))
 
 
-@op("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default")
+@op("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", rearranging=True)
 def _squeeze(cx: Context, x: T.View, dims: int | Sequence[int] | None = None) -> T.View:
     if dims is None:
         dims = range(len(x.shape))
@@ -111,7 +98,7 @@ def _squeeze(cx: Context, x: T.View, dims: int | Sequence[int] | None = None) ->
     return T.squeeze(x, [_dim(d, len(x.shape)) for d in dims])
 
 
-@op("aten.expand.default")
+@op("aten.expand.default", rearranging=True)
 def _expand(cx: Context, x: T.View, shape: Sequence[int], implicit: bool = False) -> T.View:
     return T.expand(x, shape)
 
@@ -164,7 +151,7 @@ def _cat(cx: Context, pieces: Sequence[T.View], dim: int = 0) -> T.View:
         raise Unsupported(str(exc)) from None
 
 
-@op("aten.clone.default", "aten.alias.default", "aten.contiguous.default", "aten.detach.default")
+@op("aten.clone.default", "aten.alias.default", "aten.contiguous.default", "aten.detach.default", rearranging=True)
 def _same(cx: Context, x: T.View, **_: Any) -> T.View:
     return x
 
@@ -176,7 +163,7 @@ def _dropout(cx: Context, x: T.View, p: float, train: bool) -> T.View:
     return x
 
 
-@op("aten._to_copy.default")
+@op("aten._to_copy.default", rearranging=True)
 def _to_copy(cx: Context, x: T.View, dtype: Any = None, **_: Any) -> T.View:
     from edatalog.importer.capture import dtype_name
 
