@@ -6,7 +6,14 @@ Each param is found under the first of its declared checkpoint names that the ch
 (``param wq[H * E, D] : f32 from "model.layers.{i}.self_attn.q_proj.weight"``, with ``{i}`` the
 layer), or else under its own name; so one small declaration in the program maps a model's
 names, not code per model.  What does not match is one error listing everything that differs:
-missing names, shapes, dtypes, and a different number of layers.
+missing names, shapes, dtypes, and a different number of layers or of stacked tensors.
+
+A name with placeholders other than ``{i}`` stacks the param's leading axes from one tensor per
+index (``param w1[E, F, D] : f32 from "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"``:
+Mixtral's experts, each ``[F, D]``; see :mod:`edatalog.rules.sources`).  :meth:`Checkpoint.names_for`
+gives such a param's name with its placeholders, :meth:`Checkpoint.read` stacks the tensors it
+stands for (only those of the slice asked for), and :func:`unstacked` splits a value back into
+them for writing a checkpoint that transformers reads.
 
 Tensors are read lazily and by slices (:meth:`Checkpoint.read`), so that each rank of a plan
 reads only its blocks.  safetensors files hold raw tensors: nothing is ever unpickled.
@@ -14,7 +21,10 @@ reads only its blocks.  safetensors files hold raw tensors: nothing is ever unpi
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -26,6 +36,7 @@ from edatalog.errors import EdlError, Source, did_you_mean
 from edatalog.ir.graph import Graph, Relation
 from edatalog.lang import ast
 from edatalog.lang.parser import parse, parse_file
+from edatalog.rules.sources import PLACEHOLDER, filled, pattern, stacked
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -44,12 +55,42 @@ class Tensor:
     dtype: str  # edatalog's name, or safetensors' when edatalog has none
 
 
+@dataclass(frozen=True)
+class Stack:
+    """The tensors a stacked checkpoint name stands for (``experts.{e}.w1.weight``), by their
+    indices: one number per placeholder of ``axes``."""
+
+    name: str
+    axes: tuple[str, ...]  # its stacked placeholders, in order: the param's leading axes
+    members: dict[tuple[int, ...], Tensor]
+
+    @property
+    def extents(self) -> tuple[int, ...]:
+        """How many indices each axis has, counting from 0 to the highest found."""
+        return tuple(max((idx[k] for idx in self.members), default=-1) + 1 for k in range(len(self.axes)))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every index up to :attr:`extents` has its tensor (no gap)."""
+        return len(self.members) == math.prod(self.extents)
+
+    def found(self) -> str:
+        """The indices found, per axis: ``{e} = 0 .. 3``, or ``{e} = 0, 1, 3`` with a gap."""
+        out = []
+        for k, axis in enumerate(self.axes):
+            seen = sorted({idx[k] for idx in self.members})
+            run = len(seen) > 2 and seen == list(range(seen[-1] + 1))
+            out.append(f"{{{axis}}} = " + (f"0 .. {seen[-1]}" if run else ", ".join(map(str, seen))))
+        return ", ".join(out)
+
+
 class Checkpoint:
     """The tensors of a safetensors checkpoint (a file, or a directory of one or of shards)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.tensors: dict[str, Tensor] = {}
+        self._stacks: dict[str, Stack] = {}
         for file in self._files():
             self._scan(file)
 
@@ -92,7 +133,11 @@ class Checkpoint:
             raise EdlError(f"{file} is not a safetensors file: {exc}") from None
 
     def read(self, name: str, slices: Sequence[slice] | None = None) -> Any:
-        """The tensor ``name`` (a torch tensor on the CPU), or only ``slices`` of it."""
+        """The tensor ``name`` (a torch tensor on the CPU), or only ``slices`` of it.  A stacked
+        name (``experts.{e}.w1.weight``, as :meth:`names_for` gives it) reads as its tensors
+        stacked along its leading axes, only those the slices of those axes take."""
+        if stacked(name):
+            return self._read_stack(self.stack(name), slices)
         from safetensors import safe_open
 
         t = self.tensors[name]
@@ -100,6 +145,54 @@ class Checkpoint:
             if slices is None:
                 return fh.get_tensor(name)
             return fh.get_slice(name)[tuple(slices)]
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds ``name``: a tensor, or for a stacked name at least one
+        of its tensors (whether they are all there is a mismatch :meth:`names_for` reports)."""
+        return bool(self.stack(name).members) if stacked(name) else name in self.tensors
+
+    def stack(self, name: str) -> Stack:
+        """The tensors the stacked name ``name`` stands for (kept: a param asks for them once
+        to match and once per slice it reads)."""
+        if name not in self._stacks:
+            axes = stacked(name)
+            regex = re.compile(pattern(name))
+            literal = PLACEHOLDER.split(name, maxsplit=1)[0]  # what every name it stands for starts with
+            members = {}
+            for t in self.tensors.values():
+                if t.name.startswith(literal) and (m := regex.fullmatch(t.name)):
+                    members[tuple(int(g) for g in m.groups())] = t
+            self._stacks[name] = Stack(name, axes, members)
+        return self._stacks[name]
+
+    def _read_stack(self, st: Stack, slices: Sequence[slice] | None) -> Any:
+        """A stacked name's tensors within ``slices``, stacked: each read by the trailing slices,
+        files opened once."""
+        import torch
+        from safetensors import safe_open
+
+        k = len(st.axes)
+        if not st.complete:
+            raise EdlError(
+                f"the checkpoint {self.path} lacks tensors of {st.name} ({st.found()} found)",
+                help="check that this is the model the program describes",
+            )
+        lead = [range(*(slice(None) if slices is None else slices[a]).indices(n)) for a, n in enumerate(st.extents)]
+        rest = None if slices is None or len(slices) == k else tuple(slices[k:])
+        picked = list(itertools.product(*lead)) or [(0,) * k]  # nothing taken: one read for the shape
+        parts = []
+        with contextlib.ExitStack() as files:
+            handles: dict[Path, Any] = {}
+            for idx in picked:
+                t = st.members[idx]
+                if t.file not in handles:
+                    handles[t.file] = files.enter_context(safe_open(str(t.file), framework="pt", device="cpu"))
+                fh = handles[t.file]
+                parts.append(fh.get_tensor(t.name) if rest is None else fh.get_slice(t.name)[rest])
+        out = torch.stack(parts)
+        if not all(lead):
+            out = out[:0]
+        return out.reshape(*(len(r) for r in lead), *out.shape[1:])
 
     # -- matching a program ----------------------------------------------------------------------
 
@@ -111,7 +204,7 @@ class Checkpoint:
         found: dict[str, str] = {}
         missing: list[Relation] = []
         for r in rels:
-            name = next((n for n in (*r.sources, r.name) if n in self.tensors), None)
+            name = next((n for n in (*r.sources, r.name) if self.has(n)), None)
             if name is None:
                 missing.append(r)
             else:
@@ -120,7 +213,7 @@ class Checkpoint:
             lines = []
             for r in missing[:SHOWN]:
                 wanted = (*r.sources, r.name) if r.sources else (r.name,)
-                close = did_you_mean(wanted[0], self.tensors)
+                close = did_you_mean(filled(wanted[0], dict.fromkeys(stacked(wanted[0]), 0)), self.tensors)
                 lines.append(f"{r.name}: none of {', '.join(wanted)}" + (f" ({close})" if close else ""))
             more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
             raise EdlError(
@@ -129,20 +222,15 @@ class Checkpoint:
                 help="declare where each param is found ('param w[..] : f32 from \"name\"'), or check that "
                 "this is the model the program describes",
             )
-        wrong = []
-        dtypes_seen = set()
-        for r in rels:
-            t = self.tensors[found[r.name]]
-            if t.shape != r.shape:
-                wrong.append(f"{r.name} ({t.name}): shape {list(t.shape)} in the checkpoint, {list(r.shape)} here")
-            elif t.dtype != r.dtype:
-                wrong.append(f"{r.name} ({t.name}): {t.dtype} in the checkpoint, {r.dtype} here")
-                dtypes_seen.add(t.dtype)
-        if wrong and len(dtypes_seen) == 1 and all("shape" not in w for w in wrong):
+        problems = [p for r in rels if (p := self._mismatch(r, found[r.name])) is not None]
+        wrong = [line for line, _ in problems]
+        dtypes_seen = {dtype for _, dtype in problems}
+        if wrong and len(dtypes_seen) == 1 and None not in dtypes_seen:
             (dt,) = dtypes_seen
+            assert dt is not None
             raise EdlError(
                 f"the checkpoint {self.path} holds {dt} params, but the program's are "
-                f"{_dtypes_of(rels, found, self.tensors)}: {len(wrong)} differ, e.g.\n  " + "\n  ".join(wrong[:3]),
+                f"{self._dtypes_of(rels, found)}: {len(wrong)} differ, e.g.\n  " + "\n  ".join(wrong[:3]),
                 help=f"run the program in the checkpoint's dtype: --dtype {dt} (dtype='{dt}' when compiling)",
             )
         if wrong:
@@ -155,14 +243,66 @@ class Checkpoint:
             )
         return found
 
+    def _mismatch(self, r: Relation, name: str) -> tuple[str, str | None] | None:
+        """How the tensor(s) of ``name`` differ from the param ``r``, if they do: a line of the
+        error, and the checkpoint's dtype when only the dtype differs.  A stacked name's tensors
+        are counted against the param's leading extents and each compared with its trailing
+        shape."""
+        if not stacked(name):
+            t = self.tensors[name]
+            if t.shape != r.shape:
+                return f"{r.name} ({t.name}): shape {list(t.shape)} in the checkpoint, {list(r.shape)} here", None
+            if t.dtype != r.dtype:
+                return f"{r.name} ({t.name}): {t.dtype} in the checkpoint, {r.dtype} here", t.dtype
+            return None
+        st = self.stack(name)
+        k = len(st.axes)
+        lead, trail = r.shape[:k], r.shape[k:]
+        if st.extents != lead or not st.complete:
+            extents = ", ".join(f"{sym} = {n}" for sym, n in zip(r.symbols[:k], lead, strict=True))
+            return (
+                f"{r.name} ({name}): {len(st.members)} tensors in the checkpoint ({st.found()}), "
+                f"{math.prod(lead)} here ({extents})",
+                None,
+            )
+        for t in st.members.values():
+            if t.shape != trail:
+                return (
+                    f"{r.name} ({t.name}): shape {list(t.shape)} in the checkpoint, {list(trail)} here "
+                    f"(one of {len(st.members)} stacked as {list(r.shape)})",
+                    None,
+                )
+        dtypes = sorted({t.dtype for t in st.members.values()})
+        if dtypes != [r.dtype]:
+            return f"{r.name} ({name}): {'/'.join(dtypes)} in the checkpoint, {r.dtype} here", "/".join(dtypes)
+        return None
+
+    def _dtype(self, name: str) -> str:
+        """The checkpoint's dtype of a name (of a stacked name's first tensor)."""
+        if stacked(name):
+            return next(iter(self.stack(name).members.values())).dtype
+        return self.tensors[name].dtype
+
+    def _dtypes_of(self, rels: list[Relation], found: dict[str, str]) -> str:
+        """The program's dtypes of the params whose checkpoint dtype differs."""
+        return "/".join(sorted({r.dtype for r in rels if self._dtype(found[r.name]) != r.dtype}))
+
     def read_all(self, graph: Graph, kinds: tuple[str, ...] = ("param",)) -> dict[str, Any]:
         """Every relation of ``kinds``, whole, as torch tensors (see :meth:`names_for`)."""
         return {rel: self.read(name) for rel, name in self.names_for(graph, kinds).items()}
 
 
-def _dtypes_of(rels: list[Relation], found: dict[str, str], tensors: dict[str, Tensor]) -> str:
-    """The program's dtypes of the params whose checkpoint dtype differs."""
-    return "/".join(sorted({r.dtype for r in rels if tensors[found[r.name]].dtype != r.dtype}))
+def unstacked(name: str, value: Any) -> dict[str, Any]:
+    """``value`` (an array or tensor) as the checkpoint holds it under ``name``: itself, or for
+    a stacked name one tensor per index of its leading axes, by the names they fill in
+    (``experts.0.w1.weight``: ``value[0]``, ...), as transformers writes and reads them."""
+    axes = stacked(name)
+    if not axes:
+        return {name: value}
+    extents = value.shape[: len(axes)]
+    return {
+        filled(name, dict(zip(axes, idx, strict=True))): value[idx] for idx in itertools.product(*map(range, extents))
+    }
 
 
 def _check_layers(graph: Graph, ckpt: Checkpoint) -> None:
@@ -195,11 +335,12 @@ def _check_layers(graph: Graph, ckpt: Checkpoint) -> None:
 
 def _pattern(source: str) -> re.Pattern[str] | None:
     """Layer 0's checkpoint name (``model.layers.0.mlp.up_proj.weight``) as a pattern matching
-    every layer's, its layer number captured; None if it names no layer."""
+    every layer's, its layer number captured (a stacked name's other indices match any); None
+    if it names no layer."""
     at = source.find(".0.")
     if at < 0:
         return None
-    return re.compile(re.escape(source[:at]) + r"\.(\d+)\." + re.escape(source[at + 3 :]))
+    return re.compile(pattern(source[:at], False) + r"\.(\d+)\." + pattern(source[at + 3 :], False))
 
 
 CONFIG = "config.json"

@@ -9,7 +9,8 @@ or on ``nproc`` ranks, saved and resumed.
   tokens (S inputs, the next S as labels); step ``k``'s B windows start at places drawn from
   ``(seed, k)`` alone, so a resumed run sees what an uninterrupted one would.
 - ``save`` writes a directory transformers' ``from_pretrained`` reads (``config.json`` copied
-  from the weights', ``model.safetensors`` with the params by their checkpoint names) and
+  from the weights', ``model.safetensors`` with the params by their checkpoint names, a stacked
+  param as the tensors it was read from) and
   ``optimizer.safetensors`` (the optimizer's state and the step count); ``resume`` continues
   from one.
 """
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from edatalog.api import Program, compile_string
-from edatalog.checkpoint import Checkpoint, configured
+from edatalog.checkpoint import Checkpoint, configured, unstacked
 from edatalog.errors import EdlError
 from edatalog.lang.parser import parse_file
 from edatalog.plans import Plan
@@ -255,7 +256,13 @@ def save(trainer: Trainer, req: Request) -> None:
     if config.is_file() and config.resolve() != (out / "config.json").resolve():
         shutil.copyfile(config, out / "config.json")
     names = Checkpoint(source).names_for(trainer.program.graph)
-    tensors = {names[p]: _numpy(v) for p, v in params.items() if p in names}
+    # A stacked param (Mixtral's experts.{e}) goes back as the tensors it was read from.
+    tensors = {
+        k: np.ascontiguousarray(t)
+        for p, v in params.items()
+        if p in names
+        for k, t in unstacked(names[p], _numpy(v)).items()
+    }
     with tempfile.TemporaryDirectory(dir=out) as tmp:  # written whole, then moved: never half a file
         save_file(tensors, str(Path(tmp) / MODEL_FILE), metadata={"format": "pt"})
         meta = {"step": str(trainer.steps), "optimizer": json.dumps(dataclasses.asdict(req.optimizer))}

@@ -1,6 +1,6 @@
 """The rule compiler: parsed program in, verified join-agg graph out.
 
-    (modules) -> scope -> check -> extents -> lower -> eliminate -> support -> verify
+    (modules) -> selections -> scope -> check -> extents -> lower -> eliminate -> support -> verify
 
 Each pass lives in its own module and raises :class:`~edatalog.errors.EdlError` for the
 mistakes it is the first to see.
@@ -22,6 +22,8 @@ from edatalog.rules.extents import Extents, infer_extents
 from edatalog.rules.lower import lower_rule
 from edatalog.rules.modules import has_modules, instantiate
 from edatalog.rules.scope import build_scope
+from edatalog.rules.select import check_ranks, expand_selections
+from edatalog.rules.sources import check_sources
 from edatalog.rules.support import check_disjoint, effective_guard, head_support
 
 
@@ -31,11 +33,25 @@ def compile_program(
     consts: Mapping[str, float] | None = None,
 ) -> tuple[Graph, list[Diagnostic]]:
     if has_modules(program):
-        return instantiate(program, dims, consts, compile_program)
+        return instantiate(program, dims, consts, _compile_plain)
+    check_sources(program.statements, in_module=False)
+    return _compile_plain(program, dims, consts)
+
+
+def _compile_plain(
+    program: ast.Program,
+    dims: Mapping[str, int] | None = None,
+    consts: Mapping[str, float] | None = None,
+) -> tuple[Graph, list[Diagnostic]]:
+    """The passes, for a program without modules whose checkpoint names are checked already:
+    by :func:`compile_program`, or for a module's body and the rest of a program by
+    :func:`instantiate` (which knows where ``{i}`` may stand)."""
+    program, selections = expand_selections(program)
     scope = build_scope(program, dims, consts)
     checked = check_rules(scope)
     extents = infer_extents(checked)
     graph = _build_graph(checked, extents, program.source.name)
+    check_ranks(graph, selections)
     graph.verify()
     return graph, checked.warnings
 

@@ -165,7 +165,10 @@ def _check_numbers(expr: ScalarExpr, dtype: str, rule: ast.Rule) -> None:
 def _rule_dtype(rule: ast.Rule, atom_dtypes: list[str], rule_vars: set[str], scope: Scope, default_float: str) -> str:
     """Atoms set the type; numbers are weak.  Division, powers, transcendental functions and
     fractional numbers need floats; index values, dims, arithmetic and sums need at least
-    integers (so booleans add up to counts, as in numpy's ``sum``)."""
+    integers (so booleans add up to counts, as in numpy's ``sum``).  A generated rule may state
+    its type instead."""
+    if rule.dtype is not None:
+        return rule.dtype
     need = "int" if rule.aggop in ("+=", "*=") else "bool"
     for e in ast.walk(rule.body):
         if isinstance(e, ast.Num):

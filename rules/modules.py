@@ -14,7 +14,8 @@ compiling a 32-layer model costs about one layer.
 
 makes ``L`` instances ``layers.0`` .. ``layers.{L-1}``: instance 0 reads ``h0`` as ``x``,
 instance ``k + 1`` reads instance ``k``'s ``y``, every instance reads ``rc``; instance ``k``'s
-relations are ``layers.k.NAME`` (``{i}`` in a param's checkpoint names is ``k``), and the last
+relations are ``layers.k.NAME`` (``{i}`` in a param's checkpoint names is ``k``; other
+placeholders stack axes, see :mod:`edatalog.rules.sources`), and the last
 instance's ``y`` is ``h``.  ``output layers.kr`` lists every instance's ``kr``.  Every rule
 stays a join-agg: instances are the module's rules over renamed relations.
 
@@ -27,7 +28,6 @@ instance statement that made it.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,11 +35,11 @@ from edatalog.errors import Diagnostic, EdlError, Note, Span
 from edatalog.ir.graph import Access, Graph, JoinAgg, Relation, Repeat
 from edatalog.lang import ast
 from edatalog.rules.scope import DimInfo, Scope, eval_dim
+from edatalog.rules.sources import INSTANCE, check_sources
 
 Compile = Callable[[ast.Program, Mapping[str, int] | None, Mapping[str, float] | None], tuple[Graph, list[Diagnostic]]]
 
 _ALLOWED = (ast.RelationDecl, ast.Rule, ast.OutputDecl)
-_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 
 
 def has_modules(program: ast.Program) -> bool:
@@ -76,7 +76,7 @@ def instantiate(
     modules = _modules(program)
     header = tuple(s for s in program.statements if isinstance(s, ast.DimDecl | ast.ConstDecl))
     top = [s for s in program.statements if not isinstance(s, ast.Module)]
-    _check_sources(top, in_module=False)
+    check_sources(top, in_module=False)
     warnings: list[Diagnostic] = []
     compiled: dict[str, tuple[Graph, list[Diagnostic]]] = {}
     uses: list[_Use] = []
@@ -156,25 +156,9 @@ def _modules(program: ast.Program) -> dict[str, ast.Module]:
                 m.name_span,
                 help="name its results: 'output y.' (the first is an instance's result)",
             )
-        _check_sources(list(m.statements), in_module=True)
+        check_sources(list(m.statements), in_module=True)
         out[m.name] = m
     return out
-
-
-def _check_sources(statements: Sequence[ast.Statement], in_module: bool) -> None:
-    for s in statements:
-        if not isinstance(s, ast.RelationDecl):
-            continue
-        for text, span in s.sources:
-            for m in _PLACEHOLDER.finditer(text):
-                if m.group(1) != "i" or not in_module:
-                    raise EdlError(
-                        f"'{{{m.group(1)}}}' in the checkpoint name of '{s.name}'",
-                        span,
-                        help="'{i}' stands for an instance's number, in a module's params only"
-                        if m.group(1) == "i"
-                        else "the only placeholder is '{i}', an instance's number",
-                    )
 
 
 def _dim_scope(graph: Graph) -> Scope:
@@ -281,7 +265,7 @@ def _splice(outer: Graph, uses: list[_Use], output_decls: list[ast.OutputDecl]) 
                 if new in relations:
                     continue  # an argument, defined outside
                 renamed = dataclasses.replace(
-                    rel, name=new, sources=tuple(s.replace("{i}", str(k)) for s in rel.sources)
+                    rel, name=new, sources=tuple(s.replace(f"{{{INSTANCE}}}", str(k)) for s in rel.sources)
                 )
                 relations[new] = renamed
                 made_by[new] = use.prefix

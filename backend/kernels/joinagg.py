@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from edatalog.backend.kernels import ops
+from edatalog.backend.kernels import routed as routed_kernel
 from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.kernels.contract import contract, squeeze
 from edatalog.backend.kernels.operands import access_view, guard_mask, index_values
@@ -162,6 +163,17 @@ def evaluate_node(
         None if p is None else access_view(xp.asarray(p, xp.bool_, device), acc, order, box, fill=False, xp=xp)
         for p, acc in zip(present, node.inputs, strict=True)
     ]
+    routed = (
+        routed_kernel.routed_form(node)
+        if node.lookups and xp.name == "torch" and all(m is None for m in masks)
+        else None
+    )
+    if routed is not None:
+        lk = node.lookups[routed.lookup]
+        routes = _looked_up_values(node, lk, data, order, box, None, xp, device)
+        scale = constant_scale(node, cdt, xp, device)
+        value, pres, out_vars = routed_kernel.evaluate_routed(node, routed, routes, converted, scale, xp, device)
+        return value, (pres if known is None else known.present), out_vars
     looked_up: dict[str, Array] = {}
     within = hits = None
     full_box = box
@@ -214,18 +226,7 @@ def _gather(
     head = set(node.out_indices)
     i64 = xp.dtype("i64")
     for lk in node.lookups:
-        acc = node.inputs[lk.input]
-        raw = access_view(xp.asarray(data[lk.input], i64, device), acc, order, box, xp=xp)
-        bad = xp.logical_or(raw < 0, raw >= lk.extent)
-        if masks[lk.input] is not None:  # an absent cell names no place
-            bad = xp.logical_and(bad, masks[lk.input])
-        if xp.argwhere_first(bad) is not None:
-            raise EdlError(
-                f"rule '{node.out}': a value of '{acc.relation}' looked up as index '{lk.index}' is "
-                f"out of range: the index runs 0 .. {lk.extent - 1}",
-                help=f"every value of '{acc.relation}' must name a place along '{lk.index}' "
-                "(a token id below the vocabulary size, a position below the cache's length)",
-            )
+        raw = _looked_up_values(node, lk, data, order, box, masks[lk.input], xp, device)
         value = raw - lk.offset if lk.offset else raw
         axis, size = order.index(lk.index), box[lk.index]
         partial = lk.offset > 0 or size < lk.extent
@@ -247,6 +248,32 @@ def _gather(
             within = inside if within is None else xp.logical_and(within, inside)
         values[lk.index] = value
     return box, views, masks, values, within, hits
+
+
+def _looked_up_values(
+    node: JoinAgg,
+    lk: Lookup,
+    data: Sequence[Array],
+    order: list[str],
+    box: dict[str, int],
+    mask: Array | None,
+    xp: ArrayOps,
+    device: Any,
+) -> Array:
+    """The values ``lk`` looks up, over the join space (i64), each checked to name a place."""
+    acc = node.inputs[lk.input]
+    raw = access_view(xp.asarray(data[lk.input], xp.dtype("i64"), device), acc, order, box, xp=xp)
+    bad = xp.logical_or(raw < 0, raw >= lk.extent)
+    if mask is not None:  # an absent cell names no place
+        bad = xp.logical_and(bad, mask)
+    if xp.argwhere_first(bad) is not None:
+        raise EdlError(
+            f"rule '{node.out}': a value of '{acc.relation}' looked up as index '{lk.index}' is "
+            f"out of range: the index runs 0 .. {lk.extent - 1}",
+            help=f"every value of '{acc.relation}' must name a place along '{lk.index}' "
+            "(a token id below the vocabulary size, a position below the cache's length)",
+        )
+    return raw
 
 
 def _scatter(space: _Space, out_vars: list[str], full_box: dict[str, int]) -> tuple[Array, Array | None]:

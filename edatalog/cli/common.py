@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import zipfile
@@ -16,6 +17,7 @@ import numpy as np
 from edatalog.backend.running.compiled import Compile
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
+from edatalog.rules.sources import pattern
 
 COMPILE_MODES = tuple(mode.value for mode in Compile)  # --compile's choices: the runtime's modes
 
@@ -207,13 +209,13 @@ _ARRAYS_HELP = "write inputs with numpy.savez(path, x=x, ...) or safetensors' sa
 
 def load_program_inputs(path: str, prog: Any) -> dict[str, np.ndarray]:
     """``--inputs``: the values of the file whose names are the program's inputs and params.  A
-    checkpoint given here (names the program declares as checkpoint names, not as its own) is an
-    error that says to pass it as ``--weights``."""
+    checkpoint given here (names the program declares as checkpoint names, not as its own; a
+    stacked name's tensors too) is an error that says to pass it as ``--weights``."""
     values = load_inputs(path)
     own = {r.name for r in prog.arguments}
     foreign = [k for k in values if k not in own]
-    declared = {src for r in prog.arguments for src in r.sources}
-    if foreign and any(k in declared for k in foreign):
+    declared = re.compile("|".join(pattern(src, False) for r in prog.arguments for src in r.sources) or "(?!)")
+    if foreign and any(declared.fullmatch(k) for k in foreign):
         raise EdlError(
             f"{path} holds checkpoint names ('{foreign[0]}'), not the program's own",
             help=f"pass a checkpoint as --weights {path}: params load by the names the program declares",

@@ -175,11 +175,14 @@ class Rule:
     """``head aggop body [where guard, ...]``."""
 
     head: Atom
-    aggop: str  # "=" "+=" "*=" "max=" "min="
+    aggop: str  # "=" "+=" "*=" "max=" "min=", or a selection: "argmax=" "argmin=" "top=" "argtop="
     body: Expr
     guards: tuple[Expr | Lookup, ...]
     span: Span
     aggop_span: Span
+    # The rule's type where the compiler states it rather than infers it: only rules generated
+    # from a selection have one (``edatalog.rules.select``); nothing in the syntax sets it.
+    dtype: str | None = None
 
     @property
     def lookups(self) -> tuple[Lookup, ...]:

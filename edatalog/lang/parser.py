@@ -297,8 +297,9 @@ def _build_grammar() -> dict[str, pp.ParserElement]:
         "a module instance",
     )
 
-    aggop_name = "an aggregation operator (=, +=, *=, max=, min=)"
-    aggop = _tok_span(pp.Regex(r"\+=|\*=|max=|min=|=(?!=)").set_name(aggop_name), aggop_name)
+    aggop_name = "an aggregation operator (=, +=, *=, max=, min=, argmax=, argmin=, top=, argtop=)"
+    aggop_re = r"\+=|\*=|max=|min=|argmax=|argmin=|top=|argtop=|=(?!=)"
+    aggop = _tok_span(pp.Regex(aggop_re).set_name(aggop_name), aggop_name)
 
     def rule(span: Span, t: pp.ParseResults) -> ast.Rule:
         head, (op, op_span), body, *guards = t

@@ -54,6 +54,7 @@ from edatalog.ir import dtypes
 from edatalog.ir.graph import AGG_NAMES
 from edatalog.ir.scalar import COMPARISONS
 from edatalog.lang.parser import CONTEXTUAL, KEYWORDS
+from edatalog.rules.select import SELECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 LANGUAGE = ROOT / "docs" / "language.md"
@@ -449,7 +450,7 @@ def run_ebnf(doc: _Doc, block: Block) -> None:
     want = set(KEYWORDS) | set(CONTEXTUAL) | set(dtypes.DTYPES)
     assert words == want, f"{block.id}: keywords and types {sorted(words)}"
     aggops = {t for t in terminals if t.endswith("=") and t not in COMPARISONS}
-    assert aggops == set(AGG_NAMES), f"{block.id}: aggregations {sorted(aggops)}"
+    assert aggops == set(AGG_NAMES) | set(SELECTIONS), f"{block.id}: aggregations {sorted(aggops)}"
     assert set(COMPARISONS) <= terminals, f"{block.id}: comparisons"
     doc.output = None
 

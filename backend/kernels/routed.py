@@ -1,0 +1,190 @@
+"""Routed contractions: a sum of products whose weight is looked up by a value, as one grouped
+matrix product instead of a gather of weights.
+
+    h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.     # a mixture of experts' layer
+
+Every point ``(t, k)`` reads the expert ``e`` that ``route`` names.  The general lookup path
+gathers ``w1[route[t, k]]`` at every point (``T·K·F·D`` values: gigabytes at Mixtral's widths)
+and multiplies row by row.  Here the points are sorted by expert (dispatch), each expert's rows
+multiply its own weight matrix in one grouped GEMM (``torch._grouped_mm`` over offsets, or a
+loop of matmuls for f64, which that kernel does not take), and the rows are added
+back to the head's cells (combine: ``index_add``, which also sums over ``k`` where the head
+leaves it out, ``y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e``).  The work is
+that of the points that exist, ``K/E`` of the dense form's, with exact results: nothing is
+dropped.  A block over part of the experts (expert parallelism) takes the points routed to its
+part; the others are absent there, as on the general path.
+
+The grouped GEMM keeps every shape static (counts and offsets stay on the device), so a
+recorded graph replays it for any routing; the loop reads the counts back and is interpreted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from edatalog.backend.kernels.arrays import Array, ArrayOps, torch_module
+from edatalog.backend.kernels.contract import squeeze
+from edatalog.backend.kernels.operands import access_view
+from edatalog.ir.forms import product_form
+from edatalog.ir.graph import JoinAgg
+from edatalog.ir.scalar import Load
+
+
+@dataclass(frozen=True)
+class RoutedForm:
+    """``out[R_head, O] += c * g[R, C] * w[e, C, O] where route[R] = e``, by input number."""
+
+    lookup: int  # the lookup (of ``node.lookups``) that routes
+    gathered: int  # the input read at the routed points (``x``)
+    weight: int  # the input indexed by the expert (``w1``)
+    routed: tuple[str, ...]  # R: the route's indices, in join order (``t, k``)
+    shared: tuple[str, ...]  # C: contracted between the two (``d``)
+    columns: tuple[str, ...]  # O: the weight's indices in the head (``f``)
+    kept: tuple[str, ...]  # the routed indices the head keeps (``t, k``; ``t`` for ``y``)
+
+
+@cache
+def routed_form(node: JoinAgg) -> RoutedForm | None:
+    """The node as a routed contraction, or None.  ``node`` is prepared (see ``joinagg.prepare``)."""
+    if node.agg != "sum" or len(node.lookups) != 1 or not node.guard.is_true:
+        return None
+    lk = node.lookups[0]
+    out = node.out_indices
+    if lk.index in out:  # a scatter
+        return None
+    form = product_form(node)
+    if form is None or len(form.factors) != 2 or any(p != 1 for _, p in form.factors):
+        return None
+    loads = [node.expr.nodes[k] for k, _ in form.factors]
+    if not all(isinstance(n, Load) for n in loads):
+        return None
+    inputs = [n.input for n in loads if isinstance(n, Load)]
+    weights = [k for k in inputs if lk.index in node.inputs[k].indices]
+    if len(weights) != 1 or lk.input in inputs:
+        return None
+    weight = weights[0]
+    gathered = next(k for k in inputs if k != weight)
+    order = [i.name for i in node.indices]
+    routed = tuple(v for v in order if v in node.inputs[lk.input].indices)
+    g_ix, w_ix = set(node.inputs[gathered].indices), set(node.inputs[weight].indices)
+    shared = tuple(v for v in order if v in g_ix and v not in routed)
+    columns = tuple(v for v in order if v in w_ix and v != lk.index and v not in shared)
+    kept = tuple(v for v in routed if v in out)
+    if (
+        w_ix & set(routed)
+        or not set(shared) <= w_ix
+        or set(shared) & set(out)
+        or set(out) != set(kept) | set(columns)
+        or set(order) != set(routed) | set(shared) | set(columns) | {lk.index}
+    ):
+        return None
+    return RoutedForm(0, gathered, weight, routed, shared, columns, kept)
+
+
+def evaluate_routed(
+    node: JoinAgg, form: RoutedForm, routes: Array, data: list[Array], scale: Array | None, xp: ArrayOps, device: Any
+) -> tuple[Array, Array | None, list[str]]:
+    """The node's value over its output indices (join order), its presence (None: every
+    cell), and those indices.  ``routes``: the route's values as the node's access reads them
+    (i64, range-checked); ``data``: the inputs in the compute dtype."""
+    torch = torch_module()
+    lk = node.lookups[form.lookup]
+    order = [i.name for i in node.indices]
+    box = node.box
+    rows = math.prod(box[v] for v in form.routed)
+    experts = box[lk.index]
+    # Dispatch: each point's expert within this block's part (the last bucket: elsewhere).
+    value = _over(access_view(routes, node.inputs[lk.input], order, box, xp=xp), order, form.routed, box, xp)
+    value = value.reshape(rows) - lk.offset
+    inside = (value >= 0) & (value < experts)
+    bucket = torch.where(inside, value, experts)
+    perm = torch.argsort(bucket, stable=True)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=device)
+    counts.index_add_(0, bucket, torch.ones_like(bucket))
+    g = access_view(data[form.gathered], node.inputs[form.gathered], order, box, xp=xp)
+    shared = math.prod(box[v] for v in form.shared)
+    a = _over(g, order, (*form.routed, *form.shared), box, xp).reshape(rows, shared)
+    a = a.index_select(0, perm)
+    w = access_view(data[form.weight], node.inputs[form.weight], order, box, xp=xp)
+    cols = math.prod(box[v] for v in form.columns)
+    b = _over(w, order, (lk.index, *form.shared, *form.columns), box, xp).reshape(experts, shared, cols)
+    product = _grouped(a, b, counts, rows, experts)
+    product = torch.where(inside.index_select(0, perm)[:, None], product, torch.zeros((), dtype=product.dtype))
+    if scale is not None:
+        product = product * scale
+    # Combine: each row to its head cell (summing the points that share one).
+    cell = _cell_ids(torch, form, box, device).index_select(0, perm)
+    cells = math.prod(box[v] for v in form.kept)
+    out = torch.zeros((cells, cols), dtype=product.dtype, device=device)
+    out.index_add_(0, cell, product)
+    out_vars = [v for v in order if v in form.kept or v in form.columns]
+    placed = [*form.kept, *form.columns]
+    result = out.reshape([box[v] for v in placed]).permute([placed.index(v) for v in out_vars])
+    present = None
+    if lk.offset or experts < lk.extent:  # cells whose every point is routed elsewhere are absent here
+        hit = torch.zeros(cells, dtype=torch.int64, device=device)
+        hit.index_add_(0, cell, inside.index_select(0, perm).to(torch.int64))
+        shape = [box[v] if v in form.kept else 1 for v in out_vars]
+        kept_order = [v for v in out_vars if v in form.kept]
+        present = (hit > 0).reshape([box[v] for v in form.kept]).permute([form.kept.index(v) for v in kept_order])
+        present = present.reshape(shape).expand([box[v] for v in out_vars])
+    return result, present, out_vars
+
+
+def _over(view: Array, order: list[str], want: tuple[str, ...], box: dict[str, int], xp: ArrayOps) -> Array:
+    """``view`` (over the join space) as an array over ``want``, in that order, expanded to the
+    box where it does not vary."""
+    arr, ix = squeeze(view, order, xp)
+    for v in want:
+        if v not in ix:
+            arr, ix = arr.unsqueeze(-1), (*ix, v)
+    arr = arr.permute([ix.index(v) for v in want])
+    return arr.expand([box[v] for v in want]).contiguous()
+
+
+def _cell_ids(torch: Any, form: RoutedForm, box: dict[str, int], device: Any) -> Array:
+    """Per routed point (row-major over ``form.routed``), the flat number of its head cell."""
+    ids = torch.zeros([box[v] for v in form.routed], dtype=torch.int64, device=device)
+    stride = 1
+    for v in reversed(form.kept):
+        axis = form.routed.index(v)
+        shape = [box[v] if k == axis else 1 for k in range(len(form.routed))]
+        ids = ids + torch.arange(box[v], device=device).reshape(shape) * stride
+        stride *= box[v]
+    return ids.reshape(-1)
+
+
+def _grouped(a: Array, b: Array, counts: Array, rows: int, experts: int) -> Array:
+    """Rows of ``a`` (sorted by expert, ``counts`` each; the last count: rows of no expert here)
+    times their expert's matrix of ``b``."""
+    torch = torch_module()
+    if _grouped_mm_takes(a):
+        # Rows of 16-byte multiples: a block of an odd width (a plan's uneven split) is padded
+        # with zeros, which add nothing to the products.
+        align = 16 // a.element_size()
+        inner, cols = (-a.shape[1]) % align, (-b.shape[-1]) % align
+        if inner:
+            a = torch.nn.functional.pad(a, (0, inner))
+            b = torch.nn.functional.pad(b, (0, 0, 0, inner))
+        if cols:
+            b = torch.nn.functional.pad(b, (0, cols))
+        offsets = torch.cumsum(counts[:experts], 0).to(torch.int32)
+        out = torch._grouped_mm(a, b, offs=offsets)
+        return out[:, : out.shape[1] - cols] if cols else out
+    out = torch.zeros((rows, b.shape[-1]), dtype=a.dtype, device=a.device)
+    start = 0
+    for e in range(experts):
+        n = int(counts[e].item())  # a value read back: a recording refuses it, so this runs interpreted
+        if n:
+            torch.matmul(a[start : start + n], b[e], out=out[start : start + n])
+        start += n
+    return out
+
+
+def _grouped_mm_takes(a: Array) -> bool:
+    """``torch._grouped_mm`` takes f32, bf16 and f16 (not f64)."""
+    torch = torch_module()
+    return hasattr(torch, "_grouped_mm") and a.dtype in (torch.float32, torch.bfloat16, torch.float16)

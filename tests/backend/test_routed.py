@@ -1,0 +1,147 @@
+"""Routed contractions (:mod:`edatalog.backend.kernels.routed`): a mixture of experts' layer,
+each token's rows multiplied by the experts its router picks as one grouped GEMM, against the
+numpy reference (which gathers), transformers' ``MixtralSparseMoeBlock``, and under plans that
+split the experts across logical devices (expert parallelism: a block over part of the experts
+takes the tokens routed there)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import edatalog
+from edatalog.backend.kernels import routed
+from edatalog.backend.running.compiled import CompiledExecutable
+from edatalog.errors import EdlWarning
+
+MOE = """
+dim T = 16, D = 32, F = 48, E = 8, K = 2.
+input x[T, D] : f32.
+param wg[E, D] : f32.
+param w1[E, F, D] : f32.
+param w3[E, F, D] : f32.
+param w2[E, D, F] : f32.
+output y.
+
+router[t, e] += x[t, d] * wg[e, d].
+route[t, k:K] argtop= router[t, e].
+chosen[t, k:K] top= router[t, e].
+m[t] max= chosen[t, k].
+p[t, k] = exp(chosen[t, k] - m[t]).
+z[t] += p[t, k].
+h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.
+h3[t, k, f] += x[t, d] * w3[e, f, d] where route[t, k] = e.
+a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f] * p[t, k] / z[t].
+y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
+"""
+
+
+def _compile(**kw: Any) -> edatalog.Program:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EdlWarning)
+        return edatalog.compile_string(MOE, **kw)
+
+
+@pytest.fixture
+def routed_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The rules evaluated as routed contractions."""
+    calls: list[str] = []
+    real = routed.evaluate_routed
+
+    def spy(node: Any, *args: Any) -> Any:
+        calls.append(node.out)
+        return real(node, *args)
+
+    monkeypatch.setattr(routed, "evaluate_routed", spy)
+    return calls
+
+
+def _split(prog: edatalog.Program, values: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
+    params = {r.name for r in prog.arguments if r.kind == "param"}
+    return (
+        {k: torch.tensor(v) for k, v in values.items() if k in params},
+        {k: torch.tensor(v) for k, v in values.items() if k not in params},
+    )
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("f32", 1e-5), ("f64", 1e-12)])
+def test_expert_rules_run_as_grouped_gemms_and_equal_the_reference(
+    dtype: str, tol: float, routed_calls: list[str]
+) -> None:
+    """f32 takes ``torch._grouped_mm`` and is recorded and replayed as a graph; f64 (which that
+    kernel does not take) loops over the experts, interpreted."""
+    prog = _compile(dtype=dtype)
+    values = prog.random_inputs(seed=1)
+    want = prog.run(values)["y"]
+    params, inputs = _split(prog, values)
+    exe = edatalog.executable(prog, None, backend="torch")
+    exe.load(params)
+    for call in ("interpreted", "recorded", "replayed"):
+        got = exe(inputs)["y"].numpy()
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=call)
+    assert sorted(set(routed_calls)) == ["h1", "h3", "y"]
+    assert _replayed(exe) == (dtype == "f32")
+
+
+def _replayed(exe: Any) -> bool:
+    return isinstance(exe._impl, CompiledExecutable) and bool(exe._impl.replays)
+
+
+@pytest.mark.parametrize(("machine", "seed"), [("cpux2", 0), ("cpux2", 1), ("a100x4", 2), ("a100x4", 3)])
+def test_expert_parallel_blocks_equal_the_reference(machine: str, seed: int, routed_calls: list[str]) -> None:
+    """Random plans split the experts (and tokens, and features) unevenly: each block takes
+    the points routed to its experts, the others are absent there."""
+    prog = _compile()
+    values = prog.random_inputs(seed=seed)
+    want = prog.run(values)["y"]
+    plan = edatalog.plan(prog, topology=machine, strategy="random", seed=seed)
+    params, inputs = _split(prog, values)
+    exe = edatalog.executable(prog, plan, backend="torch")
+    exe.load(params)
+    for call in ("interpreted", "recorded", "replayed"):
+        np.testing.assert_allclose(exe(inputs)["y"].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=call)
+    assert routed_calls and _replayed(exe)
+
+
+def test_the_moe_layer_equals_transformers_mixtral_block_in_f64() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral import modeling_mixtral
+
+    t, d, f, e, k = 16, 32, 48, 8, 2
+    cfg = transformers.MixtralConfig(hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k)
+    torch.manual_seed(0)
+    block = modeling_mixtral.MixtralSparseMoeBlock(cfg).double().eval()  # type: ignore[no-untyped-call]
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    gate_up = block.experts.gate_up_proj.detach()
+    params = {
+        "wg": block.gate.weight.detach(),
+        "w1": gate_up[:, :f].contiguous(),
+        "w3": gate_up[:, f:].contiguous(),
+        "w2": block.experts.down_proj.detach(),
+    }
+    x = torch.randn(t, d, dtype=torch.float64)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = block(x[None])[0].numpy()
+    prog = _compile(dtype="f64")
+    exe = edatalog.executable(prog, None, backend="torch")
+    exe.load(params)
+    got = exe({"x": x})["y"].numpy()
+    # transformers computes the router's softmax in f32 (``dtype=torch.float``): 3e-8 here.
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    ref = prog.run({"x": x.numpy(), **{n: v.numpy() for n, v in params.items()}})["y"]
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_flops_of_the_expert_rules_are_k_over_e_of_the_dense_form() -> None:
+    """Each token's rows meet the K experts it is routed to, not all E."""
+    prog = _compile(dims={"T": 512, "D": 1024, "F": 2816})
+    costs = prog.graph.costs
+    routed = sum(costs[n].flops for n in ("h1", "h3", "y"))
+    dense = 3 * 2 * 512 * 8 * 2816 * 1024  # three GEMMs of every token by every expert
+    assert routed == pytest.approx(2 / 8 * dense, rel=0.10)
