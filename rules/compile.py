@@ -1,6 +1,6 @@
 """The rule compiler: parsed program in, verified join-agg graph out.
 
-    (modules) -> selections -> scope -> check -> extents -> lower -> eliminate -> support -> verify
+    (modules) -> conversions -> selections -> scope -> check -> extents -> lower -> eliminate -> support -> verify
 
 Each pass lives in its own module and raises :class:`~edatalog.errors.EdlError` for the
 mistakes it is the first to see.
@@ -17,6 +17,7 @@ from edatalog.ir.affine import Guard
 from edatalog.ir.graph import Graph, JoinAgg, Relation
 from edatalog.lang import ast
 from edatalog.rules.check import Checked, aggregated_by_assignment, check_rules
+from edatalog.rules.convert import check_conversions, expand_conversions
 from edatalog.rules.eliminate import eliminate_defined
 from edatalog.rules.extents import Extents, infer_extents
 from edatalog.rules.lower import lower_rule
@@ -46,11 +47,13 @@ def _compile_plain(
     """The passes, for a program without modules whose checkpoint names are checked already:
     by :func:`compile_program`, or for a module's body and the rest of a program by
     :func:`instantiate` (which knows where ``{i}`` may stand)."""
+    program, conversions = expand_conversions(program)
     program, selections = expand_selections(program)
     scope = build_scope(program, dims, consts)
     checked = check_rules(scope)
     extents = infer_extents(checked)
     graph = _build_graph(checked, extents, program.source.name)
+    check_conversions(graph, conversions)
     check_ranks(graph, selections)
     graph.verify()
     return graph, checked.warnings

@@ -208,6 +208,8 @@ def _unary(bld: Builder, op: str, x: int, out: int) -> int:
         return bld.mul(s, bld.add(one, bld.mul(x, bld.sub(one, s))))
     if op == "relu":
         return bld.where(bld.op("gt", x, zero), one, zero)
+    if op in ("floor", "ceil", "round", "trunc"):  # piecewise constant
+        return zero
     if op == "erf":
         return bld.mul(bld.const(2.0 / math.sqrt(math.pi)), bld.op("exp", bld.neg(bld.mul(x, x))))
     if op == "gelu":

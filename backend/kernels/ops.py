@@ -128,6 +128,10 @@ SCALAR_OPS: dict[str, Impl] = {
     "gelu_tanh": Impl(_np_gelu_tanh, _T("nn.functional.gelu", approximate="tanh")),
     "relu": Impl(lambda a: np.maximum(a, a.dtype.type(0)), _T("relu")),
     "erf": Impl(_np_erf, _T("special.erf"), out=True),
+    "floor": Impl(np.floor, _T("floor"), out=True),
+    "ceil": Impl(np.ceil, _T("ceil"), out=True),
+    "round": Impl(np.rint, _T("round"), out=True),  # halves to even, both
+    "trunc": Impl(np.trunc, _T("trunc"), out=True),
 }
 assert SCALAR_OPS.keys() == OPS.keys(), "every op of the language needs an implementation"
 

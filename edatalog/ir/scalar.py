@@ -58,6 +58,10 @@ OPS: dict[str, OpInfo] = {
     "gelu_tanh": OpInfo(1, 1),
     "relu": OpInfo(1, 1),
     "erf": OpInfo(1, 1),
+    "floor": OpInfo(1, 1),
+    "ceil": OpInfo(1, 1),
+    "round": OpInfo(1, 1),
+    "trunc": OpInfo(1, 1),
 }
 
 FUNCTIONS = {name: info.arity for name, info in OPS.items() if info.infix is None}
@@ -107,6 +111,10 @@ FOLD: dict[str, Callable[..., float | bool]] = {
     "gelu_tanh": _gelu_tanh,
     "relu": lambda a: max(a, 0.0),
     "erf": math.erf,
+    "floor": lambda a: float(math.floor(a)),
+    "ceil": lambda a: float(math.ceil(a)),
+    "round": lambda a: float(round(a)),  # halves to even, as numpy and torch round
+    "trunc": lambda a: float(math.trunc(a)),
 }
 
 

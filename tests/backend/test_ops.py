@@ -27,6 +27,8 @@ def _args(op: str, rng: np.random.Generator) -> list[np.ndarray]:
         return [rng.uniform(0.1, 4.0, 12)]
     if op == "pow":
         return [rng.uniform(0.1, 4.0, 12), rng.uniform(-2.0, 2.0, 12)]
+    if op == "div":  # a denominator never rounds to 0
+        return [rng.uniform(-3.0, 3.0, 12).round(1), rng.uniform(0.1, 3.0, 12) * rng.choice([-1.0, 1.0], 12)]
     return [rng.uniform(-3.0, 3.0, 12).round(1) for _ in range(OPS[op].arity)]  # .round: ties for ==
 
 
