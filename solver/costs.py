@@ -22,6 +22,7 @@ from edatalog.ir import dtypes
 from edatalog.ir.attention import attention_chains, key_index
 from edatalog.ir.attention_backward import attention_backwards
 from edatalog.ir.cost import ONE_ATTENTION, GemmRoles, flops_per_point, gemm_roles, gemm_shape, launches
+from edatalog.ir.forms import routed_form, routed_gemm
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import (
@@ -133,14 +134,19 @@ class Costs:
             if cand.parts[k] > 1 or (cand.chunk > 1 and k in cand.chunked):  # the keys cut: no flash kernel
                 fused = None
         gathered = [bool(node.looked_up & set(acc.indices)) for acc in accesses]
+        routed = routed_form(node) if node.lookups else None
         for b in blocks:
             out, size = self._reach(node.out_axes, b.ranges)
             out_boxes.setdefault(b.device, []).append(out)
             made[b.device] = made.get(b.device, 0) + size * out_item
             nbytes = 0 if fused is not None and node.out in fused else size * out_item
             # A looked-up index takes one value per point of the others: a block does a (masked)
-            # gather over those, whatever part of the looked-up range it has.
-            points = b.points // math.prod(b.ranges[v][1] - b.ranges[v][0] for v in node.looked_up)
+            # gather over those, whatever part of the looked-up range it has; a routed block (a
+            # grouped GEMM) computes the points routed to its experts, at the expected load.
+            if routed is not None:
+                points = b.points // node.lookups[routed.lookup].extent
+            else:
+                points = b.points // math.prod(b.ranges[v][1] - b.ranges[v][0] for v in node.looked_up)
             for k, acc in enumerate(accesses):
                 need, size = self._reach(acc.axes, b.ranges)
                 if fused is None or acc.relation not in fused:
@@ -149,11 +155,12 @@ class Costs:
                 needs[k][b.device] = need if have is None else box_hull(have, need)
             dev = self.topo.devices[b.device]
             if fused is None:
-                gemm = (
-                    gemm_shape(roles, {i: hi - lo for i, (lo, hi) in b.ranges.items()})
-                    if dev.sms and not node.lookups
-                    else None
-                )
+                extents = {i: hi - lo for i, (lo, hi) in b.ranges.items()}
+                gemm = None
+                if dev.sms and routed is not None:
+                    gemm = routed_gemm(node, routed, extents)
+                elif dev.sms and not node.lookups:
+                    gemm = gemm_shape(roles, extents)
                 seconds = compute_seconds(points * fpp, nbytes, dev, self.topo, node.dtype, gemm, launches=kernels)
             else:
                 # As the backend fuses and the timeline costs it (edatalog.backend.lowering.lowered): the

@@ -34,13 +34,24 @@ import random as _random
 from collections.abc import Mapping, Sequence
 
 from edatalog.errors import EdlError, did_you_mean
+from edatalog.ir.forms import routed_form
 from edatalog.ir.graph import Access, Graph
 from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.structure import transformer_dims
 from edatalog.solver.topology import Topology
 
-STRATEGIES = ("replicate", "data", "zero", "megatron", "megatron-sp", "megatron-dp", "megatron-sp-dp", "random")
+STRATEGIES = (
+    "replicate",
+    "data",
+    "zero",
+    "megatron",
+    "megatron-sp",
+    "megatron-dp",
+    "megatron-sp-dp",
+    "expert",
+    "random",
+)
 MULTI_NODE = ("megatron-dp", "megatron-sp-dp")  # the baselines of machines of several nodes
 # Whole models across nodes: layers in stages, one node each, microbatched.  Their time is
 # composed from one node's timelines by a later stage; no whole plan of them is built.
@@ -90,6 +101,8 @@ def build(graph: Graph, topology: Topology, strategy: str, seed: int = 0) -> Pla
         if strategy == "megatron-sp-dp":
             return plan  # outputs split along the sequence inside each node, as megatron-sp leaves them
         return per_node_outputs(graph, plan, g, len(topology.nodes))
+    if strategy == "expert":
+        return plan_of(graph, topology, strategy, expert_tiles(graph, n), outputs=False)
     if strategy == "random":
         return random_plan(graph, topology, seed)
     close = did_you_mean(strategy, STRATEGIES)
@@ -202,6 +215,30 @@ def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
             tiles[node.name] = Tile.whole(node.box, range(n))  # no batch index: replicate
         else:
             tiles[node.name] = Tile(tuple(splits), tuple((k,) for k in range(tile_parts)))
+    return tiles
+
+
+def expert_tiles(graph: Graph, n: int) -> dict[str, Tile]:
+    """Expert parallelism with data parallelism (DeepSpeed-MoE's and Megatron's EP): each
+    routed rule (a mixture of experts' layer, ``edatalog.ir.forms.routed_form``) splits the
+    expert index evenly over the devices, so each holds its experts' weights and computes the
+    tokens routed to them; every other rule is as ``data`` has it.  Exchanges carry the tokens
+    to the experts' devices and the results back."""
+    tiles = _data_tiles(graph, n)
+    routed = [node for node in graph.nodes if node.lookups and routed_form(node) is not None]
+    if not routed:
+        raise EdlError(
+            "the expert strategy needs a mixture of experts: a rule that looks its weight up by a "
+            "routed value ('h[t, k, f] += x[t, d] * w[e, f, d] where route[t, k] = e.')",
+            help="plan it with -s auto, data or megatron",
+        )
+    for node in routed:
+        form = routed_form(node)
+        assert form is not None
+        expert = node.lookups[form.lookup].index
+        count = min(n, node.box[expert])
+        splits = tuple(Split.even(i.name, i.extent, count if i.name == expert else 1) for i in node.indices)
+        tiles[node.name] = Tile(splits, tuple((k,) for k in range(count)))
     return tiles
 
 

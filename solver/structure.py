@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edatalog.ir.cost import gemm_roles
+from edatalog.ir.forms import routed_form
 from edatalog.ir.graph import Access, Graph, Index, JoinAgg
 
 
@@ -97,7 +98,9 @@ def _ffn(graph: Graph, params: set[str]) -> set[str]:
 
 
 def _with_weights(node: JoinAgg, params: set[str]) -> bool:
-    return gemm_roles(node) is not None and any(acc.relation in params for acc in node.inputs)
+    """A contraction with weights: a GEMM, or a routed one (a mixture of experts' layer)."""
+    gemm = gemm_roles(node) is not None or (bool(node.lookups) and routed_form(node) is not None)
+    return gemm and any(acc.relation in params for acc in node.inputs)
 
 
 def _reaches_sum(relation: str, dim: str, readers: dict[str, list[JoinAgg]], params: set[str], seen: set[str]) -> bool:

@@ -40,7 +40,7 @@ from edatalog.backend.kernels.operands import access_view, guard_mask, index_val
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine
-from edatalog.ir.forms import product_form
+from edatalog.ir.forms import product_form, routed_form
 from edatalog.ir.graph import JoinAgg, Lookup
 from edatalog.ir.rewrite import reindex_bands
 from edatalog.ir.scalar import Const, IndexValue, Load, Op, ScalarExpr
@@ -163,11 +163,7 @@ def evaluate_node(
         None if p is None else access_view(xp.asarray(p, xp.bool_, device), acc, order, box, fill=False, xp=xp)
         for p, acc in zip(present, node.inputs, strict=True)
     ]
-    routed = (
-        routed_kernel.routed_form(node)
-        if node.lookups and xp.name == "torch" and all(m is None for m in masks)
-        else None
-    )
+    routed = routed_form(node) if node.lookups and xp.name == "torch" and all(m is None for m in masks) else None
     if routed is not None:
         lk = node.lookups[routed.lookup]
         routes = _looked_up_values(node, lk, data, order, box, None, xp, device)

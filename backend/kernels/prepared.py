@@ -42,7 +42,7 @@ from edatalog.backend.kernels.joinagg import (
 )
 from edatalog.backend.kernels.operands import index_values, view_spec
 from edatalog.ir import dtypes
-from edatalog.ir.forms import product_form
+from edatalog.ir.forms import product_form, routed_form
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.scalar import OPS, Const, IndexValue, Load, Op
 
@@ -121,10 +121,11 @@ def general_path(block: JoinAgg) -> bool:
     elementwise block too large for one pass is evaluated by the general path too, but in
     chunks of the same torch ops at memory speed (measured on a CPU: 0.95-1.06x torch's own
     expression at 4-8M points), so it is priced as a prepared block: pricing it at the masked
-    path's rate made splitting a block under :data:`CHUNK_POINTS` look faster than it is."""
-    if block.lookups:
-        return True
+    path's rate made splitting a block under :data:`CHUNK_POINTS` look faster than it is.  A
+    routed contraction (``backend/kernels/routed.py``) is a grouped GEMM, not the general path."""
     node = prepare(block)
+    if node.lookups:  # a routed contraction is a grouped GEMM; any other lookup gathers
+        return routed_form(node) is None
     if node.agg_indices:
         return _product_loads(node) is None and conv_form(node) is None
     return False

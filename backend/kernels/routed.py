@@ -21,67 +21,13 @@ recorded graph replays it for any routing; the loop reads the counts back and is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 from edatalog.backend.kernels.arrays import Array, ArrayOps, torch_module
 from edatalog.backend.kernels.contract import squeeze
 from edatalog.backend.kernels.operands import access_view
-from edatalog.ir.forms import product_form
+from edatalog.ir.forms import RoutedForm
 from edatalog.ir.graph import JoinAgg
-from edatalog.ir.scalar import Load
-
-
-@dataclass(frozen=True)
-class RoutedForm:
-    """``out[R_head, O] += c * g[R, C] * w[e, C, O] where route[R] = e``, by input number."""
-
-    lookup: int  # the lookup (of ``node.lookups``) that routes
-    gathered: int  # the input read at the routed points (``x``)
-    weight: int  # the input indexed by the expert (``w1``)
-    routed: tuple[str, ...]  # R: the route's indices, in join order (``t, k``)
-    shared: tuple[str, ...]  # C: contracted between the two (``d``)
-    columns: tuple[str, ...]  # O: the weight's indices in the head (``f``)
-    kept: tuple[str, ...]  # the routed indices the head keeps (``t, k``; ``t`` for ``y``)
-
-
-@cache
-def routed_form(node: JoinAgg) -> RoutedForm | None:
-    """The node as a routed contraction, or None.  ``node`` is prepared (see ``joinagg.prepare``)."""
-    if node.agg != "sum" or len(node.lookups) != 1 or not node.guard.is_true:
-        return None
-    lk = node.lookups[0]
-    out = node.out_indices
-    if lk.index in out:  # a scatter
-        return None
-    form = product_form(node)
-    if form is None or len(form.factors) != 2 or any(p != 1 for _, p in form.factors):
-        return None
-    loads = [node.expr.nodes[k] for k, _ in form.factors]
-    if not all(isinstance(n, Load) for n in loads):
-        return None
-    inputs = [n.input for n in loads if isinstance(n, Load)]
-    weights = [k for k in inputs if lk.index in node.inputs[k].indices]
-    if len(weights) != 1 or lk.input in inputs:
-        return None
-    weight = weights[0]
-    gathered = next(k for k in inputs if k != weight)
-    order = [i.name for i in node.indices]
-    routed = tuple(v for v in order if v in node.inputs[lk.input].indices)
-    g_ix, w_ix = set(node.inputs[gathered].indices), set(node.inputs[weight].indices)
-    shared = tuple(v for v in order if v in g_ix and v not in routed)
-    columns = tuple(v for v in order if v in w_ix and v != lk.index and v not in shared)
-    kept = tuple(v for v in routed if v in out)
-    if (
-        w_ix & set(routed)
-        or not set(shared) <= w_ix
-        or set(shared) & set(out)
-        or set(out) != set(kept) | set(columns)
-        or set(order) != set(routed) | set(shared) | set(columns) | {lk.index}
-    ):
-        return None
-    return RoutedForm(0, gathered, weight, routed, shared, columns, kept)
 
 
 def evaluate_routed(

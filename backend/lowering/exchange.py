@@ -32,6 +32,7 @@ from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
 from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches
+from edatalog.ir.forms import routed_form, routed_gemm
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.intervals import atoms
 from edatalog.ir.program import OpCost
@@ -181,6 +182,10 @@ class _Synthesizer:
             # A looked-up index takes one value per point of the others: the block gathers over
             # those, and over part of the index's range only some of its cells get a value.
             chosen = math.prod(ranges[lk.index][1] - ranges[lk.index][0] for lk in node.lookups)
+            routed = routed_form(node) if node.lookups else None
+            # A routed block (a grouped GEMM) computes the points routed to its experts: priced
+            # at the expected load, as the solver prices it.
+            work = points // node.lookups[routed.lookup].extent if routed is not None else points // chosen
             part = any(ranges[lk.index] != (0, lk.extent) for lk in node.lookups)
             holders = {}
             for d in block.devices:
@@ -203,7 +208,7 @@ class _Synthesizer:
                     ranges,
                     reads,
                     out,
-                    points // chosen * flops_per_point(node),
+                    work * flops_per_point(node),
                     nbytes,
                     points == math.prod(hi - lo for lo, hi in ranges.values()) and not part,
                 )
@@ -463,8 +468,12 @@ def _lower(
             ranges = tuple((i.name, *t.ranges[i.name]) for i in node.indices)
             reads = tuple(tuple((b, r) for b, r in parts) for parts in t.reads)
             kernel = ir.Kernel(t.id, t.node, ranges, reads, node.out, t.out, dtype[t.id], full[t.id])
-            roles = None if node.lookups else gemm_roles(node)  # a gather is no GEMM
-            gemm = gemm_shape(roles, {i: hi - lo for i, (lo, hi) in t.ranges.items()})
+            extents = {i: hi - lo for i, (lo, hi) in t.ranges.items()}
+            routed = routed_form(node) if node.lookups else None
+            if routed is not None:
+                gemm: tuple[int, int, int, int] | None = routed_gemm(node, routed, extents)
+            else:
+                gemm = gemm_shape(None if node.lookups else gemm_roles(node), extents)  # a gather is no GEMM
             general = _general(node.anonymous, ranges)
             ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm, general, launches(node))))
         elif isinstance(t, Send):
