@@ -28,6 +28,14 @@ SMALL: dict[str, tuple[dict[str, int], dict[str, tuple[str, ...]]]] = {
         {"D": 12, "H": 3, "KVH": 1, "F": 7, "L": 2, "V": 11, "T": 6},
         {"logits": ("B", "V"), **{f"layers.{k}.{c}_new": ("B", "KVH", "E") for k in (0, 1) for c in ("kr", "v")}},
     ),
+    "mixtral.edl": (
+        {"S": 5, "D": 12, "H": 3, "KVH": 1, "F": 7, "L": 2, "V": 11, "X": 4, "K": 2},
+        {"logits": ("B", "S", "V")},
+    ),
+    "mixtral_decode.edl": (
+        {"D": 12, "H": 3, "KVH": 1, "F": 7, "L": 2, "V": 11, "X": 4, "K": 2, "T": 6},
+        {"logits": ("B", "V"), **{f"layers.{k}.{c}_new": ("B", "KVH", "E") for k in (0, 1) for c in ("kr", "v")}},
+    ),
     "mlp.edl": ({"B": 3, "D": 5, "F": 7}, {"y": ("B", "D")}),
     "softmax.edl": ({"N": 4, "C": 9}, {"y": ("N", "C")}),
 }
