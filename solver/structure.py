@@ -17,6 +17,8 @@ A conv2d (one contraction with weights) has neither: its height is never "heads"
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from edatalog.ir.cost import gemm_roles
@@ -80,11 +82,24 @@ def _operands(node: JoinAgg) -> tuple[Access, Access] | None:
 
 def _ffn(graph: Graph, params: set[str]) -> set[str]:
     """Dims that a contraction with weights keeps and a later one sums, through rules that keep
-    the dim and read it in every input."""
+    the dim and read it in every input that depends on it."""
     readers: dict[str, list[JoinAgg]] = {}
     for n in graph.nodes:
         for acc in n.inputs:
             readers.setdefault(acc.relation, []).append(n)
+    makers: dict[str, list[JoinAgg]] = {}
+    for n in graph.nodes:
+        makers.setdefault(n.out, []).append(n)
+
+    @functools.cache
+    def depends(relation: str, dim: str) -> bool:
+        """Whether ``relation``'s values are computed over ``dim`` (an index of that dim in a
+        rule that makes it, or in one that makes what it reads)."""
+        return any(
+            any(i.symbol == dim for i in n.indices) or any(depends(acc.relation, dim) for acc in n.inputs)
+            for n in makers.get(relation, [])
+        )
+
     out: set[str] = set()
     for node in graph.nodes:
         if not _with_weights(node, params):
@@ -92,7 +107,7 @@ def _ffn(graph: Graph, params: set[str]) -> set[str]:
         symbols = {i.name: i.symbol for i in node.indices}
         for name in node.out_indices:
             dim = symbols[name]
-            if dim not in out and _reaches_sum(node.out, dim, readers, params, set()):
+            if dim not in out and _reaches_sum(node.out, dim, readers, params, set(), depends):
                 out.add(dim)
     return out
 
@@ -103,7 +118,14 @@ def _with_weights(node: JoinAgg, params: set[str]) -> bool:
     return gemm and any(acc.relation in params for acc in node.inputs)
 
 
-def _reaches_sum(relation: str, dim: str, readers: dict[str, list[JoinAgg]], params: set[str], seen: set[str]) -> bool:
+def _reaches_sum(
+    relation: str,
+    dim: str,
+    readers: dict[str, list[JoinAgg]],
+    params: set[str],
+    seen: set[str],
+    depends: Callable[[str, str], bool],
+) -> bool:
     if relation in seen:
         return False
     seen.add(relation)
@@ -112,7 +134,11 @@ def _reaches_sum(relation: str, dim: str, readers: dict[str, list[JoinAgg]], par
         if _with_weights(reader, params) and any(symbols[i] == dim for i in reader.agg_indices):
             return True
         elementwise = reader.agg is None and any(symbols[i] == dim for i in reader.out_indices)
-        carried = all(any(symbols[i] == dim for i in acc.indices) for acc in reader.inputs)
-        if elementwise and carried and _reaches_sum(reader.out, dim, readers, params, seen):
+        # Every input carries the dim, or does not depend on it at all (a mixture of experts'
+        # gates scale each expert's columns); a norm's sum over the dim breaks the chain.
+        carried = all(
+            any(symbols[i] == dim for i in acc.indices) or not depends(acc.relation, dim) for acc in reader.inputs
+        )
+        if elementwise and carried and _reaches_sum(reader.out, dim, readers, params, seen, depends):
             return True
     return False

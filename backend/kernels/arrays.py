@@ -58,6 +58,9 @@ class ArrayOps:
     where new arrays go (None: the library's default); numpy ignores them."""
 
     name: str
+    # Whether a kernel may read values back to the host to choose its shapes (a loop over what
+    # the values say); False while a graph is being recorded, whose replays must not depend on them.
+    reads_back: bool = True
 
     # -- dtypes -------------------------------------------------------------------------------
 

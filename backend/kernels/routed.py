@@ -6,8 +6,9 @@ matrix product instead of a gather of weights.
 Every point ``(t, k)`` reads the expert ``e`` that ``route`` names.  The general lookup path
 gathers ``w1[route[t, k]]`` at every point (``T·K·F·D`` values: gigabytes at Mixtral's widths)
 and multiplies row by row.  Here the points are sorted by expert (dispatch), each expert's rows
-multiply its own weight matrix in one grouped GEMM (``torch._grouped_mm`` over offsets, or a
-loop of matmuls for f64, which that kernel does not take), and the rows are added
+multiply its own weight matrix in one grouped GEMM (``torch._grouped_mm`` over offsets; for f64,
+which that kernel does not take, a loop of matmuls, or while a graph is recorded every expert
+over every row, masked), and the rows are added
 back to the head's cells (combine: ``index_add``, which also sums over ``k`` where the head
 leaves it out, ``y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e``).  The work is
 that of the points that exist, ``K/E`` of the dense form's, with exact results: nothing is
@@ -15,7 +16,7 @@ dropped.  A block over part of the experts (expert parallelism) takes the points
 part; the others are absent there, as on the general path.
 
 The grouped GEMM keeps every shape static (counts and offsets stay on the device), so a
-recorded graph replays it for any routing; the loop reads the counts back and is interpreted.
+recorded graph replays it for any routing.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def evaluate_routed(
     w = access_view(data[form.weight], node.inputs[form.weight], order, box, xp=xp)
     cols = math.prod(box[v] for v in form.columns)
     b = _over(w, order, (lk.index, *form.shared, *form.columns), box, xp).reshape(experts, shared, cols)
-    product = _grouped(a, b, counts, rows, experts)
+    product = _grouped(a, b, counts, bucket.index_select(0, perm), rows, experts, xp)
     product = torch.where(inside.index_select(0, perm)[:, None], product, torch.zeros((), dtype=product.dtype))
     if scale is not None:
         product = product * scale
@@ -103,9 +104,9 @@ def _cell_ids(torch: Any, form: RoutedForm, box: dict[str, int], device: Any) ->
     return ids.reshape(-1)
 
 
-def _grouped(a: Array, b: Array, counts: Array, rows: int, experts: int) -> Array:
-    """Rows of ``a`` (sorted by expert, ``counts`` each; the last count: rows of no expert here)
-    times their expert's matrix of ``b``."""
+def _grouped(a: Array, b: Array, counts: Array, buckets: Array, rows: int, experts: int, xp: ArrayOps) -> Array:
+    """Rows of ``a`` (sorted by expert, ``counts`` each, ``buckets`` naming each row's; the last
+    count: rows of no expert here) times their expert's matrix of ``b``."""
     torch = torch_module()
     if _grouped_mm_takes(a):
         # Rows of 16-byte multiples: a block of an odd width (a plan's uneven split) is padded
@@ -121,9 +122,16 @@ def _grouped(a: Array, b: Array, counts: Array, rows: int, experts: int) -> Arra
         out = torch._grouped_mm(a, b, offs=offsets)
         return out[:, : out.shape[1] - cols] if cols else out
     out = torch.zeros((rows, b.shape[-1]), dtype=a.dtype, device=a.device)
+    if not xp.reads_back:
+        # Recording a graph (f64, which the grouped kernel does not take): every expert's matrix
+        # times every row, each row kept for its own expert.  Static shapes, E times the work:
+        # a precision path, not a fast one.
+        for e in range(experts):
+            out += torch.where((buckets == e)[:, None], a @ b[e], torch.zeros((), dtype=a.dtype))
+        return out
     start = 0
     for e in range(experts):
-        n = int(counts[e].item())  # a value read back: a recording refuses it, so this runs interpreted
+        n = int(counts[e].item())  # the counts read back: each expert multiplies its own rows only
         if n:
             torch.matmul(a[start : start + n], b[e], out=out[start : start + n])
         start += n

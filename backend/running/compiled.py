@@ -125,6 +125,8 @@ class StaticOps(TorchOps):
     product), the check itself recorded into ``assumed``: the graph returns whether every such
     assumption held, and a call where one did not runs again on the interpreter."""
 
+    reads_back = False
+
     def __init__(self, device: Any = None, assumed: list[Any] | None = None) -> None:
         super().__init__(device)
         self.assumed = assumed if assumed is not None else []

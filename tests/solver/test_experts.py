@@ -34,11 +34,10 @@ p[t, k] = exp(chosen[t, k] - m[t]).
 z[t] += p[t, k].
 h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.
 h3[t, k, f] += x[t, d] * w3[e, f, d] where route[t, k] = e.
-a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f].
-yk[t, k, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
-y[t, d] += yk[t, k, d] * p[t, k] / z[t].
+a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f] * p[t, k] / z[t].
+y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
 """
-ROUTED = ("h1", "h3", "yk")
+ROUTED = ("h1", "h3", "y")
 
 
 def _compile(**dims: int) -> edatalog.Program:
