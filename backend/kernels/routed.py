@@ -57,7 +57,8 @@ def evaluate_routed(
     a = a.index_select(0, perm)
     w = access_view(data[form.weight], node.inputs[form.weight], order, box, xp=xp)
     cols = math.prod(box[v] for v in form.columns)
-    b = _over(w, order, (lk.index, *form.shared, *form.columns), box, xp).reshape(experts, shared, cols)
+    # The weight as it lies (a transposed view where its axes are so ordered), never copied.
+    b = _over(w, order, (lk.index, *form.shared, *form.columns), box, xp, copy=False).reshape(experts, shared, cols)
     product = _grouped(a, b, counts, bucket.index_select(0, perm), rows, experts, xp)
     product = torch.where(inside.index_select(0, perm)[:, None], product, torch.zeros((), dtype=product.dtype))
     if scale is not None:
@@ -81,15 +82,17 @@ def evaluate_routed(
     return result, present, out_vars
 
 
-def _over(view: Array, order: list[str], want: tuple[str, ...], box: dict[str, int], xp: ArrayOps) -> Array:
+def _over(
+    view: Array, order: list[str], want: tuple[str, ...], box: dict[str, int], xp: ArrayOps, copy: bool = True
+) -> Array:
     """``view`` (over the join space) as an array over ``want``, in that order, expanded to the
-    box where it does not vary."""
+    box where it does not vary (contiguous with ``copy``, else a view)."""
     arr, ix = squeeze(view, order, xp)
     for v in want:
         if v not in ix:
             arr, ix = arr.unsqueeze(-1), (*ix, v)
-    arr = arr.permute([ix.index(v) for v in want])
-    return arr.expand([box[v] for v in want]).contiguous()
+    arr = arr.permute([ix.index(v) for v in want]).expand([box[v] for v in want])
+    return arr.contiguous() if copy else arr
 
 
 def _cell_ids(torch: Any, form: RoutedForm, box: dict[str, int], device: Any) -> Array:
