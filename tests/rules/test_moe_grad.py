@@ -1,0 +1,117 @@
+"""Routing differentiates (the training issue's side of mixtures of experts): gradients of a
+Mixtral MoE layer by ``edatalog.grad`` equal torch autograd's through transformers'
+``MixtralSparseMoeBlock`` (through the gates; the selection itself is piecewise constant), and
+the router's load-balancing loss written in the language equals transformers'
+``load_balancing_loss_func``, gradient included."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import edatalog
+from edatalog.errors import EdlWarning
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
+
+T, D, F, X, K = 16, 32, 48, 8, 2
+LAYER = f"""
+dim T = {T}, D = {D}, F = {F}, X = {X}, K = {K}.
+input x[T, D] : f64.
+input gy[T, D] : f64.
+param wg[X, D] : f64.
+param w1[X, F, D] : f64.
+param w3[X, F, D] : f64.
+param w2[X, D, F] : f64.
+output loss, aux.
+
+router[t, e] += x[t, d] * wg[e, d].
+route[t, k:K] argtop= router[t, e].
+chosen[t, k:K] top= router[t, e].
+m[t] max= chosen[t, k].
+p[t, k] = exp(chosen[t, k] - m[t]).
+z[t] += p[t, k].
+h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.
+h3[t, k, f] += x[t, d] * w3[e, f, d] where route[t, k] = e.
+a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f] * p[t, k] / z[t].
+y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
+loss[] += y[t, d] * gy[t, d].
+
+# Switch Transformer's load-balancing loss, as transformers' Mixtral computes it: the share of
+# the tokens' choices each expert gets, times its mean router probability, summed, times X.
+rm[t] max= router[t, e].
+re[t, e] = exp(router[t, e] - rm[t]).
+rz[t] += re[t, e].
+share[e] += where(route[t, k] == e, 1.0, 0.0) / T.
+prob[e] += re[t, e] / rz[t] / T.
+aux[] += share[e] * prob[e] * X.
+"""
+
+
+def _block() -> Any:
+    cfg = transformers.MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=X, num_experts_per_tok=K)
+    cfg._experts_implementation = "eager"  # transformers' grouped_mm takes no f64
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block = modeling_mixtral.MixtralSparseMoeBlock(cfg).double()  # type: ignore[no-untyped-call]
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return block
+
+
+def _values(block: Any, x: torch.Tensor, gy: torch.Tensor) -> dict[str, np.ndarray]:
+    gate_up = block.experts.gate_up_proj.detach()
+    return {
+        "x": x.detach().numpy(),
+        "gy": gy.numpy(),
+        "wg": block.gate.weight.detach().numpy(),
+        "w1": gate_up[:, :F].numpy(),
+        "w3": gate_up[:, F:].numpy(),
+        "w2": block.experts.down_proj.detach().numpy(),
+    }
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _grads(loss: str, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EdlWarning)
+        prog = edatalog.compile_string(LAYER)
+    return edatalog.grad(prog, loss).run(values)
+
+
+def test_gradients_of_the_moe_layer_equal_torch_autograd_through_mixtral() -> None:
+    block = _block()
+    x = torch.randn(T, D, dtype=torch.float64)
+    gy = torch.randn(T, D, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (block(x[None])[0] * gy).sum().backward()
+    out = _grads("loss", _values(block, x, gy))
+    gate_up = block.experts.gate_up_proj.grad
+    # transformers' router softmax runs in f32: agreement to ~1e-7, not to rounding.
+    assert _rel(out["grad_wg"], block.gate.weight.grad.numpy()) < 1e-6  # through the gates
+    assert _rel(out["grad_w1"], gate_up[:, :F].numpy()) < 1e-6
+    assert _rel(out["grad_w3"], gate_up[:, F:].numpy()) < 1e-6
+    assert _rel(out["grad_w2"], block.experts.down_proj.grad.numpy()) < 1e-6
+
+
+def test_the_load_balancing_loss_and_its_gradient_equal_transformers() -> None:
+    block = _block()
+    x = torch.randn(T, D, dtype=torch.float64)
+    logits = x @ block.gate.weight.T
+    want = modeling_mixtral.load_balancing_loss_func((logits,), X, K)
+    assert isinstance(want, torch.Tensor)
+    want.backward()  # type: ignore[no-untyped-call]
+    out = _grads("aux", _values(block, x, torch.zeros(T, D, dtype=torch.float64)))
+    # transformers accumulates the loss in f32.
+    assert abs(float(out["aux"]) - want.item()) <= 1e-6 * abs(want.item())
+    assert _rel(out["grad_wg"], block.gate.weight.grad.numpy()) < 1e-5
