@@ -1,7 +1,7 @@
 """A Mixtral-shaped mixture-of-experts layer on one CPU device, against transformers'
-``MixtralSparseMoeBlock`` (its loop over the experts that some token picked).
+``MixtralSparseMoeBlock``.
 
-edatalog's program (docs/language.md, section 16.1) routes each token to its top-K experts with
+edatalog's program (``programs/moe_layer.edl``; docs/language.md, section 16.1) routes each token to its top-K experts with
 ``argtop=`` and looks the experts' weights up by the route; the torch backend runs each expert
 rule as dispatch, one ``torch._grouped_mm``, combine.  In one process, with the same torch thread
 count for all, each round calls the transformers block (with each of its expert kernels: the
@@ -11,7 +11,7 @@ recorded graph, replayed) --calls times each, in turn.  edatalog must first give
 without timing.  The table shows each contender's median over --repeat rounds and the ratio to
 the faster transformers kernel's median of the same run.
 
-  .venv/bin/python benchmarks/moe.py                                  # T=512, D=1024, F=2816, E=8, K=2
+  .venv/bin/python benchmarks/moe.py                                  # T=512, D=1024, F=2816, X=8, K=2
   .venv/bin/python benchmarks/moe.py --dims T=64,D=128,F=256 --json
   .venv/bin/python benchmarks/moe.py --part model                     # the whole small model
 
@@ -47,36 +47,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DIMS = {"T": 512, "D": 1024, "F": 2816, "E": 8, "K": 2}
+DIMS = {"T": 512, "D": 1024, "F": 2816, "X": 8, "K": 2}
 IMPLEMENTATIONS = ("eager", "grouped_mm")  # transformers' experts: a loop over the experts hit, grouped GEMMs
 
-RULES = """
-input x[T, D] : f32.
-param wg[E, D] : f32.
-param w1[E, F, D] : f32.
-param w3[E, F, D] : f32.
-param w2[E, D, F] : f32.
-output y.
-
-router[t, e] += x[t, d] * wg[e, d].
-route[t, k:K] argtop= router[t, e].
-chosen[t, k:K] top= router[t, e].
-m[t] max= chosen[t, k].
-p[t, k] = exp(chosen[t, k] - m[t]).
-z[t] += p[t, k].
-h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.
-h3[t, k, f] += x[t, d] * w3[e, f, d] where route[t, k] = e.
-a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f] * p[t, k] / z[t].
-y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
-"""
+LAYER = ROOT / "programs" / "moe_layer.edl"
 
 
 DENSE = """
 input x[T, D] : f32.
-param wg[E, D] : f32.
-param w1[E, F, D] : f32.
-param w3[E, F, D] : f32.
-param w2[E, D, F] : f32.
+param wg[X, D] : f32.
+param w1[X, F, D] : f32.
+param w3[X, F, D] : f32.
+param w2[X, D, F] : f32.
 output y.
 
 router[t, e] += x[t, d] * wg[e, d].
@@ -94,8 +76,9 @@ y[t, d] += ad[t, e, f] * w2[e, d, f].
 RANKED = {"moe": ("expert", "megatron", "auto"), "dense": ("megatron", "data", "auto")}
 
 
-def source(dims: dict[str, int], rules: str = RULES) -> str:
-    return "dim " + ", ".join(f"{k} = {v}" for k, v in dims.items()) + ".\n" + rules
+def dense_source(dims: dict[str, int]) -> str:
+    """The dense program at ``dims``."""
+    return "dim " + ", ".join(f"{k} = {v}" for k, v in dims.items()) + ".\n" + DENSE
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -180,17 +163,23 @@ def ranks_part(args: argparse.Namespace, dims: dict[str, int]) -> int:
     where = Path(tempfile.mkdtemp(prefix="edl-moe-ranks-"))
     rows = []
     for name, strategies in RANKED.items():
-        path = where / f"{name}.edl"
-        path.write_text(source(dims, RULES if name == "moe" else DENSE), encoding="utf-8")
+        # Every edl command takes the layer's dims as --dim flags: the plan is made for the
+        # program those give.
+        flags = [f"--dim={k}={v}" for k, v in dims.items()]
+        if name == "moe":
+            path = LAYER
+        else:
+            path = where / f"{name}.edl"
+            path.write_text(dense_source(dims), encoding="utf-8")
         ref = where / f"{name}.ref.npz"
-        _edl("run", str(path), "--random", "0", "-o", str(ref))
+        _edl("run", str(path), *flags, "--random", "0", "-o", str(ref))
         want = np.load(ref)["y"]
-        prog = edatalog.compile(path)
+        prog = edatalog.compile(path, dims=dims)
         for strategy in strategies:
             plan_path = where / f"{name}.{strategy}.json"
             edatalog.plan(prog, topology="cpux2", strategy=strategy, time_limit=args.time_limit).save(plan_path)
             out = where / f"{name}.{strategy}.npz"
-            run = ["run", str(path), "--plan", str(plan_path), "--backend", "torch", "--nproc", "2"]
+            run = ["run", str(path), *flags, "--plan", str(plan_path), "--backend", "torch", "--nproc", "2"]
             report = json.loads(_edl(*run, "--random", "0", "--repeat", str(args.repeat), "-o", str(out), "--json"))
             got = np.load(out)["y"]
             err = float(np.abs(got - want).max() / np.abs(want).max())
@@ -242,7 +231,7 @@ def layer_contenders(dims: dict[str, int]) -> tuple[dict[str, Callable[[], Any]]
         cfg = MixtralConfig(
             hidden_size=dims["D"],
             intermediate_size=dims["F"],
-            num_local_experts=dims["E"],
+            num_local_experts=dims["X"],
             num_experts_per_tok=dims["K"],
         )
         cfg._experts_implementation = impl
@@ -263,7 +252,7 @@ def layer_contenders(dims: dict[str, int]) -> tuple[dict[str, Callable[[], Any]]
         "w2": block.experts.down_proj.detach(),
     }
     x = torch.randn(dims["T"], dims["D"])
-    exe = edatalog.executable(edatalog.compile_string(source(dims)), None, backend="torch")
+    exe = edatalog.executable(edatalog.compile(LAYER, dims=dims), None, backend="torch")
     exe.load(params)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -7,6 +7,7 @@ takes the tokens routed there)."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,32 +19,14 @@ from edatalog.backend.kernels import routed
 from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.errors import EdlWarning
 
-MOE = """
-dim T = 16, D = 32, F = 48, E = 8, K = 2.
-input x[T, D] : f32.
-param wg[E, D] : f32.
-param w1[E, F, D] : f32.
-param w3[E, F, D] : f32.
-param w2[E, D, F] : f32.
-output y.
-
-router[t, e] += x[t, d] * wg[e, d].
-route[t, k:K] argtop= router[t, e].
-chosen[t, k:K] top= router[t, e].
-m[t] max= chosen[t, k].
-p[t, k] = exp(chosen[t, k] - m[t]).
-z[t] += p[t, k].
-h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.
-h3[t, k, f] += x[t, d] * w3[e, f, d] where route[t, k] = e.
-a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f] * p[t, k] / z[t].
-y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
-"""
+MOE = Path(__file__).resolve().parents[2] / "programs" / "moe_layer.edl"
+SMALL = {"T": 16, "D": 32, "F": 48, "X": 8, "K": 2}
 
 
-def _compile(**kw: Any) -> edatalog.Program:
+def _compile(dims: dict[str, int] | None = None, **kw: Any) -> edatalog.Program:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EdlWarning)
-        return edatalog.compile_string(MOE, **kw)
+        return edatalog.compile(MOE, dims={**SMALL, **(dims or {})}, **kw)
 
 
 @pytest.fixture
@@ -112,7 +95,7 @@ def test_the_moe_layer_equals_transformers_mixtral_block_in_f64() -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.models.mixtral import modeling_mixtral
 
-    t, d, f, e, k = 16, 32, 48, 8, 2
+    t, d, f, e, k = (SMALL[n] for n in ("T", "D", "F", "X", "K"))
     cfg = transformers.MixtralConfig(hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k)
     torch.manual_seed(0)
     block = modeling_mixtral.MixtralSparseMoeBlock(cfg).double().eval()  # type: ignore[no-untyped-call]

@@ -37,6 +37,7 @@ SMALL: dict[str, tuple[dict[str, int], dict[str, tuple[str, ...]]]] = {
         {"logits": ("B", "V"), **{f"layers.{k}.{c}_new": ("B", "KVH", "E") for k in (0, 1) for c in ("kr", "v")}},
     ),
     "mlp.edl": ({"B": 3, "D": 5, "F": 7}, {"y": ("B", "D")}),
+    "moe_layer.edl": ({"T": 6, "D": 12, "F": 7, "X": 4, "K": 2}, {"y": ("T", "D")}),
     "softmax.edl": ({"N": 4, "C": 9}, {"y": ("N", "C")}),
 }
 

@@ -7,6 +7,7 @@ the router's load-balancing loss written in the language equals transformers'
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,30 +21,14 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
 T, D, F, X, K = 16, 32, 48, 8, 2
-LAYER = f"""
-dim T = {T}, D = {D}, F = {F}, X = {X}, K = {K}.
-input x[T, D] : f64.
+MOE = Path(__file__).resolve().parents[2] / "programs" / "moe_layer.edl"
+# The layer's loss against a given output gradient, and Switch Transformer's load-balancing loss
+# as transformers' Mixtral computes it: the share of the tokens' choices each expert gets, times
+# its mean router probability, summed, times X.
+LOSSES = """
 input gy[T, D] : f64.
-param wg[X, D] : f64.
-param w1[X, F, D] : f64.
-param w3[X, F, D] : f64.
-param w2[X, D, F] : f64.
 output loss, aux.
-
-router[t, e] += x[t, d] * wg[e, d].
-route[t, k:K] argtop= router[t, e].
-chosen[t, k:K] top= router[t, e].
-m[t] max= chosen[t, k].
-p[t, k] = exp(chosen[t, k] - m[t]).
-z[t] += p[t, k].
-h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.
-h3[t, k, f] += x[t, d] * w3[e, f, d] where route[t, k] = e.
-a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f] * p[t, k] / z[t].
-y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
 loss[] += y[t, d] * gy[t, d].
-
-# Switch Transformer's load-balancing loss, as transformers' Mixtral computes it: the share of
-# the tokens' choices each expert gets, times its mean router probability, summed, times X.
 rm[t] max= router[t, e].
 re[t, e] = exp(router[t, e] - rm[t]).
 rz[t] += re[t, e].
@@ -84,7 +69,8 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def _grads(loss: str, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EdlWarning)
-        prog = edatalog.compile_string(LAYER)
+        text = MOE.read_text(encoding="utf-8").replace("output y.", "") + LOSSES
+        prog = edatalog.compile_string(text, dims={"T": T, "D": D, "F": F, "X": X, "K": K}, dtype="f64")
     return edatalog.grad(prog, loss).run(values)
 
 

@@ -7,6 +7,7 @@ per expert)."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,33 +18,15 @@ from edatalog import EdlError
 from edatalog.errors import EdlWarning
 from edatalog.solver.structure import transformer_dims
 
-MOE = """
-dim T = 16, D = 32, F = 48, X = 8, K = 2.
-input x[T, D] : f32.
-param wg[X, D] : f32.
-param w1[X, F, D] : f32.
-param w3[X, F, D] : f32.
-param w2[X, D, F] : f32.
-output y.
-
-router[t, e] += x[t, d] * wg[e, d].
-route[t, k:K] argtop= router[t, e].
-chosen[t, k:K] top= router[t, e].
-m[t] max= chosen[t, k].
-p[t, k] = exp(chosen[t, k] - m[t]).
-z[t] += p[t, k].
-h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k] = e.
-h3[t, k, f] += x[t, d] * w3[e, f, d] where route[t, k] = e.
-a[t, k, f] = silu(h1[t, k, f]) * h3[t, k, f] * p[t, k] / z[t].
-y[t, d] += a[t, k, f] * w2[e, d, f] where route[t, k] = e.
-"""
+MOE = Path(__file__).resolve().parents[2] / "programs" / "moe_layer.edl"
+SMALL = {"T": 16, "D": 32, "F": 48, "X": 8, "K": 2}
 ROUTED = ("h1", "h3", "y")
 
 
 def _compile(**dims: int) -> edatalog.Program:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EdlWarning)
-        return edatalog.compile_string(MOE, dims=dims or None)
+        return edatalog.compile(MOE, dims={**SMALL, **dims})
 
 
 def _splits(plan: edatalog.Plan, node: str) -> dict[str, int]:
@@ -96,7 +79,7 @@ def test_the_solved_plan_beats_megatron_of_every_expert_at_mixtral_widths() -> N
     """Predicted, on 8 A100s at Mixtral-8x7B's widths (2048 tokens, bf16)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EdlWarning)
-        prog = edatalog.compile_string(MOE, dims={"T": 2048, "D": 4096, "F": 14336}, dtype="bf16")
+        prog = edatalog.compile(MOE, dtype="bf16")  # its default dims: Mixtral-8x7B's, 2048 tokens
     megatron = edatalog.plan(prog, topology="a100x8", strategy="megatron").report.seconds
     auto = edatalog.plan(prog, topology="a100x8", strategy="auto", time_limit=20.0).report.seconds
     assert auto < megatron
