@@ -1,9 +1,9 @@
 """A Mixtral-shaped mixture-of-experts layer on one CPU device, against transformers'
 ``MixtralSparseMoeBlock``.
 
-edatalog's program (``programs/moe_layer.edl``; docs/language.md, section 16.1) routes each token to its top-K experts with
-``argtop=`` and looks the experts' weights up by the route; the torch backend runs each expert
-rule as dispatch, one ``torch._grouped_mm``, combine.  In one process, with the same torch thread
+edatalog's program (``programs/moe_layer.edl``; docs/language.md, section 16.1) routes each
+token to its top-K experts with ``argtop=`` and looks the experts' weights up by the route; the
+torch backend runs each expert rule as dispatch, one ``torch._grouped_mm``, combine.  In one process, with the same torch thread
 count for all, each round calls the transformers block (with each of its expert kernels: the
 loop over the experts some token picked, and ``torch._grouped_mm``) and edatalog's executable (a
 recorded graph, replayed) --calls times each, in turn.  edatalog must first give the block's result

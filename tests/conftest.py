@@ -4,6 +4,7 @@ module (so that garbage collection never pauses a test for seconds)."""
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="rewrite golden files (expected error messages, plans) from the current output",
     )
+
+
+@pytest.fixture
+def routed_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The rules the torch backend evaluates as routed contractions (dispatch, grouped GEMM,
+    combine: ``backend/kernels/routed.py``), in the order it does."""
+    from edatalog.backend.kernels import routed
+
+    calls: list[str] = []
+    real = routed.evaluate_routed
+
+    def spy(node: Any, *args: Any) -> Any:
+        calls.append(node.out)
+        return real(node, *args)
+
+    monkeypatch.setattr(routed, "evaluate_routed", spy)
+    return calls
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import edatalog
-from edatalog.backend.kernels import routed
 from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.errors import EdlWarning
 
@@ -27,20 +26,6 @@ def _compile(dims: dict[str, int] | None = None, **kw: Any) -> edatalog.Program:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EdlWarning)
         return edatalog.compile(MOE, dims={**SMALL, **(dims or {})}, **kw)
-
-
-@pytest.fixture
-def routed_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The rules evaluated as routed contractions."""
-    calls: list[str] = []
-    real = routed.evaluate_routed
-
-    def spy(node: Any, *args: Any) -> Any:
-        calls.append(node.out)
-        return real(node, *args)
-
-    monkeypatch.setattr(routed, "evaluate_routed", spy)
-    return calls
 
 
 def _split(prog: edatalog.Program, values: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -123,7 +108,7 @@ def test_the_moe_layer_equals_transformers_mixtral_block_in_f64() -> None:
 
 
 def test_flops_of_the_expert_rules_are_k_over_e_of_the_dense_form() -> None:
-    """Each token's rows meet the K experts it is routed to, not all E."""
+    """Each token's rows meet the K experts it is routed to, not all X."""
     prog = _compile(dims={"T": 512, "D": 1024, "F": 2816})
     costs = prog.graph.costs
     routed = sum(costs[n].flops for n in ("h1", "h3", "y"))

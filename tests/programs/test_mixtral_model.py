@@ -30,7 +30,6 @@ from transformers.models.mixtral import modeling_mixtral
 
 import edatalog
 from edatalog import generation
-from edatalog.backend.kernels import routed
 from edatalog.checkpoint import configured
 from edatalog.lang.parser import parse_file
 
@@ -163,21 +162,6 @@ def test_logits_equal_transformers_with_its_float32_parts_in_float64(
     prog = _compile(where, len(PROMPT))
     out = prog.run({**prog.load_checkpoint(where), "ids": np.array([PROMPT])})["logits"]
     assert _rel(out, _reference_logits(model, PROMPT)) <= 1e-12
-
-
-@pytest.fixture
-def routed_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The rules the torch backend evaluates as routed contractions (dispatch, grouped GEMM,
-    combine: ``backend/kernels/routed.py``)."""
-    calls: list[str] = []
-    real = routed.evaluate_routed
-
-    def spy(node: Any, *args: Any) -> Any:
-        calls.append(node.out)
-        return real(node, *args)
-
-    monkeypatch.setattr(routed, "evaluate_routed", spy)
-    return calls
 
 
 EXPERT_RULES = {f"layers.{k}.{r}" for k in range(LAYERS) for r in ("h1", "h3", "moe")}
