@@ -3,13 +3,14 @@
 
 edatalog's program (``programs/moe_layer.edl``; docs/language.md, section 16.1) routes each
 token to its top-K experts with ``argtop=`` and looks the experts' weights up by the route; the
-torch backend runs each expert rule as dispatch, one ``torch._grouped_mm``, combine.  In one process, with the same torch thread
-count for all, each round calls the transformers block (with each of its expert kernels: the
-loop over the experts some token picked, and ``torch._grouped_mm``) and edatalog's executable (a
-recorded graph, replayed) --calls times each, in turn.  edatalog must first give the block's result
-(largest difference relative to the largest |value| at most 1e-4 in f32) or the script exits 1
-without timing.  The table shows each contender's median over --repeat rounds and the ratio to
-the faster transformers kernel's median of the same run.
+torch backend runs each expert rule as dispatch, one ``torch._grouped_mm``, combine.  In one
+process, with the same torch thread count for all, each round calls the transformers block
+(with each of its expert kernels: the loop over the experts some token picked, and
+``torch._grouped_mm``) and edatalog's executable (a recorded graph, replayed) --calls times
+each, in turn.  edatalog must first give the block's result (largest difference relative to the
+largest |value| at most 1e-4 in f32) or the script exits 1 without timing.  The table shows
+each contender's median over --repeat rounds and the ratio to the faster transformers kernel's
+median of the same run.
 
   .venv/bin/python benchmarks/moe.py                                  # T=512, D=1024, F=2816, X=8, K=2
   .venv/bin/python benchmarks/moe.py --dims T=64,D=128,F=256 --json
