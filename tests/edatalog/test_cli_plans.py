@@ -429,7 +429,7 @@ def test_unknown_topology_suggests(capsys: pytest.CaptureFixture[str], name: str
 def test_unknown_strategy_lists_the_strategies(capsys: pytest.CaptureFixture[str]) -> None:
     err = _fails(capsys, "plan", MLP, *MLP_SMALL, "-s", "megatrn")
     assert "unknown strategy 'megatrn'" in err
-    assert "auto, replicate, data, zero, megatron, megatron-sp, megatron-dp, megatron-sp-dp, random" in err
+    assert "auto, replicate, data, zero, megatron, megatron-sp, megatron-dp, megatron-sp-dp, expert, random" in err
     assert "did you mean 'megatron'" in err
 
 
