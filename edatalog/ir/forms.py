@@ -107,8 +107,10 @@ def routed_form(node: JoinAgg) -> RoutedForm | None:
 
 def routed_gemm(node: JoinAgg, form: RoutedForm, extents: dict[str, int]) -> tuple[int, int, int, int]:
     """``(batch, m, n, k)`` of a block of a routed node over ``extents``, at the expected load:
-    its routed points times the share of the experts it holds (a uniform router sends ``K/X``
-    of the tokens' choices to each expert), by its columns, over its shared indices."""
+    one GEMM per expert the block holds, each over that expert's share of the routed points (a
+    uniform router sends ``1/X`` of the tokens' choices to each), by the block's columns, over
+    its shared indices.  Small groups fill tiles worse than one GEMM of all the rows would."""
     lk = node.lookups[form.lookup]
-    rows = math.prod(extents[v] for v in form.routed) * extents[lk.index] // lk.extent
-    return 1, max(rows, 1), math.prod(extents[v] for v in form.columns), math.prod(extents[v] for v in form.shared)
+    rows = math.prod(extents[v] for v in form.routed) // lk.extent
+    columns = math.prod(extents[v] for v in form.columns)
+    return extents[lk.index], max(rows, 1), columns, math.prod(extents[v] for v in form.shared)
