@@ -62,11 +62,13 @@ def expand_selections(program: ast.Program) -> tuple[ast.Program, tuple[Selectio
                 r.span,
                 help="give each choice a relation of its own",
             )
+    # Names a generated index must not take: a variable may not share a dim's or const's name.
+    declared = {b.name for s in program.statements if isinstance(s, ast.DimDecl | ast.ConstDecl) for b in s.items}
     statements: list[ast.Statement] = []
     selections: list[Selection] = []
     for s in program.statements:
         if isinstance(s, ast.Rule) and s.aggop in SELECTIONS:
-            expanded, selection = _expand(s)
+            expanded, selection = _expand(s, declared)
             statements.extend(expanded)
             if selection is not None:
                 selections.append(selection)
@@ -91,7 +93,7 @@ def check_ranks(graph: Graph, selections: tuple[Selection, ...]) -> None:
 # -- the rewrite ---------------------------------------------------------------------------------
 
 
-def _expand(rule: ast.Rule) -> tuple[list[ast.Rule], Selection | None]:
+def _expand(rule: ast.Rule, declared: set[str]) -> tuple[list[ast.Rule], Selection | None]:
     op = rule.aggop
     if rule.lookups:
         raise EdlError(
@@ -140,7 +142,7 @@ def _expand(rule: ast.Rule) -> tuple[list[ast.Rule], Selection | None]:
         out.append(b.rule(rule.head, "=", first, dtype="i64", span=rule.span))
         return out, None
     assert rank is not None and rank.var is not None
-    other = _fresh(e, {*read, *head_vars})
+    other = _fresh(e, {*read, *head_vars, *declared})
     rival = _renamed(score, e, other)
     beats = b.binary(
         "or",
