@@ -101,8 +101,14 @@ def optimizer_of(args: argparse.Namespace) -> Optimizer:
 def cmd_train(args: argparse.Namespace) -> int:
     from edatalog.train_job import check_data, check_resume, run
 
-    if (args.weights is None) == (args.resume is None):
+    if args.weights is not None and args.resume is not None:
         raise EdlError("give --weights (a checkpoint to start from) or --resume (a directory --save wrote), not both")
+    if args.weights is None and args.resume is None:
+        raise EdlError(
+            "training starts from a checkpoint: give --weights (a model directory, as save_pretrained "
+            "writes it) or --resume (a directory --save wrote)",
+            help="to start from random weights, save a freshly initialized model first",
+        )
     for flag in ("steps", "batch", "seq"):
         if getattr(args, flag) < 1:
             raise EdlError(f"--{flag} must be at least 1, not {getattr(args, flag)}")

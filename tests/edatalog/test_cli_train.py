@@ -138,6 +138,23 @@ def test_bad_flags_are_errors(
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("start", "message"),
+    [
+        ([], "training starts from a checkpoint: give --weights"),
+        (["--weights", "W", "--resume", "R"], "or --resume (a directory --save wrote), not both"),
+    ],
+)
+def test_a_start_is_one_checkpoint(
+    capsys: pytest.CaptureFixture[str], files: tuple[Path, Path], start: list[str], message: str
+) -> None:
+    _, data = files
+    argv = ["train", str(LLAMA), *start, "--data", str(data), "--steps", "1", *ARGS]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_a_token_outside_the_vocabulary_is_an_error(
     capsys: pytest.CaptureFixture[str], files: tuple[Path, Path], tmp_path: Path
 ) -> None:
