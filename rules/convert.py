@@ -59,7 +59,7 @@ def expand_conversions(program: ast.Program) -> tuple[ast.Program, tuple[Convers
             )
         n = taken[s.head.relation] = taken.get(s.head.relation, 0) + 1
         name = f"{s.head.relation}.value" + (str(n) if n > 1 else "")
-        variables = list(dict.fromkeys(_vars(s)))
+        variables = list(dict.fromkeys([*ast.position_vars(s.head.positions), *ast.body_vars(s.body)]))
         value = _atom(name, variables, s)
         statements.append(ast.Rule(value, "=", call.args[0], s.guards, s.span, s.aggop_span))
         statements.append(ast.Rule(s.head, s.aggop, value, (), s.span, s.aggop_span, call.fn))
@@ -115,20 +115,6 @@ def _check_placement(rule: ast.Rule) -> None:
                     help=f"a conversion is the whole body of a rule: give the value a relation of its own, "
                     f"'n[i] = {e.fn}(...).', and use that",
                 )
-
-
-def _vars(rule: ast.Rule) -> list[str]:
-    """The rule's variables, the head's first: every index of its points."""
-    out: list[str] = []
-    atoms = [rule.head, *(e for e in ast.walk(rule.body) if isinstance(e, ast.Atom))]
-    for atom in atoms:
-        for p in atom.positions:
-            for c in p.components:
-                if c.var is not None:
-                    out.append(c.var)
-                if c.expr is not None:
-                    out.extend(n.ident for n in ast.walk(c.expr) if isinstance(n, ast.Name))
-    return out
 
 
 def _atom(relation: str, variables: list[str], rule: ast.Rule) -> ast.Atom:

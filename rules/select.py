@@ -24,7 +24,6 @@ arithmetic run in ``f64`` (exact for any extent below 2**53) and the results are
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from edatalog.errors import EdlError, Span
@@ -101,8 +100,8 @@ def _expand(rule: ast.Rule, declared: set[str]) -> tuple[list[ast.Rule], Selecti
             rule.lookups[0].span,
             help="look the value up in a rule of its own, then choose from that relation",
         )
-    read = list(dict.fromkeys(_atom_vars(rule.body)))
-    head_vars = list(dict.fromkeys(_position_vars(rule.head.positions)))
+    read = list(dict.fromkeys(ast.body_vars(rule.body)))
+    head_vars = list(dict.fromkeys(ast.position_vars(rule.head.positions)))
     chosen = [v for v in read if v not in head_vars]
     if len(chosen) != 1:
         raise EdlError(
@@ -185,21 +184,6 @@ def _a(op: str) -> str:
 
 def _names(vs: list[str]) -> str:
     return ", ".join(f"'{v}'" for v in vs)
-
-
-def _position_vars(positions: tuple[ast.Position, ...]) -> Iterator[str]:
-    for p in positions:
-        for c in p.components:
-            if c.var is not None:
-                yield c.var
-            if c.expr is not None:
-                yield from (n.ident for n in ast.walk(c.expr) if isinstance(n, ast.Name))
-
-
-def _atom_vars(body: ast.Expr) -> Iterator[str]:
-    for e in ast.walk(body):
-        if isinstance(e, ast.Atom):
-            yield from _position_vars(e.positions)
 
 
 def _component(positions: tuple[ast.Position, ...], var: str) -> ast.Component:

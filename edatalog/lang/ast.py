@@ -6,6 +6,7 @@ expressions.  Meaning is given by the rule compiler (``edatalog.rules``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from edatalog.errors import Source, Span
@@ -263,3 +264,21 @@ def walk(expr: Expr) -> list[Expr]:
         elif isinstance(e, (Binary, Compare)):
             stack.extend((e.rhs, e.lhs))
     return out
+
+
+def position_vars(positions: tuple[Position, ...]) -> Iterator[str]:
+    """The index variables of ``positions``, in order, repeats included: plain components and
+    the variables of index expressions (``l`` and ``k`` in ``x[l + k]``)."""
+    for p in positions:
+        for c in p.components:
+            if c.var is not None:
+                yield c.var
+            if c.expr is not None:
+                yield from (n.ident for n in walk(c.expr) if isinstance(n, Name))
+
+
+def body_vars(body: Expr) -> Iterator[str]:
+    """The index variables of the relation references in ``body``, in order, repeats included."""
+    for e in walk(body):
+        if isinstance(e, Atom):
+            yield from position_vars(e.positions)
