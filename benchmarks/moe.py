@@ -18,9 +18,12 @@ median of the same run.
 
 ``--part ranks`` runs on 2 gloo ranks (``edl run --nproc 2``, one thread each), at the layer's
 dims: the MoE program under the ``expert`` plan (expert parallelism), ``megatron`` (tensor
-parallelism of every expert) and ``auto``, against the dense program (every expert computed for
-every token, the top-K applied as a mask: ``X/K`` times the expert FLOPs) under ``megatron``,
-``data`` and ``auto``; each output must equal the reference's (edl run --random 0) to 1e-5.
+parallelism of every expert) and ``auto``; the layer with a capacity (``programs/moe_capacity.edl``:
+the T tokens as 2 groups, capacity factor 1.25, whose ``expert`` plan dispatches and combines
+as an all-to-all) under ``expert``, ``data`` and ``auto``; against the dense program (every
+expert computed for every token, the top-K applied as a mask: ``X/K`` times the expert FLOPs)
+under ``megatron``, ``data`` and ``auto``; each output must equal its program's reference (edl
+run --random 0) to 1e-5.
 
 ``--part model`` times a whole small ``MixtralForCausalLM`` (2 layers, 8 experts, top-2, GQA:
 hidden 256, 8 heads, 4 key/value heads, intermediate 512, vocabulary 1000; --dims may change
@@ -52,6 +55,8 @@ DIMS = {"T": 512, "D": 1024, "F": 2816, "X": 8, "K": 2}
 IMPLEMENTATIONS = ("eager", "grouped_mm")  # transformers' experts: a loop over the experts hit, grouped GEMMs
 
 LAYER = ROOT / "programs" / "moe_layer.edl"
+CAPACITY = ROOT / "programs" / "moe_capacity.edl"
+GROUPS = 2  # the capacity layer's token groups on 2 ranks: one per rank, as GShard has them
 
 
 DENSE = """
@@ -74,7 +79,11 @@ hd3[t, e, f] += x[t, d] * w3[e, f, d].
 ad[t, e, f] = silu(hd1[t, e, f]) * hd3[t, e, f] * gate[t, e].
 y[t, d] += ad[t, e, f] * w2[e, d, f].
 """
-RANKED = {"moe": ("expert", "megatron", "auto"), "dense": ("megatron", "data", "auto")}
+RANKED = {
+    "moe": ("expert", "megatron", "auto"),
+    "capacity": ("expert", "data", "auto"),
+    "dense": ("megatron", "data", "auto"),
+}
 
 
 def dense_source(dims: dict[str, int]) -> str:
@@ -165,17 +174,22 @@ def ranks_part(args: argparse.Namespace, dims: dict[str, int]) -> int:
     rows = []
     for name, strategies in RANKED.items():
         # Every edl command takes the layer's dims as --dim flags: the plan is made for the
-        # program those give.
-        flags = [f"--dim={k}={v}" for k, v in dims.items()]
+        # program those give.  The capacity layer takes the T tokens as groups of S.
+        given = dims
+        if name == "capacity":
+            given = {"G": GROUPS, "S": dims["T"] // GROUPS, **{k: v for k, v in dims.items() if k != "T"}}
+        flags = [f"--dim={k}={v}" for k, v in given.items()]
         if name == "moe":
             path = LAYER
+        elif name == "capacity":
+            path = CAPACITY
         else:
             path = where / f"{name}.edl"
             path.write_text(dense_source(dims), encoding="utf-8")
         ref = where / f"{name}.ref.npz"
         _edl("run", str(path), *flags, "--random", "0", "-o", str(ref))
         want = np.load(ref)["y"]
-        prog = edatalog.compile(path, dims=dims)
+        prog = edatalog.compile(path, dims=given)
         for strategy in strategies:
             plan_path = where / f"{name}.{strategy}.json"
             edatalog.plan(prog, topology="cpux2", strategy=strategy, time_limit=args.time_limit).save(plan_path)
@@ -203,10 +217,10 @@ def ranks_part(args: argparse.Namespace, dims: dict[str, int]) -> int:
         print(json.dumps({"dims": dims, "ranks": 2, "rows": rows}, indent=1))
         return 0
     print(f"MoE layer {dims} on 2 gloo ranks (cpux2), 1 thread each; measured: median of {args.repeat} calls")
-    print(f"{'program':<8} {'plan':<10} {'measured ms':>12} {'predicted ms':>13} {'vs best dense':>14}")
+    print(f"{'program':<9} {'plan':<10} {'measured ms':>12} {'predicted ms':>13} {'vs best dense':>14}")
     for r in rows:
         times = f"{r['measured_ms']:>12.1f} {r['predicted_ms']:>13.1f}"
-        print(f"{r['program']:<8} {r['plan']:<10} {times} {r['ratio']:>14.2f}")
+        print(f"{r['program']:<9} {r['plan']:<10} {times} {r['ratio']:>14.2f}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The rule compiler: parsed program in, verified join-agg graph out.
 
-    (modules) -> conversions -> selections -> scope -> check -> extents -> lower -> eliminate -> support -> verify
+    (modules) -> conversions -> selections -> scope -> check -> extents -> lower -> eliminate -> support
+    -> routes -> verify
 
 Each pass lives in its own module and raises :class:`~edatalog.errors.EdlError` for the
 mistakes it is the first to see.
@@ -22,6 +23,7 @@ from edatalog.rules.eliminate import eliminate_defined
 from edatalog.rules.extents import Extents, infer_extents
 from edatalog.rules.lower import lower_rule
 from edatalog.rules.modules import has_modules, instantiate
+from edatalog.rules.routes import follow_routes
 from edatalog.rules.scope import build_scope
 from edatalog.rules.select import check_ranks, expand_selections
 from edatalog.rules.sources import check_sources
@@ -55,6 +57,7 @@ def _compile_plain(
     graph = _build_graph(checked, extents, program.source.name)
     check_conversions(graph, conversions)
     check_ranks(graph, selections)
+    graph = follow_routes(graph)
     graph.verify()
     return graph, checked.warnings
 

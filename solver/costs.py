@@ -22,7 +22,7 @@ from edatalog.ir import dtypes
 from edatalog.ir.attention import attention_chains, key_index
 from edatalog.ir.attention_backward import attention_backwards
 from edatalog.ir.cost import ONE_ATTENTION, GemmRoles, flops_per_point, gemm_roles, gemm_shape, launches
-from edatalog.ir.forms import routed_form, routed_gemm
+from edatalog.ir.forms import routed_form, routed_gemm, routed_parts_only
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import (
@@ -221,7 +221,9 @@ class Costs:
         agg = set(node.agg_indices)
         per = dict(zip((i.name for i in node.indices), layout.splits, strict=True))
         split_agg = any(per[i].parts > 1 for i in agg)
-        if not split_agg or node.aggop == "=":
+        split = {i for i, s in per.items() if s.parts > 1}
+        if not split_agg or node.aggop == "=" or routed_parts_only(node, split):
+            # (Blocks over parts of a routed index hold disjoint cells: each stays where it is.)
             return tuple((d, tuple(boxes)) for d, boxes in sorted(out_boxes.items())), 0.0
         groups: dict[tuple[tuple[str, tuple[int, int]], ...], list[DeviceBlock]] = {}
         for b in layout.per_device:

@@ -34,8 +34,8 @@ import random as _random
 from collections.abc import Mapping, Sequence
 
 from edatalog.errors import EdlError, did_you_mean
-from edatalog.ir.forms import routed_form
-from edatalog.ir.graph import Access, Graph
+from edatalog.ir.forms import plain_index, route_lookup
+from edatalog.ir.graph import Access, Graph, JoinAgg
 from edatalog.ir.regions import Region
 from edatalog.solver.plan import NodePlan, Placement, Plan, Split, Tile
 from edatalog.solver.structure import transformer_dims
@@ -220,26 +220,75 @@ def _data_tiles(graph: Graph, n: int) -> dict[str, Tile]:
 
 def expert_tiles(graph: Graph, n: int) -> dict[str, Tile]:
     """Expert parallelism with data parallelism (DeepSpeed-MoE's and Megatron's EP): each
-    routed rule (a mixture of experts' layer, ``edatalog.ir.forms.routed_form``) splits the
-    expert index evenly over the devices, so each holds its experts' weights and computes the
-    tokens routed to them; every other rule is as ``data`` has it.  Exchanges carry the tokens
-    to the experts' devices and the results back."""
+    expert rule splits the expert index evenly over the devices, so each holds its experts'
+    weights and computes the tokens routed to them; every other rule is as ``data`` has it.
+    Exchanges carry the tokens to the experts' devices and the results back.  Expert rules
+    (:func:`expert_indices`) are the routed ones of a dropless layer and the rules that carry
+    their route, or, where tokens are dispatched into per-expert slots (a layer with a
+    capacity, as GShard writes it), the batched GEMMs of the experts' stacked weights and the
+    rules that read their results per expert: then the dispatch into the slots and the combine
+    out of them are the all-to-all exchanges."""
     tiles = _data_tiles(graph, n)
-    routed = [node for node in graph.nodes if node.lookups and routed_form(node) is not None]
-    if not routed:
+    experts = expert_indices(graph)
+    if not experts:
         raise EdlError(
             "the expert strategy needs a mixture of experts: a rule that looks its weight up by a "
-            "routed value ('h[t, k, f] += x[t, d] * w[e, f, d] where route[t, k] = e.')",
+            "routed value ('h[t, k, f] += x[t, d] * w[e, f, d] where route[t, k] = e.'), or one that "
+            "multiplies tokens dispatched per expert by the experts' stacked weights "
+            "('h[g, e, c, f] += xe[g, e, c, d] * w[e, f, d].')",
             help="plan it with -s auto, data or megatron",
         )
-    for node in routed:
-        form = routed_form(node)
-        assert form is not None
-        expert = node.lookups[form.lookup].index
+    for node in graph.nodes:
+        expert = experts.get(node.name)
+        if expert is None:
+            continue
         count = min(n, node.box[expert])
         splits = tuple(Split.even(i.name, i.extent, count if i.name == expert else 1) for i in node.indices)
         tiles[node.name] = Tile(splits, tuple((k,) for k in range(count)))
     return tiles
+
+
+def expert_indices(graph: Graph) -> dict[str, str]:
+    """The expert rules and their expert index: the routed rules (their looked-up index) and
+    the rules that carry their route (:mod:`edatalog.rules.routes`); a product of an activation
+    and a param that share an index the head keeps (the experts' stacked weights, ``w1[e, f,
+    d]`` times ``xe[g, e, c, d]``); and a rule that reads such a rule's result at its expert axis
+    and keeps that index (``a[g, e, c, f] = silu(h1[g, e, c, f]) * ...``)."""
+    params = {r.name for r in graph.relations if r.kind == "param"}
+    axis: dict[str, int] = {}  # relation made per expert -> its expert axis
+    out: dict[str, str] = {}
+    for node in graph.nodes:
+        expert = _expert_index(node, params, axis)
+        if expert is None:
+            continue
+        out[node.name] = expert
+        head = [plain_index(ax) for ax in node.out_axes]
+        if expert in head:
+            axis[node.out] = head.index(expert)
+    return out
+
+
+def _expert_index(node: JoinAgg, params: set[str], axis: Mapping[str, int]) -> str | None:
+    lk = route_lookup(node) if node.lookups else None
+    if lk is not None:
+        return lk.index
+    head = set(node.out_indices) - node.looked_up
+    if node.agg_indices:
+        for w in node.inputs:
+            # A stack of matrices (``w1[e, f, d]``), one of whose other indices is summed.
+            if w.relation not in params or len(w.axes) < 3 or not set(w.indices) & set(node.agg_indices):
+                continue
+            for ax in w.axes:
+                v = plain_index(ax)
+                shared = v is not None and v in head
+                if shared and any(v in a.indices for a in node.inputs if a.relation not in params):
+                    return v
+    for acc in node.inputs:
+        if acc.relation in axis:
+            v = plain_index(acc.axes[axis[acc.relation]])
+            if v is not None and v in head:
+                return v
+    return None
 
 
 # -- across nodes: a plan in each node, data parallel between them ---------------------------------

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edatalog.ir.cost import gemm_roles
-from edatalog.ir.forms import routed_form
+from edatalog.ir.forms import routed_form, without_full_filters
 from edatalog.ir.graph import Access, Graph, Index, JoinAgg
 
 
@@ -133,7 +133,9 @@ def _reaches_sum(
         symbols = {i.name: i.symbol for i in reader.indices}
         if _with_weights(reader, params) and any(symbols[i] == dim for i in reader.agg_indices):
             return True
-        elementwise = reader.agg is None and any(symbols[i] == dim for i in reader.out_indices)
+        # (A rule that carries a route sums over one expert a point: elementwise too.)
+        summed = without_full_filters(reader).agg_indices
+        elementwise = not summed and any(symbols[i] == dim for i in reader.out_indices)
         # Every input carries the dim, or does not depend on it at all (a mixture of experts'
         # gates scale each expert's columns); a norm's sum over the dim breaks the chain.
         carried = all(

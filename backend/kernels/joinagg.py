@@ -40,7 +40,7 @@ from edatalog.backend.kernels.operands import access_view, guard_mask, index_val
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine
-from edatalog.ir.forms import product_form, routed_form
+from edatalog.ir.forms import product_form, routed_form, without_full_filters
 from edatalog.ir.graph import JoinAgg, Lookup
 from edatalog.ir.rewrite import reindex_bands
 from edatalog.ir.scalar import Const, IndexValue, Load, Op, ScalarExpr
@@ -148,7 +148,7 @@ def evaluate_node(
     ``k``'s relation laid out as the node's access reads it (0 where absent), as arrays of
     ``xp`` (numpy arrays are accepted by every namespace); results are ``xp``'s, on the inputs'
     device.  With ``known`` the presence masks are neither read nor computed."""
-    node = prepare(node)
+    node = without_full_filters(prepare(node))
     if known is not None:
         present = [None] * len(present)
     order = [i.name for i in node.indices]
@@ -163,12 +163,16 @@ def evaluate_node(
         None if p is None else access_view(xp.asarray(p, xp.bool_, device), acc, order, box, fill=False, xp=xp)
         for p, acc in zip(present, node.inputs, strict=True)
     ]
-    routed = routed_form(node) if node.lookups and xp.name == "torch" and all(m is None for m in masks) else None
-    if routed is not None:
+    routed = routed_form(node) if node.lookups and xp.name == "torch" else None
+    if routed is not None and all(m is None for k, m in enumerate(masks) if k != routed.gathered):
+        # The routed rows may be absent in part (a block of an expert-parallel chain reads the
+        # rows routed to its experts only): an absent row adds nothing and is not dispatched.
         lk = node.lookups[routed.lookup]
         routes = _looked_up_values(node, lk, data, order, box, None, xp, device)
         scale = constant_scale(node, cdt, xp, device)
-        value, pres, out_vars = routed_kernel.evaluate_routed(node, routed, routes, converted, scale, xp, device)
+        value, pres, out_vars = routed_kernel.evaluate_routed(
+            node, routed, routes, converted, scale, xp, device, masks[routed.gathered]
+        )
         return value, (pres if known is None else known.present), out_vars
     looked_up: dict[str, Array] = {}
     within = hits = None

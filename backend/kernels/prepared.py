@@ -42,7 +42,7 @@ from edatalog.backend.kernels.joinagg import (
 )
 from edatalog.backend.kernels.operands import index_values, view_spec
 from edatalog.ir import dtypes
-from edatalog.ir.forms import product_form, routed_form
+from edatalog.ir.forms import product_form, routed_form, without_full_filters
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.scalar import OPS, Const, IndexValue, Load, Op
 
@@ -123,7 +123,7 @@ def general_path(block: JoinAgg) -> bool:
     expression at 4-8M points), so it is priced as a prepared block: pricing it at the masked
     path's rate made splitting a block under :data:`CHUNK_POINTS` look faster than it is.  A
     routed contraction (``backend/kernels/routed.py``) is a grouped GEMM, not the general path."""
-    node = prepare(block)
+    node = without_full_filters(prepare(block))
     if node.lookups:  # a routed contraction is a grouped GEMM; any other lookup gathers
         return routed_form(node) is None
     if node.agg_indices:
@@ -148,9 +148,9 @@ def prepare_block(
 ) -> Prepared | None:
     """The block prepared for inputs laid out as ``layouts`` (every cell present), or None
     where only the general evaluation applies."""
-    if xp.name != "torch" or known is None or block.lookups:
+    node = without_full_filters(prepare(block))
+    if xp.name != "torch" or known is None or node.lookups:
         return None
-    node = prepare(block)
     if node.agg_indices:
         built = _Contraction.build(node, layouts, xp, device, known)
         return built if built is not None else _Convolution.build(node, layouts, xp, device, known)

@@ -32,11 +32,20 @@ from edatalog.ir.graph import JoinAgg
 
 
 def evaluate_routed(
-    node: JoinAgg, form: RoutedForm, routes: Array, data: list[Array], scale: Array | None, xp: ArrayOps, device: Any
+    node: JoinAgg,
+    form: RoutedForm,
+    routes: Array,
+    data: list[Array],
+    scale: Array | None,
+    xp: ArrayOps,
+    device: Any,
+    mask: Array | None = None,
 ) -> tuple[Array, Array | None, list[str]]:
     """The node's value over its output indices (join order), its presence (None: every
     cell), and those indices.  ``routes``: the route's values as the node's access reads them
-    (i64, range-checked); ``data``: the inputs in the compute dtype."""
+    (i64, range-checked); ``data``: the inputs in the compute dtype; ``mask``: where the
+    gathered input has cells (over the join space, as its access reads it; None: everywhere).
+    A row of the gathered input with no cell is not dispatched: it adds nothing."""
     torch = torch_module()
     lk = node.lookups[form.lookup]
     order = [i.name for i in node.indices]
@@ -47,10 +56,18 @@ def evaluate_routed(
     value = _over(access_view(routes, node.inputs[lk.input], order, box, xp=xp), order, form.routed, box, xp)
     value = value.reshape(rows) - lk.offset
     inside = (value >= 0) & (value < experts)
+    if mask is not None:
+        has = _over(mask, order, (*form.routed, *form.shared), box, xp).reshape(rows, -1).any(dim=1)
+        inside = inside & has
     bucket = torch.where(inside, value, experts)
     perm = torch.argsort(bucket, stable=True)
     counts = torch.zeros(experts + 1, dtype=torch.int64, device=device)
     counts.index_add_(0, bucket, torch.ones_like(bucket))
+    if xp.reads_back:
+        # Interpreted: the buffers hold the rows routed here, as many as there are (a block
+        # over part of the experts gets about its part's share).  A recorded graph keeps every
+        # row (static shapes: it replays for any routing); the grouped GEMM skips the rest.
+        perm = perm[: int(counts[:experts].sum().item())]
     g = access_view(data[form.gathered], node.inputs[form.gathered], order, box, xp=xp)
     shared = math.prod(box[v] for v in form.shared)
     a = _over(g, order, (*form.routed, *form.shared), box, xp).reshape(rows, shared)
@@ -59,7 +76,7 @@ def evaluate_routed(
     cols = math.prod(box[v] for v in form.columns)
     # The weight as it lies (a transposed view where its axes are so ordered), never copied.
     b = _over(w, order, (lk.index, *form.shared, *form.columns), box, xp, copy=False).reshape(experts, shared, cols)
-    product = _grouped(a, b, counts, bucket.index_select(0, perm), rows, experts, xp)
+    product = _grouped(a, b, counts, bucket.index_select(0, perm), len(perm), experts, xp)
     product = torch.where(inside.index_select(0, perm)[:, None], product, torch.zeros((), dtype=product.dtype))
     if scale is not None:
         product = product * scale
@@ -72,7 +89,7 @@ def evaluate_routed(
     placed = [*form.kept, *form.columns]
     result = out.reshape([box[v] for v in placed]).permute([placed.index(v) for v in out_vars])
     present = None
-    if lk.offset or experts < lk.extent:  # cells whose every point is routed elsewhere are absent here
+    if lk.offset or experts < lk.extent or mask is not None:  # cells with no point here are absent
         hit = torch.zeros(cells, dtype=torch.int64, device=device)
         hit.index_add_(0, cell, inside.index_select(0, perm).to(torch.int64))
         shape = [box[v] if v in form.kept else 1 for v in out_vars]

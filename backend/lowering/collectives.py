@@ -82,7 +82,7 @@ class Rewritten:
     def outputs(self, entries: Mapping[str, list[Entry]]) -> dict[str, list[Entry]]:
         """Where outputs end (a schedule's ``outputs``), held by the buffers that hold them now."""
         return {
-            name: [Entry(e.region, {d: self.moved.get(b, b) for d, b in e.holders.items()}) for e in pieces]
+            name: [Entry(e.region, {d: self.moved.get(b, b) for d, b in e.holders.items()}, e.routed) for e in pieces]
             for name, pieces in entries.items()
         }
 

@@ -27,12 +27,12 @@ import numpy as np
 
 from edatalog.backend.kernels.prepared import general_path
 from edatalog.backend.lowering.instances import InstanceCopier
-from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Load, Send, Task
+from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Load, Routed, Send, Task
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
 from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches
-from edatalog.ir.forms import routed_form, routed_gemm
+from edatalog.ir.forms import route_key, route_lookup, routed_form, routed_gemm, routed_parts_only
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.intervals import atoms
 from edatalog.ir.program import OpCost
@@ -187,14 +187,15 @@ class _Synthesizer:
             # at the expected load, as the solver prices it.
             work = points // node.lookups[routed.lookup].extent if routed is not None else points // chosen
             part = any(ranges[lk.index] != (0, lk.extent) for lk in node.lookups)
+            routes = self._routes(node, ranges)
             holders = {}
             for d in block.devices:
                 deps: list[int] = []
                 reads = []
                 nbytes = out.size * out_item
-                for acc in node.inputs:
+                for k, acc in enumerate(node.inputs):
                     need = Region.through(acc.axes, ranges)
-                    parts = self._fetch(acc.relation, need, d)
+                    parts = self._fetch(acc.relation, need, d, routes[k])
                     reads.append([(buf, region) for buf, region in parts])
                     deps.extend(self.buffers[buf].task for buf, _ in parts)
                     size = min(need.size, points // chosen) if node.looked_up & set(acc.indices) else need.size
@@ -213,23 +214,43 @@ class _Synthesizer:
                     points == math.prod(hi - lo for lo, hi in ranges.values()) and not part,
                 )
                 holders[d] = self._add(task, node.out, out)
-            entries.append(Entry(out, holders))
+            entries.append(Entry(out, holders, routes[-1]))
             self.blocks.setdefault(node.name, set()).add(block.index)
         return entries
 
+    @staticmethod
+    def _routes(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> list[Routed | None]:
+        """Per input of a block, then for its head: the part of a routed index the block's points
+        are limited to, where the block holds part of it (see
+        :func:`edatalog.ir.forms.route_lookup`).  An input's limits which of its pieces the block
+        reads: a piece routed to other experts has no cell it reads.  The head's mark the block's
+        cells, so that readers routed alike take only their own experts' pieces."""
+        lk = route_lookup(node)
+        if lk is None or ranges[lk.index] == (0, lk.extent):
+            return [None] * (len(node.inputs) + 1)
+        lo, hi = ranges[lk.index]
+        out: list[Routed | None] = []
+        for axes in (*(acc.axes for acc in node.inputs), node.out_axes):
+            key = route_key(node, lk, axes)
+            out.append(None if key is None else Routed(key, lo, hi))
+        return out
+
     # -- moving data ---------------------------------------------------------------------------------
 
-    def _fetch(self, relation: str, need: Region, d: int) -> list[tuple[int, Region]]:
+    def _fetch(self, relation: str, need: Region, d: int, routed: Routed | None = None) -> list[tuple[int, Region]]:
         """Buffers on device ``d`` that cover ``need`` (where the relation has cells), sending the
-        missing parts from their holders."""
-        return [(buf, part) for _, buf, part in self._pieces(relation, need, d)]
+        missing parts from their holders; with ``routed``, only pieces whose cells can be routed
+        to that part (the others hold nothing the reader reads)."""
+        return [(buf, part) for _, buf, part in self._pieces(relation, need, d, routed)]
 
-    def _pieces(self, relation: str, need: Region, d: int) -> list[tuple[Entry, int, Region]]:
+    def _pieces(
+        self, relation: str, need: Region, d: int, routed: Routed | None = None
+    ) -> list[tuple[Entry, int, Region]]:
         """As :meth:`_fetch`, with the piece of the layout each part comes from."""
         parts = []
         for entry in self._near(relation, need):
             part = entry.region.intersect(need)
-            if part.empty:
+            if part.empty or (routed is not None and entry.routed is not None and not entry.routed.meets(routed)):
                 continue
             if d in entry.holders:
                 parts.append((entry, entry.holders[d], part))
@@ -303,7 +324,7 @@ class _Synthesizer:
         """The final layout of a relation: contributions as they are where they do not overlap,
         reduced where several cover the same cells."""
         rel = self.graph.relation(relation)
-        if rel.aggop == "=" or len(contributions) <= 1:
+        if rel.aggop == "=" or len(contributions) <= 1 or self._routed_parts(relation):
             return contributions
         layout = []
         for region, members in _cell_groups([c.region for c in contributions]):
@@ -312,6 +333,17 @@ class _Synthesizer:
             else:
                 layout.extend(self._reduce(relation, region, [contributions[m] for m in members]))
         return layout
+
+    def _routed_parts(self, relation: str) -> bool:
+        """Whether the blocks that cover the same cells of ``relation`` differ only in the part
+        of a routed index they hold: each cell then exists in exactly one of them (its routed
+        value names one part), and the pieces stay where they are, to be read by presence, as
+        an '=' relation's are (no reduction: readers routed alike read their own part only)."""
+        producers = self.graph.producers(relation)
+        if len(producers) != 1:
+            return False
+        node = producers[0]
+        return routed_parts_only(node, {s.index for s in self.plan.node(node.name).tile.splits if s.parts > 1})
 
     def _reduce(self, relation: str, region: Region, parts: list[Entry]) -> list[Entry]:
         # One source per contribution (its first holder), then one per device: partials that

@@ -26,7 +26,8 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
-from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Send, Task
+from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Routed, Send, Task
+from edatalog.ir.forms import RouteKey
 from edatalog.ir.graph import Graph, Repeat
 from edatalog.solver.plan import Plan
 
@@ -105,7 +106,7 @@ class InstanceCopier:
         rename = self._renamer(k)
         for name in self._relations(synth, k - 1):
             entries = synth.layout[name]
-            moved = [Entry(e.region, {d: move(b) for d, b in e.holders.items()}) for e in entries]
+            moved = [Entry(e.region, {d: move(b) for d, b in e.holders.items()}, _routed(e, rename)) for e in entries]
             synth.layout[rename(name)] = moved
             for old, fresh in zip(entries, moved, strict=True):
                 for d in range(len(synth.egress)):
@@ -194,3 +195,9 @@ def _same(a: Task, b: Task) -> bool:
 def _tiles(plan: Plan, rep: Repeat, k: int) -> tuple[object, ...]:
     """How the plan tiles instance ``k``'s rules: splits, devices, reduction axis."""
     return tuple((plan.node(name).tile, plan.node(name).reduce_axis) for name in rep.instance(k))
+
+
+def _routed(entry: Entry, rename: Callable[[str], str]) -> Routed | None:
+    """The entry's routed part, routed by the next instance's own route."""
+    r = entry.routed
+    return None if r is None else Routed(RouteKey(rename(r.key.relation), r.key.axes), r.lo, r.hi)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edatalog.ir.forms import RouteKey
 from edatalog.ir.regions import Region
 
 
@@ -65,9 +66,25 @@ class Buffer:
     region: Region
 
 
+@dataclass(frozen=True)
+class Routed:
+    """The part ``lo .. hi - 1`` of a routed index that a block holds: its cells exist only where
+    the routed value (see :class:`~edatalog.ir.forms.RouteKey`) falls in the part."""
+
+    key: RouteKey
+    lo: int
+    hi: int
+
+    def meets(self, other: Routed) -> bool:
+        """Whether a cell can exist in both (another key says nothing about this one's cells)."""
+        return self.key != other.key or (self.lo < other.hi and other.lo < self.hi)
+
+
 @dataclass(eq=False)
 class Entry:
-    """A piece of a relation's final layout: a region, and the buffer holding it on each device."""
+    """A piece of a relation's final layout: a region, and the buffer holding it on each device;
+    ``routed``: the part of a routed index its cells are limited to (None: no such limit)."""
 
     region: Region
     holders: dict[int, int]  # device -> buffer
+    routed: Routed | None = None

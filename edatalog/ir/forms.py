@@ -6,11 +6,13 @@ routed to a block's experts."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from edatalog.ir.graph import JoinAgg
+from edatalog.ir.graph import AxisMap, JoinAgg, Lookup
 from edatalog.ir.scalar import Load, Op
 
 
@@ -114,3 +116,103 @@ def routed_gemm(node: JoinAgg, form: RoutedForm, extents: dict[str, int]) -> tup
     rows = math.prod(extents[v] for v in form.routed) // lk.extent
     columns = math.prod(extents[v] for v in form.columns)
     return extents[lk.index], max(rows, 1), columns, math.prod(extents[v] for v in form.shared)
+
+
+# -- routed partitions: which cells a routed value decides ------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """Which routed value decides a cell of a relation: the routing relation, and for each of
+    its axes the axis of the relation that holds the same index.  ``h1[t, k, f]``, made by
+    ``... where route[t, k] = e``, has the key ``(route, (0, 1))``: cell ``(t, k, f)`` exists on a
+    block over part of the experts only where ``route[t, k]`` falls in the part."""
+
+    relation: str
+    axes: tuple[int, ...]
+
+
+def route_lookup(node: JoinAgg) -> Lookup | None:
+    """The lookup that partitions ``node``'s points by a routed value, or None: a routed
+    contraction's, or a filter's (:func:`filter_lookups`: over part of its range a block
+    computes only the points whose value falls there)."""
+    form = routed_form(node)
+    if form is not None:
+        return node.lookups[form.lookup]
+    filters = filter_lookups(node)
+    return node.lookups[filters[0]] if filters else None
+
+
+def filter_lookups(node: JoinAgg) -> tuple[int, ...]:
+    """The positions (in ``node.lookups``) of lookups that only filter (``where route[t, k] =
+    e:X``): their index is read by no input, kept by no head, and used by neither the body nor
+    the guard (``where pos[] = p:T`` with ``p`` in the body is a value, not a filter), so over
+    its whole range such a lookup changes nothing."""
+    used = set(node.out_indices) | set(node.expr.index_values()) | node.guard.vars
+    return tuple(
+        k
+        for k, lk in enumerate(node.lookups)
+        if lk.index not in used and not any(lk.index in acc.indices for acc in node.inputs)
+    )
+
+
+def route_key(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> RouteKey | None:
+    """The lookup's arguments as axes of ``axes`` (the head's or an input's), or None where an
+    argument is no plain index held by one of them."""
+    positions = []
+    plain = [plain_index(ax) for ax in axes]
+    for ax in node.inputs[lk.input].axes:
+        v = plain_index(ax)
+        if v is None or v not in plain:
+            return None
+        positions.append(plain.index(v))
+    return RouteKey(node.inputs[lk.input].relation, tuple(positions))
+
+
+def routed_partition(node: JoinAgg) -> tuple[Lookup, RouteKey] | None:
+    """Where ``node``'s cells exist decided by a routed value (see :class:`RouteKey`): its
+    routing lookup, and the key of its head.  None when it has none, or the head does not keep
+    every index the route reads."""
+    lk = route_lookup(node)
+    if lk is None:
+        return None
+    key = route_key(node, lk, node.out_axes)
+    return None if key is None else (lk, key)
+
+
+def plain_index(ax: AxisMap) -> str | None:
+    """The index an axis holds as it is, or None (an expression, a constant, several parts)."""
+    if len(ax.parts) != 1:
+        return None
+    index = ax.parts[0].index
+    return None if index is None else str(index)
+
+
+def routed_parts_only(node: JoinAgg, split: Collection[str]) -> bool:
+    """Whether blocks that split only ``split`` write each cell of the head in one block alone,
+    though the rule aggregates: ``split`` leaves every aggregated index whole but the routed
+    one (see :func:`routed_partition`), and a point's routed value names one part of that."""
+    found = routed_partition(node)
+    if found is None:
+        return False
+    lk, _ = found
+    return set(node.agg_indices) & set(split) <= {lk.index}
+
+
+def without_full_filters(node: JoinAgg) -> JoinAgg:
+    """``node`` without the filtering lookups (:func:`filter_lookups`) that cover their whole
+    range: those keep every point, so evaluators run the rule as if they were not written (a
+    rule that carries a route for expert parallelism costs nothing on one device)."""
+    box = node.box
+    drop = {
+        node.lookups[k].index
+        for k in filter_lookups(node)
+        if node.lookups[k].offset == 0 and box[node.lookups[k].index] == node.lookups[k].extent
+    }
+    if not drop:
+        return node
+    return dataclasses.replace(
+        node,
+        indices=tuple(i for i in node.indices if i.name not in drop),
+        lookups=tuple(lk for lk in node.lookups if lk.index not in drop),
+    )

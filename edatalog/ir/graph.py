@@ -207,7 +207,11 @@ class Lookup:
 
     def render(self, node: JoinAgg) -> str:
         order = [i.name for i in node.indices]
-        return f"{node.inputs[self.input].render(order)} = {self.index}"
+        text = f"{node.inputs[self.input].render(order)} = {self.index}"
+        if self.index in node.out_indices or any(self.index in acc.indices for acc in node.inputs):
+            return text
+        # No relation gives the index its range: written with it, as the language has it.
+        return text + ":" + next(i.symbol for i in node.indices if i.name == self.index)
 
 
 @dataclass(frozen=True)
@@ -438,7 +442,9 @@ class Graph:
         out = self.relation(n.out)
         _check(out.kind == "derived", f"{where}: writes {out.kind} {out.name}")
         _check(n.dtype == out.dtype, f"{where}: dtype {n.dtype} but {out.name} is {out.dtype}")
-        used: set[str] = set(n.expr.index_values()) | n.guard.vars
+        # A looked-up index uses its place even where no relation reads it: ``where route[t, k] =
+        # e:X`` then keeps the points whose value falls in the block's part (a filter).
+        used: set[str] = set(n.expr.index_values()) | n.guard.vars | {lk.index for lk in n.lookups}
         for acc in (*n.inputs, Access(n.out, n.out_axes)):
             _check(acc.relation in self._by_name, f"{where}: unknown relation {acc.relation}")
             rel = self.relation(acc.relation)

@@ -17,6 +17,7 @@ import torch
 import edatalog
 from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.errors import EdlWarning
+from edatalog.ir import program as ir
 
 MOE = Path(__file__).resolve().parents[2] / "programs" / "moe_layer.edl"
 SMALL = {"T": 16, "D": 32, "F": 48, "X": 8, "K": 2}
@@ -114,3 +115,27 @@ def test_flops_of_the_expert_rules_are_k_over_e_of_the_dense_form() -> None:
     routed = sum(costs[n].flops for n in ("h1", "h3", "y"))
     dense = 3 * 2 * 512 * 8 * 2816 * 1024  # three GEMMs of every token by every expert
     assert routed == pytest.approx(2 / 8 * dense, rel=0.10)
+
+
+def test_expert_parallelism_keeps_each_experts_rows_on_its_device(routed_calls: list[str]) -> None:
+    """Under the expert strategy the expert rules and the rule between them (which carries the
+    route, :mod:`edatalog.rules.routes`) split the experts alike: each device reads only the
+    pieces of ``h1``, ``h3`` and ``a`` routed to its own experts, so none of them moves and none
+    is reduced.  What crosses the devices is the tokens (``x``, the gates) and ``y``'s partial
+    sums.  The run equals the reference, interpreted and replayed."""
+    prog = _compile()
+    plan = edatalog.plan(prog, topology="cpux2", strategy="expert")
+    assert all(s.parts == 2 for n in ("h1", "h3", "a", "y") for s in plan.ir.node(n).tile.splits if s.index == "e")
+    ops = [op for _, _, op in plan.schedule.programs.ops()]
+    moved = {op.relation for op in ops if isinstance(op, ir.Recv)}
+    combined = {op.relation for op in ops if isinstance(op, ir.Combine)}
+    assert moved and not moved & {"h1", "h3", "a"}, moved
+    assert combined == {"y"}, combined
+    values = prog.random_inputs(seed=4)
+    want = prog.run(values)["y"]
+    params, inputs = _split(prog, values)
+    exe = edatalog.executable(prog, plan, backend="torch")
+    exe.load(params)
+    for call in ("interpreted", "recorded", "replayed"):
+        np.testing.assert_allclose(exe(inputs)["y"].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=call)
+    assert set(routed_calls) == {"h1", "h3", "y"}  # y reads a's routed pieces: still a grouped GEMM

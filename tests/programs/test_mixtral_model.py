@@ -31,6 +31,7 @@ from transformers.models.mixtral import modeling_mixtral
 import edatalog
 from edatalog import generation
 from edatalog.checkpoint import configured
+from edatalog.ir import program as ir
 from edatalog.lang.parser import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +176,28 @@ def test_torch_runs_the_experts_as_grouped_gemms(
     out = prog.run({**prog.load_checkpoint(where), "ids": np.array([PROMPT])}, backend="torch")["logits"]
     assert _rel(np.asarray(out), _reference_logits(model, PROMPT)) <= TOL
     assert sorted(routed_calls) == sorted(EXPERT_RULES)  # every expert rule, and nothing else
+
+
+def test_expert_parallel_layers_move_only_the_tokens_and_partial_sums(
+    saved: tuple[Path, MixtralForCausalLM], routed_calls: list[str]
+) -> None:
+    """The ``expert`` plan on 2 logical devices: every layer's expert rows (``h1``, ``h3`` and
+    ``act``, which carries the route) stay on their experts' device, the layers after the
+    first copied from it (their pieces routed by their own layer's route); only ``moe``'s
+    partial sums are reduced.  The logits equal transformers'."""
+    where, model = saved
+    prog = _compile(where, len(PROMPT))
+    plan = edatalog.plan(prog, topology="cpux2", strategy="expert")
+    received = {op.relation for _, _, op in plan.schedule.programs.ops() if isinstance(op, ir.Recv)}
+    expert_rows = {f"layers.{k}.{r}" for k in range(LAYERS) for r in ("h1", "h3", "act")}
+    assert not received & expert_rows and {f"layers.{k}.moe" for k in range(LAYERS)} <= received
+    values = {**prog.load_checkpoint(where), "ids": np.array([PROMPT])}
+    exe = edatalog.executable(prog, plan, backend="torch", device=["cpu", "cpu"])
+    params = {r.name for r in prog.arguments if r.kind == "param"}
+    exe.load({k: torch.tensor(v) for k, v in values.items() if k in params})
+    out = exe({"ids": torch.tensor(values["ids"])})["logits"].numpy()
+    assert _rel(out, _reference_logits(model, PROMPT)) <= TOL
+    assert set(routed_calls) == EXPERT_RULES
 
 
 def _hf_generate(model: MixtralForCausalLM) -> list[int]:

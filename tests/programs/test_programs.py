@@ -38,6 +38,7 @@ SMALL: dict[str, tuple[dict[str, int], dict[str, tuple[str, ...]]]] = {
     ),
     "mlp.edl": ({"B": 3, "D": 5, "F": 7}, {"y": ("B", "D")}),
     "moe_layer.edl": ({"T": 6, "D": 12, "F": 7, "X": 4, "K": 2}, {"y": ("T", "D")}),
+    "moe_capacity.edl": ({"G": 2, "S": 6, "D": 12, "F": 7, "X": 4, "K": 2, "C": 2}, {"y": ("G", "S", "D")}),
     "softmax.edl": ({"N": 4, "C": 9}, {"y": ("N", "C")}),
 }
 
