@@ -225,19 +225,22 @@ def _gather(
     hits: Array | None = None  # where every scattered value does
     head = set(node.out_indices)
     i64 = xp.dtype("i64")
+    resolved = []
     for lk in node.lookups:
         raw = _looked_up_values(node, lk, data, order, box, masks[lk.input], xp, device)
         value = raw - lk.offset if lk.offset else raw
-        axis, size = order.index(lk.index), box[lk.index]
+        size = box[lk.index]
         partial = lk.offset > 0 or size < lk.extent
         inside = xp.logical_and(value >= 0, value < size) if partial else None
         where = xp.where(inside, value, xp.constant(0, i64)) if inside is not None else value
-        for j, other in enumerate(node.inputs):
-            if lk.index not in other.indices:
-                continue
-            views[j] = xp.take_along(views[j], where, axis)
+        resolved.append((lk, value, inside, where))
+    for j, other in enumerate(node.inputs):
+        picks = [(order.index(lk.index), where) for lk, _, _, where in resolved if lk.index in other.indices]
+        if picks:
+            views[j] = _take_along_many(xp, views[j], picks)
             mask = masks[j]
-            masks[j] = None if mask is None else xp.take_along(mask, where, axis)
+            masks[j] = None if mask is None else _take_along_many(xp, mask, picks)
+    for lk, value, inside, where in resolved:
         box[lk.index] = 1
         if lk.index in head:  # a scatter: the point adds to the cell its value names, if here
             values[lk.index] = where
@@ -248,6 +251,35 @@ def _gather(
             within = inside if within is None else xp.logical_and(within, inside)
         values[lk.index] = value
     return box, views, masks, values, within, hits
+
+
+def _take_along_many(xp: ArrayOps, a: Array, picks: list[tuple[int, Array]]) -> Array:
+    """``a`` read at several looked-up axes at once (``ye[g, e, c, d]`` at ``e = route[g, s, k]``
+    and ``c = slot[g, s, k]``): one gather over those axes flattened.  One gather per axis would
+    first make the join space over the other looked-up axes (the whole ``c`` range at every
+    point: ``C`` times the result).  Each index is of size 1 along every picked axis."""
+    if len(picks) == 1:
+        axis, where = picks[0]
+        return xp.take_along(a, where, axis)
+    axes = [axis for axis, _ in picks]
+    rest = [k for k in range(len(a.shape)) if k not in axes]
+    perm = rest + axes
+    sizes = [a.shape[axis] for axis in axes]
+    flat = xp.contiguous(xp.transpose(a, perm))  # the input's size: its own cells, rearranged
+    flat = xp.view(flat, [a.shape[k] for k in rest] + [math.prod(sizes)])
+    index: Array | None = None
+    stride = 1
+    for (_, where), n in reversed(list(zip(picks, sizes, strict=True))):  # row-major: the last fastest
+        term = where * stride if stride != 1 else where
+        index = term if index is None else index + term
+        stride *= n
+    assert index is not None
+    index = xp.contiguous(xp.transpose(index, perm))
+    index = xp.view(index, list(index.shape[: len(rest)]) + [1])
+    out = xp.take_along(flat, index, len(rest))
+    out = xp.view(xp.contiguous(out), list(out.shape[:-1]) + [1] * len(axes))
+    back = sorted(range(len(perm)), key=perm.__getitem__)
+    return xp.transpose(out, back)
 
 
 def _looked_up_values(
