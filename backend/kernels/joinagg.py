@@ -275,7 +275,7 @@ def _take_along_many(xp: ArrayOps, a: Array, picks: list[tuple[int, Array]]) -> 
         stride *= n
     assert index is not None
     index = xp.contiguous(xp.transpose(index, perm))
-    index = xp.view(index, list(index.shape[: len(rest)]) + [1])
+    index = xp.view(index, [*index.shape[: len(rest)], 1])
     out = xp.take_along(flat, index, len(rest))
     out = xp.view(xp.contiguous(out), list(out.shape[:-1]) + [1] * len(axes))
     back = sorted(range(len(perm)), key=perm.__getitem__)
