@@ -42,7 +42,7 @@ from edatalog.backend.kernels.joinagg import (
 )
 from edatalog.backend.kernels.operands import index_values, view_spec
 from edatalog.ir import dtypes
-from edatalog.ir.forms import product_form, routed_form, without_full_filters
+from edatalog.ir.forms import carried_filter, product_form, routed_form, without_full_filters, without_lookup
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.scalar import OPS, Const, IndexValue, Load, Op
 
@@ -124,6 +124,9 @@ def general_path(block: JoinAgg) -> bool:
     path's rate made splitting a block under :data:`CHUNK_POINTS` look faster than it is.  A
     routed contraction (``backend/kernels/routed.py``) is a grouped GEMM, not the general path."""
     node = without_full_filters(prepare(block))
+    carried = carried_filter(node)
+    if carried is not None:  # evaluated as the rule without its filter, masked
+        node = without_lookup(node, carried)
     if node.lookups:  # a routed contraction is a grouped GEMM; any other lookup gathers
         return routed_form(node) is None
     if node.agg_indices:

@@ -199,6 +199,26 @@ def routed_parts_only(node: JoinAgg, split: Collection[str]) -> bool:
     return set(node.agg_indices) & set(split) <= {lk.index}
 
 
+def carried_filter(node: JoinAgg) -> Lookup | None:
+    """The filter of a block of a rule that carries a route over part of the experts (its only
+    lookup, reading indices the head keeps: ``a[t, k, f] = ... where route[t, k] = e:X`` with
+    ``e`` in ``0 .. 3``), or None.  Such a block is the rule without the filter, its cells kept
+    where the route falls in the part: the part decides cells, not points."""
+    if len(node.lookups) != 1 or filter_lookups(node) != (0,):
+        return None
+    lk = node.lookups[0]
+    return lk if route_key(node, lk, node.out_axes) is not None else None
+
+
+def without_lookup(node: JoinAgg, lk: Lookup) -> JoinAgg:
+    """``node`` without the filter ``lk`` (see :func:`filter_lookups`) and its index."""
+    return dataclasses.replace(
+        node,
+        indices=tuple(i for i in node.indices if i.name != lk.index),
+        lookups=tuple(x for x in node.lookups if x != lk),
+    )
+
+
 def without_full_filters(node: JoinAgg) -> JoinAgg:
     """``node`` without the filtering lookups (:func:`filter_lookups`) that cover their whole
     range: those keep every point, so evaluators run the rule as if they were not written (a
