@@ -139,3 +139,27 @@ def test_expert_parallelism_keeps_each_experts_rows_on_its_device(routed_calls: 
     for call in ("interpreted", "recorded", "replayed"):
         np.testing.assert_allclose(exe(inputs)["y"].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=call)
     assert set(routed_calls) == {"h1", "h3", "y"}  # y reads a's routed pieces: still a grouped GEMM
+
+
+def test_a_block_that_carries_the_route_over_part_of_the_experts_is_elementwise() -> None:
+    """``a``'s block over experts 0..3 is the rule without its filter, masked where the route
+    falls elsewhere: no gather (the general path's), and its cells are exactly those."""
+    from edatalog.backend.kernels.arrays import TORCH
+    from edatalog.backend.kernels.joinagg import evaluate_node
+    from edatalog.backend.kernels.prepared import general_path
+    from edatalog.ir.rewrite import restrict
+
+    prog = _compile()
+    node = prog.graph.node("a")
+    block = restrict(node, {**{i.name: (0, i.extent) for i in node.indices}, "e": (0, 4)})
+    assert not general_path(block)
+    t, k, f = (SMALL[n] for n in ("T", "K", "F"))
+    route = torch.randint(0, 8, (t, k))
+    data = [torch.randn(t, k, f), torch.randn(t, k, f), torch.rand(t, k), torch.rand(t) + 1, route]
+    assert [a.relation for a in node.inputs] == ["h1", "h3", "p", "z", "route"]
+    value, present, out_vars = evaluate_node(block, data, [None] * 5, TORCH)
+    assert out_vars == ["t", "k", "f"] and present is not None
+    np.testing.assert_array_equal(present.expand(t, k, f).numpy(), (route < 4)[:, :, None].expand(t, k, f).numpy())
+    h1, h3, p, z = data[:4]
+    want = torch.nn.functional.silu(h1) * h3 * (p / z[:, None])[:, :, None]
+    np.testing.assert_allclose(torch.where(present, value, 0).numpy(), torch.where(present, want, 0).numpy(), rtol=1e-6)
