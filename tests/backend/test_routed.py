@@ -44,17 +44,23 @@ def test_expert_rules_run_as_grouped_gemms_and_equal_the_reference(
     """f32 takes ``torch._grouped_mm``; f64 (which that kernel does not take) loops over the
     experts when interpreted and is recorded with every expert over every row, masked.  Both
     replay their graphs."""
-    prog = _compile(dtype=dtype)
-    values = prog.random_inputs(seed=1)
+    exe = _equals_the_reference(_compile(dtype=dtype), None, seed=1, tol=tol)
+    assert sorted(set(routed_calls)) == ["h1", "h3", "y"]
+    assert _replayed(exe)  # f64 too: recorded with every expert over every row, masked
+
+
+def _equals_the_reference(prog: edatalog.Program, plan: Any, seed: int, tol: float = 1e-5) -> Any:
+    """Run ``prog`` (under ``plan``) on torch three times, interpreted, recorded and replayed,
+    each against the reference; the executable."""
+    values = prog.random_inputs(seed=seed)
     want = prog.run(values)["y"]
     params, inputs = _split(prog, values)
-    exe = edatalog.executable(prog, None, backend="torch")
+    exe = edatalog.executable(prog, plan, backend="torch")
     exe.load(params)
     for call in ("interpreted", "recorded", "replayed"):
         got = exe(inputs)["y"].numpy()
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=call)
-    assert sorted(set(routed_calls)) == ["h1", "h3", "y"]
-    assert _replayed(exe)  # f64 too: recorded with every expert over every row, masked
+    return exe
 
 
 def _replayed(exe: Any) -> bool:
@@ -66,14 +72,8 @@ def test_expert_parallel_blocks_equal_the_reference(machine: str, seed: int, rou
     """Random plans split the experts (and tokens, and features) unevenly: each block takes
     the points routed to its experts, the others are absent there."""
     prog = _compile()
-    values = prog.random_inputs(seed=seed)
-    want = prog.run(values)["y"]
     plan = edatalog.plan(prog, topology=machine, strategy="random", seed=seed)
-    params, inputs = _split(prog, values)
-    exe = edatalog.executable(prog, plan, backend="torch")
-    exe.load(params)
-    for call in ("interpreted", "recorded", "replayed"):
-        np.testing.assert_allclose(exe(inputs)["y"].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=call)
+    exe = _equals_the_reference(prog, plan, seed=seed)
     assert routed_calls and _replayed(exe)
 
 
@@ -131,13 +131,7 @@ def test_expert_parallelism_keeps_each_experts_rows_on_its_device(routed_calls: 
     combined = {op.relation for op in ops if isinstance(op, ir.Combine)}
     assert moved and not moved & {"h1", "h3", "a"}, moved
     assert combined == {"y"}, combined
-    values = prog.random_inputs(seed=4)
-    want = prog.run(values)["y"]
-    params, inputs = _split(prog, values)
-    exe = edatalog.executable(prog, plan, backend="torch")
-    exe.load(params)
-    for call in ("interpreted", "recorded", "replayed"):
-        np.testing.assert_allclose(exe(inputs)["y"].numpy(), want, rtol=1e-5, atol=1e-5, err_msg=call)
+    _equals_the_reference(prog, plan, seed=4)
     assert set(routed_calls) == {"h1", "h3", "y"}  # y reads a's routed pieces: still a grouped GEMM
 
 
