@@ -178,6 +178,7 @@ def ranks_part(args: argparse.Namespace, dims: dict[str, int]) -> int:
         given = dims
         if name == "capacity":
             given = {"G": GROUPS, "S": dims["T"] // GROUPS, **{k: v for k, v in dims.items() if k != "T"}}
+            given["C"] = -(-5 * given["S"] * given["K"] // (4 * given["X"]))  # capacity factor 1.25, rounded up
         flags = [f"--dim={k}={v}" for k, v in given.items()]
         if name == "moe":
             path = LAYER

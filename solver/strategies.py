@@ -269,6 +269,8 @@ def expert_indices(graph: Graph) -> dict[str, str]:
 
 
 def _expert_index(node: JoinAgg, params: set[str], axis: Mapping[str, int]) -> str | None:
+    """``node``'s expert index (see :func:`expert_indices`), given the relations made per
+    expert so far and their expert axes; None for a rule of the tokens."""
     lk = route_lookup(node) if node.lookups else None
     if lk is not None:
         return lk.index

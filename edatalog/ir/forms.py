@@ -224,15 +224,8 @@ def without_full_filters(node: JoinAgg) -> JoinAgg:
     range: those keep every point, so evaluators run the rule as if they were not written (a
     rule that carries a route for expert parallelism costs nothing on one device)."""
     box = node.box
-    drop = {
-        node.lookups[k].index
-        for k in filter_lookups(node)
-        if node.lookups[k].offset == 0 and box[node.lookups[k].index] == node.lookups[k].extent
-    }
-    if not drop:
-        return node
-    return dataclasses.replace(
-        node,
-        indices=tuple(i for i in node.indices if i.name not in drop),
-        lookups=tuple(lk for lk in node.lookups if lk.index not in drop),
-    )
+    whole = [node.lookups[k] for k in filter_lookups(node)]
+    for lk in whole:
+        if lk.offset == 0 and box[lk.index] == lk.extent:
+            node = without_lookup(node, lk)
+    return node

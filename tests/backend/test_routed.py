@@ -123,7 +123,7 @@ def test_expert_parallelism_keeps_each_experts_rows_on_its_device(routed_calls: 
     pieces of ``h1``, ``h3`` and ``a`` routed to its own experts, so none of them moves and none
     is reduced.  What crosses the devices is the tokens (``x``, the gates) and ``y``'s partial
     sums.  The run equals the reference, interpreted and replayed."""
-    prog = _compile()
+    prog = _compile({"T": 24})  # dims of its own: no plan or graph another test made is reused
     plan = edatalog.plan(prog, topology="cpux2", strategy="expert")
     assert all(s.parts == 2 for n in ("h1", "h3", "a", "y") for s in plan.ir.node(n).tile.splits if s.index == "e")
     ops = [op for _, _, op in plan.schedule.programs.ops()]
