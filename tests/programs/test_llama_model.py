@@ -27,6 +27,7 @@ import edatalog
 from edatalog import generation
 from edatalog.checkpoint import configured
 from edatalog.lang.parser import parse_file
+from tests.programs.checkpoints import compile_configured, reference_logits, save
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "programs" / "llama.edl"
@@ -62,21 +63,11 @@ def _model(layers: int = 3, tied: bool = False, seed: int = 0) -> LlamaForCausal
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaForCausalLM]:
     model = _model()
-    where = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(where)
-    return where, model
+    return save(tmp_path_factory, model, "llama"), model
 
 
 def _compile(weights: Path, seq: int, **kw: Any) -> edatalog.Program:
-    """llama.edl in float64, its dims and consts from the checkpoint's config.json."""
-    dims, consts = configured(parse_file(str(LLAMA)), weights)
-    return edatalog.compile(LLAMA, dims={**dims, "S": seq}, consts=consts, dtype="f64", **kw)
-
-
-def _reference_logits(model: LlamaForCausalLM, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        out: np.ndarray = model(torch.tensor([ids])).logits.numpy()
-    return out
+    return compile_configured(LLAMA, weights, seq, **kw)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -97,7 +88,7 @@ def test_logits_equal_transformers_from_its_own_checkpoint(saved: tuple[Path, Ll
     assert prog.outputs == ("logits",) and prog.graph.relation("logits").shape == (1, len(PROMPT), 37)
     params = prog.load_checkpoint(where)
     out = prog.run({**params, "ids": np.array([PROMPT])})["logits"]
-    ref = _reference_logits(model, PROMPT)
+    ref = reference_logits(model, PROMPT)
     assert _rel(out, ref) <= TOL
     # The comparison means something: another layer's weights change the logits.
     other = dict(params)
@@ -123,7 +114,7 @@ def test_tied_embeddings_give_the_head_the_embedding(tmp_path: Path) -> None:
     params = prog.load_checkpoint(tmp_path)
     assert np.array_equal(params["lm_head"], params["tok_emb"])
     out = prog.run({**params, "ids": np.array([PROMPT])})["logits"]
-    assert _rel(out, _reference_logits(model, PROMPT)) <= TOL
+    assert _rel(out, reference_logits(model, PROMPT)) <= TOL
 
 
 def _hf_generate(model: LlamaForCausalLM) -> list[int]:
@@ -185,7 +176,7 @@ def test_a_decode_step_equals_the_model_at_the_next_position(saved: tuple[Path, 
         buf[:, : len(PROMPT) - 1] = pre[rel]
         inputs[cache] = buf
     step = progs.decode.run({**progs.decode.load_checkpoint(where), **inputs})
-    ref = _reference_logits(model, PROMPT)[0, -1]
+    ref = reference_logits(model, PROMPT)[0, -1]
     assert _rel(step["logits"][0], ref) <= TOL
 
 

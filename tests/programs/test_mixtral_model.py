@@ -33,6 +33,7 @@ from edatalog import generation
 from edatalog.checkpoint import configured
 from edatalog.ir import program as ir
 from edatalog.lang.parser import parse_file
+from tests.programs.checkpoints import compile_configured, reference_logits, save
 
 ROOT = Path(__file__).resolve().parents[2]
 MIXTRAL = ROOT / "programs" / "mixtral.edl"
@@ -72,21 +73,11 @@ def _model(seed: int = 0) -> MixtralForCausalLM:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, MixtralForCausalLM]:
     model = _model()
-    where = tmp_path_factory.mktemp("mixtral")
-    model.save_pretrained(where)
-    return where, model
+    return save(tmp_path_factory, model, "mixtral"), model
 
 
 def _compile(weights: Path, seq: int, **kw: Any) -> edatalog.Program:
-    """mixtral.edl in float64, its dims and consts from the checkpoint's config.json."""
-    dims, consts = configured(parse_file(str(MIXTRAL)), weights)
-    return edatalog.compile(MIXTRAL, dims={**dims, "S": seq}, consts=consts, dtype="f64", **kw)
-
-
-def _reference_logits(model: MixtralForCausalLM, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        out: np.ndarray = model(torch.tensor([ids]), use_cache=False).logits.numpy()
-    return out
+    return compile_configured(MIXTRAL, weights, seq, **kw)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -119,7 +110,7 @@ def test_logits_equal_transformers_from_its_own_checkpoint(saved: tuple[Path, Mi
     assert params["layers.1.w1"].shape == (EXPERTS, 96, 64) and params["layers.1.w2"].shape == (EXPERTS, 64, 96)
     values = {**params, "ids": np.array([PROMPT])}
     out = _compile(where, len(PROMPT), outputs=("logits", "layers.route")).run(values)
-    ref = _reference_logits(model, PROMPT)
+    ref = reference_logits(model, PROMPT)
     assert _rel(out["logits"], ref) <= TOL
     # The comparison means something: tokens take different experts, every expert is taken
     # somewhere, and another expert's weights change the logits.
@@ -162,7 +153,7 @@ def test_logits_equal_transformers_with_its_float32_parts_in_float64(
     monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", router)
     prog = _compile(where, len(PROMPT))
     out = prog.run({**prog.load_checkpoint(where), "ids": np.array([PROMPT])})["logits"]
-    assert _rel(out, _reference_logits(model, PROMPT)) <= 1e-12
+    assert _rel(out, reference_logits(model, PROMPT)) <= 1e-12
 
 
 EXPERT_RULES = {f"layers.{k}.{r}" for k in range(LAYERS) for r in ("h1", "h3", "moe")}
@@ -174,7 +165,7 @@ def test_torch_runs_the_experts_as_grouped_gemms(
     where, model = saved
     prog = _compile(where, len(PROMPT))
     out = prog.run({**prog.load_checkpoint(where), "ids": np.array([PROMPT])}, backend="torch")["logits"]
-    assert _rel(np.asarray(out), _reference_logits(model, PROMPT)) <= TOL
+    assert _rel(np.asarray(out), reference_logits(model, PROMPT)) <= TOL
     assert sorted(routed_calls) == sorted(EXPERT_RULES)  # every expert rule, and nothing else
 
 
@@ -196,7 +187,7 @@ def test_expert_parallel_layers_move_only_the_tokens_and_partial_sums(
     params = {r.name for r in prog.arguments if r.kind == "param"}
     exe.load({k: torch.tensor(v) for k, v in values.items() if k in params})
     out = exe({"ids": torch.tensor(values["ids"])})["logits"].numpy()
-    assert _rel(out, _reference_logits(model, PROMPT)) <= TOL
+    assert _rel(out, reference_logits(model, PROMPT)) <= TOL
     assert set(routed_calls) == EXPERT_RULES
 
 
@@ -237,7 +228,7 @@ def test_a_decode_step_equals_the_model_at_the_next_position(saved: tuple[Path, 
         buf[:, : len(PROMPT) - 1] = pre[rel]
         inputs[cache] = buf
     step = progs.decode.run({**progs.decode.load_checkpoint(where), **inputs})
-    ref = _reference_logits(model, PROMPT)[0, -1]
+    ref = reference_logits(model, PROMPT)[0, -1]
     assert _rel(step["logits"][0], ref) <= TOL
 
 

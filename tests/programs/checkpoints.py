@@ -1,0 +1,37 @@
+"""What the whole-model tests share: a transformers model saved once per module, the model
+program compiled in float64 with its dims and consts read from that checkpoint's config.json,
+and the reference logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import edatalog
+from edatalog.checkpoint import configured
+from edatalog.lang.parser import parse_file
+
+
+def save(tmp_path_factory: pytest.TempPathFactory, model: Any, name: str) -> Path:
+    """``model`` written by ``save_pretrained`` into a fresh directory."""
+    where = tmp_path_factory.mktemp(name)
+    model.save_pretrained(where)
+    return where
+
+
+def compile_configured(program: Path, weights: Path, seq: int, **kw: Any) -> edatalog.Program:
+    """``program`` in float64 over ``seq`` tokens, its dims and consts from ``weights``'
+    config.json."""
+    dims, consts = configured(parse_file(str(program)), weights)
+    return edatalog.compile(program, dims={**dims, "S": seq}, consts=consts, dtype="f64", **kw)
+
+
+def reference_logits(model: Any, ids: list[int]) -> np.ndarray:
+    """transformers' logits for one sequence, without its KV cache."""
+    with torch.no_grad():
+        out: np.ndarray = model(torch.tensor([ids]), use_cache=False).logits.numpy()
+    return out
