@@ -254,11 +254,7 @@ def layer_contenders(dims: dict[str, int]) -> tuple[dict[str, Callable[[], Any]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             blocks[impl] = MixtralSparseMoeBlock(cfg).eval()  # type: ignore[no-untyped-call]
-    block = blocks[IMPLEMENTATIONS[0]]
-    for param in block.parameters():
-        torch.nn.init.normal_(param, std=0.05)
-    for other in blocks.values():
-        other.load_state_dict(block.state_dict())
+    block = _same_random_weights(blocks)
     f = dims["F"]
     gate_up = block.experts.gate_up_proj.detach()
     params = {
@@ -280,6 +276,19 @@ def layer_contenders(dims: dict[str, int]) -> tuple[dict[str, Callable[[], Any]]
         contenders[f"transformers ({impl})"] = functools.partial(b, x[None])
     contenders["edatalog (graph)"] = lambda: exe({"x": x})
     return contenders, float((got - want).abs().max() / want.abs().max())
+
+
+def _same_random_weights(modules: dict[str, Any]) -> Any:
+    """The first of ``modules`` with weights ~ N(0, 0.05^2), copied into the others (one
+    module per transformers expert kernel, the same weights); that first module."""
+    import torch
+
+    first = next(iter(modules.values()))
+    for param in first.parameters():
+        torch.nn.init.normal_(param, std=0.05)
+    for other in modules.values():
+        other.load_state_dict(first.state_dict())
+    return first
 
 
 def model_contenders(dims: dict[str, int]) -> tuple[dict[str, Callable[[], Any]], float]:
@@ -311,11 +320,7 @@ def model_contenders(dims: dict[str, int]) -> tuple[dict[str, Callable[[], Any]]
             cfg = MixtralConfig(**small)
             cfg._experts_implementation = impl
             models[impl] = MixtralForCausalLM(cfg).eval()  # type: ignore[no-untyped-call]
-    first = models[IMPLEMENTATIONS[0]]
-    for param in first.parameters():
-        torch.nn.init.normal_(param, std=0.05)
-    for other in models.values():
-        other.load_state_dict(first.state_dict())
+    first = _same_random_weights(models)
     ids = torch.randint(0, small["vocab_size"], (1, seq))
     where = Path(tempfile.mkdtemp(prefix="edl-moe-"))
     first.save_pretrained(where)
