@@ -29,6 +29,20 @@ def _compile(dims: dict[str, int] | None = None, **kw: Any) -> edatalog.Program:
         return edatalog.compile(MOE, dims={**SMALL, **(dims or {})}, **kw)
 
 
+def mixtral_layer_params(gate: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """programs/moe_layer.edl's params from transformers' ``MixtralSparseMoeBlock`` tensors (its
+    weights, or their gradients): the router, the experts' fused gate-up projection ``[X, 2F,
+    D]`` split into ``w1`` (gate) and ``w3`` (up), and the down projection."""
+    f = gate_up.shape[1] // 2
+    gate_up = gate_up.detach()
+    return {
+        "wg": gate.detach(),
+        "w1": gate_up[:, :f].contiguous(),
+        "w3": gate_up[:, f:].contiguous(),
+        "w2": down.detach(),
+    }
+
+
 def _split(prog: edatalog.Program, values: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
     params = {r.name for r in prog.arguments if r.kind == "param"}
     return (
@@ -87,13 +101,7 @@ def test_the_moe_layer_equals_transformers_mixtral_block_in_f64() -> None:
     block = modeling_mixtral.MixtralSparseMoeBlock(cfg).double().eval()  # type: ignore[no-untyped-call]
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    gate_up = block.experts.gate_up_proj.detach()
-    params = {
-        "wg": block.gate.weight.detach(),
-        "w1": gate_up[:, :f].contiguous(),
-        "w3": gate_up[:, f:].contiguous(),
-        "w2": block.experts.down_proj.detach(),
-    }
+    params = mixtral_layer_params(block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj)
     x = torch.randn(t, d, dtype=torch.float64)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

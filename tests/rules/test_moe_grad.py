@@ -16,6 +16,7 @@ import torch
 
 import edatalog
 from edatalog.errors import EdlWarning
+from tests.backend.test_routed import mixtral_layer_params
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
@@ -51,15 +52,8 @@ def _block() -> Any:
 
 
 def _values(block: Any, x: torch.Tensor, gy: torch.Tensor) -> dict[str, np.ndarray]:
-    gate_up = block.experts.gate_up_proj.detach()
-    return {
-        "x": x.detach().numpy(),
-        "gy": gy.numpy(),
-        "wg": block.gate.weight.detach().numpy(),
-        "w1": gate_up[:, :F].numpy(),
-        "w3": gate_up[:, F:].numpy(),
-        "w2": block.experts.down_proj.detach().numpy(),
-    }
+    params = mixtral_layer_params(block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj)
+    return {"x": x.detach().numpy(), "gy": gy.numpy(), **{k: v.numpy() for k, v in params.items()}}
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -82,12 +76,12 @@ def test_gradients_of_the_moe_layer_equal_torch_autograd_through_mixtral() -> No
         warnings.simplefilter("ignore")
         (block(x[None])[0] * gy).sum().backward()
     out = _grads("loss", _values(block, x, gy))
-    gate_up = block.experts.gate_up_proj.grad
+    want = mixtral_layer_params(block.gate.weight.grad, block.experts.gate_up_proj.grad, block.experts.down_proj.grad)
     # transformers' router softmax runs in f32: agreement to ~1e-7, not to rounding.
-    assert _rel(out["grad_wg"], block.gate.weight.grad.numpy()) < 1e-6  # through the gates
-    assert _rel(out["grad_w1"], gate_up[:, :F].numpy()) < 1e-6
-    assert _rel(out["grad_w3"], gate_up[:, F:].numpy()) < 1e-6
-    assert _rel(out["grad_w2"], block.experts.down_proj.grad.numpy()) < 1e-6
+    assert _rel(out["grad_wg"], want["wg"].numpy()) < 1e-6  # through the gates
+    assert _rel(out["grad_w1"], want["w1"].numpy()) < 1e-6
+    assert _rel(out["grad_w3"], want["w3"].numpy()) < 1e-6
+    assert _rel(out["grad_w2"], want["w2"].numpy()) < 1e-6
 
 
 def test_the_load_balancing_loss_and_its_gradient_equal_transformers() -> None:
