@@ -16,6 +16,19 @@ from edatalog.checkpoint import configured
 from edatalog.lang.parser import parse_file
 
 
+def randomized(model: Any) -> Any:
+    """``model`` with weights large enough that every part matters: matrices (and the experts'
+    stacks of them, ``[X, out, in]``) ~ N(0, 1.5^2 / fan_in), vectors (norm weights) ~
+    N(1, 0.5^2), drawn in the order of ``named_parameters``."""
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
+            else:
+                p.normal_(1.0, 0.5)
+    return model
+
+
 def save(tmp_path_factory: pytest.TempPathFactory, model: Any, name: str) -> Path:
     """``model`` written by ``save_pretrained`` into a fresh directory."""
     where = tmp_path_factory.mktemp(name)

@@ -27,7 +27,7 @@ import edatalog
 from edatalog import generation
 from edatalog.checkpoint import configured
 from edatalog.lang.parser import parse_file
-from tests.programs.checkpoints import compile_configured, reference_logits, save
+from tests.programs.checkpoints import compile_configured, randomized, reference_logits, save
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "programs" / "llama.edl"
@@ -51,13 +51,7 @@ def _model(layers: int = 3, tied: bool = False, seed: int = 0) -> LlamaForCausal
         "tie_word_embeddings": tied,
     }
     model: Any = cast(Any, LlamaForCausalLM)(LlamaConfig(**settings)).double().eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 1.5 / p.shape[1] ** 0.5)
-            else:
-                p.normal_(1.0, 0.5)
-    return model
+    return randomized(model)
 
 
 @pytest.fixture(scope="module")

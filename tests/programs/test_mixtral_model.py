@@ -33,7 +33,7 @@ from edatalog import generation
 from edatalog.checkpoint import configured
 from edatalog.ir import program as ir
 from edatalog.lang.parser import parse_file
-from tests.programs.checkpoints import compile_configured, reference_logits, save
+from tests.programs.checkpoints import compile_configured, randomized, reference_logits, save
 
 ROOT = Path(__file__).resolve().parents[2]
 MIXTRAL = ROOT / "programs" / "mixtral.edl"
@@ -61,13 +61,7 @@ def _model(seed: int = 0) -> MixtralForCausalLM:
     )
     assert config.sliding_window is None  # the programs have no window
     model: Any = cast(Any, MixtralForCausalLM)(config).double().eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim >= 2:  # the experts are [X, out, in] inside transformers
-                p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
-            else:
-                p.normal_(1.0, 0.5)
-    return model
+    return randomized(model)
 
 
 @pytest.fixture(scope="module")
