@@ -231,7 +231,9 @@ def _reductions(index: _Index, graph: Graph) -> list[_Candidate]:
             if not isinstance(recv, ir.Recv):
                 continue
             sd, sk, send = index.sends[recv.tag]
-            if recv.region != op.region or sd in partials or index.readers.get(b, set()) != {(d, k)}:
+            if recv.select is not None or recv.region != op.region or sd in partials:
+                break  # a selective message is no collective's (its size depends on values)
+            if index.readers.get(b, set()) != {(d, k)}:
                 break
             if b in index.outputs:
                 break
@@ -305,7 +307,8 @@ def _gathers(index: _Index, claimed: set[tuple[int, int]]) -> list[_Candidate]:
             continue
         by_region: dict[Region, list[tuple[int, ir.Send]]] = {}
         for pos, send in sends:
-            by_region.setdefault(send.region, []).append((pos, send))
+            if send.select is None:  # a selective message is no collective's
+                by_region.setdefault(send.region, []).append((pos, send))
         for region, same in by_region.items():
             peers = [s.peer for _, s in same]
             if len(set(peers)) != len(peers) or any((d, pos) in claimed for pos, _ in same):
@@ -407,8 +410,16 @@ def _renamed(op: ir.Op, moved: Mapping[int, int]) -> ir.Op:
         sources = tuple(moved.get(b, b) for b in op.sources)
         return ir.Combine(op.buf, op.relation, op.region, sources, op.dtype, op.full)
     if isinstance(op, ir.Send):
-        return ir.Send(moved.get(op.buf, op.buf), op.peer, op.tag, op.region)
+        return ir.Send(moved.get(op.buf, op.buf), op.peer, op.tag, op.region, _moved_select(op.select, moved))
+    if isinstance(op, ir.Recv):
+        return dataclasses.replace(op, select=_moved_select(op.select, moved))
     raise AssertionError(f"{op} reads a moved buffer")
+
+
+def _moved_select(select: ir.Select | None, moved: Mapping[int, int]) -> ir.Select | None:
+    if select is None:
+        return None
+    return dataclasses.replace(select, reads=tuple((moved.get(b, b), r) for b, r in select.reads))
 
 
 def _renamed_kernel(op: ir.Kernel, moved: Mapping[int, int]) -> ir.Kernel:

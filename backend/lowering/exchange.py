@@ -27,12 +27,23 @@ import numpy as np
 
 from edatalog.backend.kernels.prepared import general_path
 from edatalog.backend.lowering.instances import InstanceCopier
-from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Load, Routed, Send, Task
+from edatalog.backend.lowering.tasks import (
+    Buffer,
+    Combine,
+    Compute,
+    Entry,
+    Load,
+    Routed,
+    RoutedRows,
+    Selection,
+    Send,
+    Task,
+)
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
-from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches
-from edatalog.ir.forms import route_key, route_lookup, routed_form, routed_gemm, routed_parts_only
+from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches, routed_share
+from edatalog.ir.forms import route_key, route_lookup, route_rows, routed_form, routed_gemm, routed_parts_only
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.intervals import atoms
 from edatalog.ir.program import OpCost
@@ -101,8 +112,9 @@ class _Synthesizer:
         self.tasks: list[Task] = []
         self.buffers: dict[int, Buffer] = {}
         self.graph, self.plan, self.topo, self.reduction = graph, plan, topology, reduction
-        # What each device received of each piece of a final layout: (region, buffer), disjoint.
-        self.received: dict[tuple[int, Entry], list[tuple[Region, int]]] = {}
+        # What each device received of each piece of a final layout: (region, buffer), disjoint;
+        # apart, what it received of a piece's routed rows only (see ``_send``).
+        self.received: dict[tuple[int, Entry, RoutedRows | None], list[tuple[Region, int]]] = {}
         self.egress = [0] * topology.n  # bytes each device has sent, to spread replicated sources
         self.bounds: dict[str, tuple[list[Entry], np.ndarray, np.ndarray]] = {}  # per layout: piece boxes
 
@@ -188,15 +200,19 @@ class _Synthesizer:
             work = points // node.lookups[routed.lookup].extent if routed is not None else points // chosen
             part = any(ranges[lk.index] != (0, lk.extent) for lk in node.lookups)
             routes = self._routes(node, ranges)
+            rows = self._rows(node, ranges)
+            # The routing relation first: a routed block's other inputs travel by its rows.
+            order = sorted(range(len(node.inputs)), key=lambda k: rows[k] is not None)
             holders = {}
             for d in block.devices:
                 deps: list[int] = []
-                reads = []
+                reads: list[list[tuple[int, Region]]] = [[] for _ in node.inputs]
                 nbytes = out.size * out_item
-                for k, acc in enumerate(node.inputs):
+                for k in order:
+                    acc = node.inputs[k]
                     need = Region.through(acc.axes, ranges)
-                    parts = self._fetch(acc.relation, need, d, routes[k])
-                    reads.append([(buf, region) for buf, region in parts])
+                    parts = self._fetch(acc.relation, need, d, routes[k], rows[k])
+                    reads[k] = [(buf, region) for buf, region in parts]
                     deps.extend(self.buffers[buf].task for buf, _ in parts)
                     size = min(need.size, points // chosen) if node.looked_up & set(acc.indices) else need.size
                     nbytes += size * self._itemsize(acc.relation)
@@ -214,7 +230,7 @@ class _Synthesizer:
                     points == math.prod(hi - lo for lo, hi in ranges.values()) and not part,
                 )
                 holders[d] = self._add(task, node.out, out)
-            entries.append(Entry(out, holders, routes[-1]))
+            entries.append(Entry(out, holders, routes[-1], rows[-1]))
             self.blocks.setdefault(node.name, set()).add(block.index)
         return entries
 
@@ -235,16 +251,35 @@ class _Synthesizer:
             out.append(None if key is None else Routed(key, lo, hi))
         return out
 
+    @staticmethod
+    def _rows(node: JoinAgg, ranges: Mapping[str, tuple[int, int]]) -> list[RoutedRows | None]:
+        """Per input of a block, then for its head: the rows it reads (writes) where the block
+        holds part of a routed index (None: all rows), so that only those travel to it (from
+        it).  The routing relation itself is read whole."""
+        lk = route_lookup(node)
+        if lk is None or ranges[lk.index] == (0, lk.extent):
+            return [None] * (len(node.inputs) + 1)
+        lo, hi = ranges[lk.index]
+        route = node.inputs[lk.input].relation
+        out: list[RoutedRows | None] = []
+        for k, axes in enumerate((*(acc.axes for acc in node.inputs), node.out_axes)):
+            along = None if k == lk.input else route_rows(node, lk, axes)
+            out.append(None if along is None else RoutedRows(route, along, lo, hi, lk.extent))
+        return out
+
     # -- moving data ---------------------------------------------------------------------------------
 
-    def _fetch(self, relation: str, need: Region, d: int, routed: Routed | None = None) -> list[tuple[int, Region]]:
+    def _fetch(
+        self, relation: str, need: Region, d: int, routed: Routed | None = None, rows: RoutedRows | None = None
+    ) -> list[tuple[int, Region]]:
         """Buffers on device ``d`` that cover ``need`` (where the relation has cells), sending the
         missing parts from their holders; with ``routed``, only pieces whose cells can be routed
-        to that part (the others hold nothing the reader reads)."""
-        return [(buf, part) for _, buf, part in self._pieces(relation, need, d, routed)]
+        to that part (the others hold nothing the reader reads); with ``rows``, only those rows
+        travel (the reader reads no other)."""
+        return [(buf, part) for _, buf, part in self._pieces(relation, need, d, routed, rows)]
 
     def _pieces(
-        self, relation: str, need: Region, d: int, routed: Routed | None = None
+        self, relation: str, need: Region, d: int, routed: Routed | None = None, rows: RoutedRows | None = None
     ) -> list[tuple[Entry, int, Region]]:
         """As :meth:`_fetch`, with the piece of the layout each part comes from."""
         parts = []
@@ -259,7 +294,8 @@ class _Synthesizer:
             # a part that merely overlaps an earlier one must not bring its cells again.  Keyed by
             # piece, not relation: the pieces of a relation with several '=' rules can overlap, each
             # present only on its own cells, so another piece's copy may lack this one's cells.
-            received = self.received.setdefault((d, entry), [])
+            # Rows sent for a routed reader are kept apart: they serve readers routed alike only.
+            received = self.received.setdefault((d, entry, rows), [])
             missing = [part]
             for region, buf in received:
                 overlap = region.intersect(part)
@@ -267,7 +303,7 @@ class _Synthesizer:
                     parts.append((entry, buf, overlap))
                     missing = [rest for m in missing for rest in m.minus(region)]
             for m in missing:
-                buf = self._send(relation, m, entry.holders, d)
+                buf = self._send(relation, m, entry.holders, d, rows)
                 received.append((m, buf))
                 parts.append((entry, buf, m))
         return parts
@@ -297,13 +333,74 @@ class _Synthesizer:
         node = self.topo.devices[d].node
         return min(holders, key=lambda s: (self.topo.devices[s].node != node, self.egress[s], s))
 
-    def _send(self, relation: str, region: Region, holders: Mapping[int, int], d: int) -> int:
+    def _send(
+        self, relation: str, region: Region, holders: Mapping[int, int], d: int, rows: RoutedRows | None = None
+    ) -> int:
+        """Send ``region`` of a relation to ``d`` from one of its holders; with ``rows``, only
+        those rows (a routed reader's, or a routed block's partial sums), where both ends hold
+        the route's cells for them (else the whole region)."""
         src = self._source(holders, d)
+        selection = None
+        if rows is not None:
+            chosen = self._selection(rows, region, holders, d)
+            if chosen is not None:
+                src, selection = chosen
         buf = holders[src]
         nbytes = region.size * self._itemsize(relation)
+        if selection is not None:
+            nbytes = math.ceil(nbytes * self._share(selection.rows, selection.region))
         self.egress[src] += nbytes
-        task = Send(len(self.tasks), src, [self.buffers[buf].task], d, buf, relation, region, nbytes)
+        deps = [self.buffers[buf].task]
+        if selection is not None:
+            deps.extend(self.buffers[b].task for b, _ in (*selection.at_source, *selection.at_dest))
+        task = Send(len(self.tasks), src, sorted(set(deps)), d, buf, relation, region, nbytes, selection)
         return self._add(task, relation, region)
+
+    def _selection(
+        self, rows: RoutedRows, region: Region, holders: Mapping[int, int], d: int
+    ) -> tuple[int, Selection] | None:
+        """A holder to send ``rows`` of ``region`` from, and the selection, where the receiver
+        and that holder both hold the route's cells for those rows (the receiver's first
+        preference otherwise); None where they do not."""
+        route = self.graph.relation(rows.route)
+        need = Region(
+            tuple(
+                region.axes[m] if m is not None else Region.whole(route.shape).axes[j]
+                for j, m in enumerate(rows.axes)
+            )
+        )
+        at_dest = self._held(rows.route, need, d)
+        if at_dest is None:
+            return None
+        node = self.topo.devices[d].node
+        for src in sorted(holders, key=lambda s: (self.topo.devices[s].node != node, self.egress[s], s)):
+            at_source = self._held(rows.route, need, src)
+            if at_source is not None:
+                return src, Selection(rows, need, at_source, at_dest)
+        return None
+
+    def _held(self, relation: str, need: Region, d: int) -> tuple[tuple[int, Region], ...] | None:
+        """Buffers already on ``d`` (its own pieces, whole receipts) that cover ``need``, or None."""
+        parts: list[tuple[int, Region]] = []
+        missing = [need]
+        for entry in self._near(relation, need):
+            part = entry.region.intersect(need)
+            if part.empty:
+                continue
+            held = [(part, entry.holders[d])] if d in entry.holders else self.received.get((d, entry, None), [])
+            for region, buf in held:
+                overlap = region.intersect(part)
+                if not overlap.empty:
+                    parts.append((buf, overlap))
+                    missing = [rest for m in missing for rest in m.minus(overlap)]
+        return tuple(parts) if all(m.empty for m in missing) else None
+
+    def _share(self, rows: RoutedRows, need: Region) -> float:
+        """The expected share of a selective transfer's rows that travel (see
+        :func:`edatalog.ir.cost.routed_share`): each row routes to as many distinct values as
+        the route has cells along the axes the relation lacks."""
+        lacking = math.prod(n for n, m in zip(need.shape, rows.axes, strict=True) if m is None)
+        return routed_share(rows.extent, rows.hi - rows.lo, lacking)
 
     def _place(self, relation: str, tile: Tile) -> list[Entry]:
         """Make an output end where the plan wants it (e.g. replicated on every device)."""
@@ -348,18 +445,19 @@ class _Synthesizer:
     def _reduce(self, relation: str, region: Region, parts: list[Entry]) -> list[Entry]:
         # One source per contribution (its first holder), then one per device: partials that
         # share a device are combined there first.
-        by_device: dict[int, list[int]] = {}
+        by_device: dict[int, list[Entry]] = {}
         for p in parts:
-            d = min(p.holders)
-            by_device.setdefault(d, []).append(p.holders[d])
-        sources = {d: self._combine(relation, region, d, bufs) for d, bufs in by_device.items()}
+            by_device.setdefault(min(p.holders), []).append(p)
+        sources = {d: self._combine(relation, region, d, [p.holders[d] for p in ps]) for d, ps in by_device.items()}
+        # A routed block's partial sums exist on its rows only: only those travel.
+        rows = {d: ps[0].rows if len(ps) == 1 else None for d, ps in by_device.items()}
         if len(sources) == 1:
             ((d, buf),) = sources.items()
             return [Entry(region, {d: buf})]
         groups = self._node_groups(list(sources))
         if len(groups) > 1 and self._hierarchy():
-            return self._hierarchical(relation, region, sources, groups)
-        return self._reduce_scatter(relation, region, sources)
+            return self._hierarchical(relation, region, sources, groups, rows)
+        return self._reduce_scatter(relation, region, sources, rows)
 
     def _reduce_axis(self, relation: str) -> int | None:
         """The axis the plan reduce-scatters this relation's partials along (None: the longest)."""
@@ -387,21 +485,34 @@ class _Synthesizer:
             groups.setdefault(self.topo.devices[d].node, []).append(d)
         return list(groups.values())
 
-    def _reduce_scatter(self, relation: str, region: Region, sources: dict[int, int]) -> list[Entry]:
+    def _reduce_scatter(
+        self,
+        relation: str,
+        region: Region,
+        sources: dict[int, int],
+        rows: Mapping[int, RoutedRows | None] | None = None,
+    ) -> list[Entry]:
         """Split the region among the devices holding partials; each owner receives the others'
-        partials of its piece directly and combines them."""
+        partials of its piece directly and combines them.  ``rows``: per source, the rows its
+        partial has cells on (None: any)."""
         owners = sorted(sources)
         out = []
         for owner, piece in zip(owners, region.split(len(owners), self._reduce_axis(relation)), strict=False):
             bufs = [sources[owner]]
             for src in owners:
                 if src != owner:
-                    bufs.append(self._send(relation, piece, {src: sources[src]}, owner))
+                    along = rows.get(src) if rows is not None else None
+                    bufs.append(self._send(relation, piece, {src: sources[src]}, owner, along))
             out.append(Entry(piece, {owner: self._combine(relation, piece, owner, bufs)}))
         return out
 
     def _hierarchical(
-        self, relation: str, region: Region, sources: dict[int, int], groups: list[list[int]]
+        self,
+        relation: str,
+        region: Region,
+        sources: dict[int, int],
+        groups: list[list[int]],
+        rows: Mapping[int, RoutedRows | None],
     ) -> list[Entry]:
         """Reduce inside each node first, then across nodes: only one partial of each piece crosses
         the slow links per node."""
@@ -414,7 +525,7 @@ class _Synthesizer:
                 inner = {d: sources[d] for d in g}
                 leader = g[k % len(g)]
                 bufs = [inner[leader]]
-                bufs.extend(self._send(relation, piece, {d: inner[d]}, leader) for d in g if d != leader)
+                bufs.extend(self._send(relation, piece, {d: inner[d]}, leader, rows.get(d)) for d in g if d != leader)
                 leaders[leader] = self._combine(relation, piece, leader, bufs)
             out.extend(self._reduce_scatter(relation, piece, leaders))
         return out
@@ -509,10 +620,12 @@ def _lower(
             general = _general(node.anonymous, ranges)
             ops[t.device].append((kernel, OpCost(t.flops, t.nbytes, node.dtype, gemm, general, launches(node))))
         elif isinstance(t, Send):
-            dtype[t.id], full[t.id] = dtype[t.source], full[t.source]
+            # A selective transfer leaves the rows it did not send absent.
+            dtype[t.id], full[t.id] = dtype[t.source], full[t.source] and t.selection is None
             cost = OpCost(0, t.nbytes)
-            ops[t.device].append((ir.Send(t.source, t.dst, t.id, t.region), cost))
-            recv = ir.Recv(t.id, t.device, t.id, t.relation, t.region, dtype[t.id], full[t.id])
+            at_source, at_dest = _selects(t.selection, full[t.source])
+            ops[t.device].append((ir.Send(t.source, t.dst, t.id, t.region, at_source), cost))
+            recv = ir.Recv(t.id, t.device, t.id, t.relation, t.region, dtype[t.id], full[t.id], at_dest)
             ops[t.dst].append((recv, cost))
         else:
             assert isinstance(t, Combine)
@@ -551,6 +664,19 @@ def _lower(
     return ProgramsIR(graph.fingerprint(), relations, tuple(devices), pieces), costs
 
 
+def _selects(selection: Selection | None, dense: bool) -> tuple[ir.Select | None, ir.Select | None]:
+    """A selective transfer's selection as its sender's and its receiver's ops name it;
+    ``dense``: the sent buffer is full."""
+    if selection is None:
+        return None, None
+    r = selection.rows
+
+    def at(parts: tuple[tuple[int, Region], ...]) -> ir.Select:
+        return ir.Select(r.route, parts, selection.region, r.axes, r.lo, r.hi, dense)
+
+    return at(selection.at_source), at(selection.at_dest)
+
+
 def _needs(node: JoinAgg, t: Compute) -> list[tuple[list[tuple[int, Region]], Region]]:
     """Per input of a compute task: the buffers it reads and the block's whole need."""
     return [(parts, Region.through(acc.axes, t.ranges)) for acc, parts in zip(node.inputs, t.reads, strict=True)]
@@ -580,7 +706,7 @@ def _sends_early(listed: list[tuple[ir.Op, OpCost]]) -> list[tuple[ir.Op, OpCost
     last_to: dict[int, int] = {}  # peer -> the position the latest send to it follows
     for k, (op, _) in enumerate(listed):
         if isinstance(op, ir.Send):
-            after = max(made[op.buf], last_to.get(op.peer, -1))
+            after = max(max(made[b] for b in ir.reads(op)), last_to.get(op.peer, -1))
             last_to[op.peer] = after
             keys.append((after, 1, k))
             continue

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
-from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Routed, Send, Task
+from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Routed, Selection, Send, Task
 from edatalog.ir.forms import RouteKey
 from edatalog.ir.graph import Graph, Repeat
 from edatalog.solver.plan import Plan
@@ -104,15 +104,16 @@ class InstanceCopier:
                 synth.buffers[task.id] = Buffer(task.id, buf.device, self._rename(k, buf.relation), buf.region)
         move = self._mover(synth, k)
         rename = self._renamer(k)
+        fresh_of: dict[Entry, Entry] = {}
         for name in self._relations(synth, k - 1):
             entries = synth.layout[name]
             moved = [Entry(e.region, {d: move(b) for d, b in e.holders.items()}, _routed(e, rename)) for e in entries]
             synth.layout[rename(name)] = moved
-            for old, fresh in zip(entries, moved, strict=True):
-                for d in range(len(synth.egress)):
-                    got = synth.received.get((d, old))
-                    if got is not None:
-                        synth.received[(d, fresh)] = [(r, move(b)) for r, b in got]
+            fresh_of.update(zip(entries, moved, strict=True))
+        for (d, old, rows), got in list(synth.received.items()):
+            if old in fresh_of:
+                rows = None if rows is None else dataclasses.replace(rows, route=rename(rows.route))
+                synth.received[(d, fresh_of[old], rows)] = [(r, move(b)) for r, b in got]
         for node in self.rep.instance(k - 1):
             if node in synth.blocks:
                 synth.blocks[rename(node)] = set(synth.blocks[node])
@@ -179,8 +180,21 @@ def _translate(task: Task, move: Callable[[int], int], rename: Callable[[str], s
         reads = [[(move(b), r) for b, r in parts] for parts in task.reads]
         return dataclasses.replace(task, id=move(task.id), deps=deps, node=rename(task.node), reads=reads)
     if isinstance(task, Send):
+        selection = task.selection
+        if selection is not None:
+            selection = Selection(
+                dataclasses.replace(selection.rows, route=rename(selection.rows.route)),
+                selection.region,
+                tuple((move(b), r) for b, r in selection.at_source),
+                tuple((move(b), r) for b, r in selection.at_dest),
+            )
         return dataclasses.replace(
-            task, id=move(task.id), deps=deps, source=move(task.source), relation=rename(task.relation)
+            task,
+            id=move(task.id),
+            deps=deps,
+            source=move(task.source),
+            relation=rename(task.relation),
+            selection=selection,
         )
     if isinstance(task, Combine):
         sources = [move(b) for b in task.sources]

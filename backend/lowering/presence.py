@@ -66,7 +66,9 @@ def _marked(op: ir.Op, full: dict[int, bool], sent: Mapping[int, int], graph: Gr
     if isinstance(op, ir.Combine):
         return op if op.full or not any(full[b] for b in op.sources) else dataclasses.replace(op, full=True)
     if isinstance(op, ir.Recv):
-        return op if op.full or not full[sent[op.tag]] else dataclasses.replace(op, full=True)
+        if op.full or op.select is not None or not full[sent[op.tag]]:
+            return op  # a selective message's other rows stay absent
+        return dataclasses.replace(op, full=True)
     if isinstance(op, ir.Fused):
         body = []
         for inner in op.body:

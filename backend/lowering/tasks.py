@@ -38,13 +38,40 @@ class Compute(Task):
     every_point: bool  # the guard holds at every point of the (tightened) block
 
 
+@dataclass(frozen=True)
+class RoutedRows:
+    """The rows of a relation that a block over part ``lo .. hi - 1`` of a routed index reads or
+    writes: those where some value of the route along them falls in the part (see
+    :class:`edatalog.ir.program.Select`).  ``axes``: per axis of the route, the relation's axis
+    along it, or None."""
+
+    route: str
+    axes: tuple[int | None, ...]
+    lo: int
+    hi: int
+    extent: int  # how many values the route takes (the looked-up index's extent)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows of one transfer that travel (:class:`RoutedRows`), with where each end holds
+    the route's cells for them: ``region``, the route's part, made of ``at_source``'s parts on
+    the sender and ``at_dest``'s on the receiver (buffer, part)."""
+
+    rows: RoutedRows
+    region: Region
+    at_source: tuple[tuple[int, Region], ...]
+    at_dest: tuple[tuple[int, Region], ...]
+
+
 @dataclass(eq=False)
 class Send(Task):
     dst: int
     source: int  # buffer (task id) on the sending device
     relation: str
     region: Region
-    nbytes: int
+    nbytes: int  # expected, for a selective transfer
+    selection: Selection | None = None
 
 
 @dataclass(eq=False)
@@ -82,9 +109,11 @@ class Routed:
 
 @dataclass(eq=False)
 class Entry:
-    """A piece of a relation's final layout: a region, and the buffer holding it on each device;
-    ``routed``: the part of a routed index its cells are limited to (None: no such limit)."""
+    """A piece of a relation's final layout (or a block's contribution to it): a region, and the
+    buffer holding it on each device; ``routed``: the part of a routed index its cells are
+    limited to (None: no such limit)."""
 
     region: Region
     holders: dict[int, int]  # device -> buffer
     routed: Routed | None = None
+    rows: RoutedRows | None = None  # a routed block's partial: its cells exist on these rows only

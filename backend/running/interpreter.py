@@ -27,6 +27,7 @@ from edatalog.backend.kernels.joinagg import Known, evaluate_node, known_presenc
 from edatalog.backend.kernels.prepared import Layout, Prepared, layout_of, prepare_block
 from edatalog.backend.kernels.reference import write_cells
 from edatalog.backend.lowering.fusion import KIND, KIND_BACKWARD
+from edatalog.backend.running import selection
 from edatalog.ir import program as ir
 from edatalog.ir.attention import Chain, attention_chains
 from edatalog.ir.attention_backward import Backward, attention_backwards
@@ -301,11 +302,17 @@ class Device:
         elif isinstance(op, ir.Kernel):
             self.keep(op.buf, self.kernels.constant(self.index, op, lambda: self.kernel(op)))
         elif isinstance(op, ir.Send):
-            transport.send(self.index, op, self.cut(self.get(op.buf), op.region))
+            piece = self.cut(self.get(op.buf), op.region)
+            if op.select is not None and xp.reads_back:  # only the rows the reader reads travel
+                data, present = selection.pack(xp, piece.data, piece.present, self.rows(op.select))
+                piece = Buffer(piece.region, data, present)
+            transport.send(self.index, op, piece)
         elif isinstance(op, ir.Recv):
             piece = transport.recv(self.index, op)
             if piece.region != op.region:
                 raise ExecutionError(f"device {self.index} receives {piece.region} for #{op.tag}, not {op.region}")
+            if op.select is not None:
+                piece = self.selected(op, piece)
             self.keep(op.buf, piece)
         elif isinstance(op, ir.Fused):
             self.keep(op.buf, self.fused(op))
@@ -344,6 +351,22 @@ class Device:
         """What a combine makes of its sources: their parts in its region, folded."""
         agg = AGG_NAMES[self.graph.relation(op.relation).aggop or "="]
         return self.fold([self.cut(b, op.region) for b in sources], agg, op.dtype, op.full)
+
+    def rows(self, select: ir.Select) -> selection.Rows:
+        """The rows of a selective message that travel, from this device's cells of the route."""
+        route, _ = self.assemble(select.region, select.reads, self.graph.relation(select.relation).dtype)
+        return selection.rows(self.xp, route, select)
+
+    def selected(self, op: ir.Recv, piece: Buffer) -> Buffer:
+        """A selective message as its buffer: its rows in place (packed, or the whole region
+        while recording: see :mod:`edatalog.backend.running.selection`), the others absent."""
+        rows = self.rows(op.select) if op.select is not None else None
+        assert rows is not None
+        if self.xp.reads_back:
+            data, present = selection.unpack(self.xp, piece.data, piece.present, rows, op.region.shape, self.device)
+        else:
+            data, present = selection.masked(self.xp, piece.data, piece.present, rows)
+        return Buffer(op.region, data, present)
 
     def get(self, buf: int) -> Buffer:
         if buf in self.pending:

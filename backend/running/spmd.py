@@ -33,6 +33,7 @@ from typing import Any
 
 from edatalog.backend.kernels.arrays import TorchOps, torch_module, wire_dtype
 from edatalog.backend.lowering.lowered import Lowered
+from edatalog.backend.running import selection
 from edatalog.backend.running.carry import all_local, carried_loads, own, taking
 from edatalog.backend.running.collective_ops import TorchCollectives
 from edatalog.backend.running.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
@@ -282,12 +283,20 @@ class SpmdExecutable:
         each batch of sends and receives posted together, each receive waited for where it is
         first read, and each combine run there too."""
         batch: list[ir.Op] = []
+        arriving: set[int] = set()  # buffers the batch receives
         for op in ops:
             if isinstance(op, ir.Send | ir.Recv):
+                if op.select is not None and not arriving.isdisjoint(b for b, _ in op.select.reads):
+                    # A selective message's rows come from a route this batch receives: post
+                    # the batch, so that the route can arrive before the rows are counted.
+                    self._post(dev, batch)
+                    batch, arriving = [], set()
                 batch.append(op)
+                if isinstance(op, ir.Recv):
+                    arriving.add(op.buf)
                 continue
             self._post(dev, batch)
-            batch = []
+            batch, arriving = [], set()
             if isinstance(op, ir.Combine):
                 dev.combine_later(op)
             else:
@@ -298,25 +307,39 @@ class SpmdExecutable:
         """One batch of sends and receives, posted together."""
         dist = self.dist
         posted: list[Any] = []
-        arriving: list[tuple[ir.Recv, Any, Any, list[int]]] = []  # a receive, its tensors, their places in posted
+        # A receive, its tensors, their places in posted, and a selective one's rows.
+        arriving: list[tuple[ir.Recv, Any, Any, list[int], selection.Rows | None]] = []
         keep: list[Any] = []  # what is sent stays alive until the send is done
         for op in ops:
             if isinstance(op, ir.Send):
                 piece = dev.cut(dev.get(op.buf), op.region)
-                for slot, tensor in enumerate(self._wire(piece, self.full[op.buf])):
+                full = self.full[op.buf]
+                if op.select is not None:  # only the rows the reader reads (both ends count them)
+                    data, present = selection.pack(self.xp, piece.data, piece.present, dev.rows(op.select))
+                    piece, full = Buffer(op.region, data, present), op.select.dense
+                    if data.shape[0] == 0:
+                        continue
+                for slot, tensor in enumerate(self._wire(piece, full)):
                     keep.append(tensor)
                     posted.append(dist.P2POp(dist.isend, tensor, op.peer, tag=2 * op.tag + slot))
             else:
                 assert isinstance(op, ir.Recv)
-                data = self.xp.empty(op.region.shape, wire_dtype(self.xp.dtype(op.dtype)), self.device)
-                slots = [len(posted)]
-                posted.append(dist.P2POp(dist.irecv, data, op.peer, tag=2 * op.tag))
+                shape, full, rows = op.region.shape, op.full, None
+                if op.select is not None:  # counted now: the route's buffers may be freed next
+                    rows = dev.rows(op.select)
+                    shape = selection.packed_shape(shape, rows, int(rows.mask.sum()))
+                    full = op.select.dense
+                data = self.xp.empty(shape, wire_dtype(self.xp.dtype(op.dtype)), self.device)
+                slots = []
                 present = None
-                if not op.full:
-                    present = self.xp.empty(op.region.shape, torch_module().uint8, self.device)
+                if data.numel():
                     slots.append(len(posted))
-                    posted.append(dist.P2POp(dist.irecv, present, op.peer, tag=2 * op.tag + 1))
-                arriving.append((op, data, present, slots))
+                    posted.append(dist.P2POp(dist.irecv, data, op.peer, tag=2 * op.tag))
+                    if not full:
+                        present = self.xp.empty(shape, torch_module().uint8, self.device)
+                        slots.append(len(posted))
+                        posted.append(dist.P2POp(dist.irecv, present, op.peer, tag=2 * op.tag + 1))
+                arriving.append((op, data, present, slots, rows))
         requests = dist.batch_isend_irecv(posted) if posted else []
         # Sends stay in flight, their tensors kept alive, until the call ends: a send may need its
         # peer to post the matching receive, which the peer may do only after sending to us.
@@ -330,19 +353,26 @@ class SpmdExecutable:
         else:
             self._in_flight.extend(requests)
         self._kept.extend(keep)
-        for op, data, present, slots in arriving:
+        for op, data, present, slots, rows in arriving:
             wait = [requests[i] for i in slots] if apart else list(requests)
-            dev.defer(op.buf, Buffer(op.region, data, present), self._arrival(op, data, present, wait))
+            finish = self._arrival(op, data, present, wait if slots else [], rows)
+            dev.defer(op.buf, Buffer(op.region, data, present), finish)
 
-    def _arrival(self, op: ir.Recv, data: Any, present: Any, requests: Sequence[Any]) -> Callable[[], Buffer]:
-        """What waits for a receive and makes its buffer."""
+    def _arrival(
+        self, op: ir.Recv, data: Any, present: Any, requests: Sequence[Any], rows: selection.Rows | None
+    ) -> Callable[[], Buffer]:
+        """What waits for a receive and makes its buffer (a selective one's ``rows`` put in place)."""
 
         def finish() -> Buffer:
             with self._waiting(f"a message from rank {op.peer}", op.peer):
                 for request in requests:
                     request.wait()
             value = data.view(self.xp.dtype(op.dtype))
-            return Buffer(op.region, value, None if present is None else present.bool())
+            there = None if present is None else present.bool()
+            if rows is None:
+                return Buffer(op.region, value, there)
+            shape = op.region.shape
+            return Buffer(op.region, *selection.unpack(self.xp, value, there, rows, shape, self.device))
 
         return finish
 

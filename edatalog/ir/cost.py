@@ -275,3 +275,17 @@ def flops_formula(node: JoinAggLike, cost: NodeCost) -> str:
     if cost.points != cost.dense_points and cost.dense_points:
         text += f" × {cost.points / cost.dense_points:.3g}"
     return text if cost.exact else f"≤ {text}"  # an approximate support bounds the count
+
+
+def routed_share(extent: int, part: int, choices: int) -> float:
+    """The expected share of rows a block over ``part`` of a routed index's ``extent`` values
+    reads, when each row routes to ``choices`` distinct values, uniformly (a token's top-K
+    experts; ``choices`` 1: one value per row): a row is read when any of its values falls in the
+    part.  The planner's expected load, as expert rules are priced (k/E of the tokens per
+    expert, uniform unless told otherwise)."""
+    if part >= extent or choices >= extent:
+        return 1.0
+    missed = 1.0
+    for j in range(choices):  # every choice outside the part: C(extent - part, K) / C(extent, K)
+        missed *= (extent - part - j) / (extent - j)
+    return 1.0 - max(missed, 0.0)

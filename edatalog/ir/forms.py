@@ -169,6 +169,22 @@ def route_key(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> RouteKey 
     return RouteKey(node.inputs[lk.input].relation, tuple(positions))
 
 
+def route_rows(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> tuple[int | None, ...] | None:
+    """For each argument of the lookup, the axis of ``axes`` (an input's or the head's) holding
+    it, or None where none does: ``x[t, d]`` read under ``where route[t, k] = e`` runs along the
+    route's ``t`` (axis 0) and lacks its ``k``.  None when no argument is held, or one is no plain
+    index.  A block over part of the routed range reads (or writes) a row only where some value
+    of the route along it falls in the part (:class:`edatalog.ir.program.Select`)."""
+    plain = [plain_index(ax) for ax in axes]
+    positions: list[int | None] = []
+    for ax in node.inputs[lk.input].axes:
+        v = plain_index(ax)
+        if v is None:
+            return None
+        positions.append(plain.index(v) if v in plain else None)
+    return tuple(positions) if any(p is not None for p in positions) else None
+
+
 def routed_partition(node: JoinAgg) -> tuple[Lookup, RouteKey] | None:
     """Where ``node``'s cells exist decided by a routed value (see :class:`RouteKey`): its
     routing lookup, and the key of its head.  None when it has none, or the head does not keep

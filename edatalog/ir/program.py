@@ -85,14 +85,45 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class Select:
+    """The cells of a message that travel: those a routed reader can read.  A reader routed to
+    experts ``lo .. hi - 1`` (a block of ``h1[t, k, f] += x[t, d] * w1[e, f, d] where route[t, k]
+    = e`` over part of ``e``) reads row ``t`` of ``x`` only where some ``route[t, k]`` falls
+    there, and the partial sums it writes exist only there: both ends of the transfer hold the
+    route's cells for the message's rows (``region`` of it, in the buffers ``reads`` names), so
+    both work out the same rows, and only those cross.  ``axes``: for each axis of the route, the axis of
+    the message it runs along, or None where the message has no such axis (a row is sent when
+    any of the route's values along it falls in the part).  The receiver's buffer has the other
+    cells absent."""
+
+    relation: str  # the route
+    reads: tuple[tuple[int, Region], ...]  # buffers on this op's device holding its cells, and their parts
+    region: Region  # the route's part read: the message's rows, every value of the rest
+    axes: tuple[int | None, ...]
+    lo: int
+    hi: int
+    dense: bool  # the sent buffer was full when the programs were made: no presence travels
+
+    def __str__(self) -> str:
+        held = ", ".join(f"%{b}{r}" for b, r in self.reads)
+        return f" where {self.relation}{self.region} in [{self.lo}, {self.hi}) ({held})"
+
+    def agreed(self) -> tuple[object, ...]:
+        """What both ends must agree on (each names its own buffers)."""
+        return (self.relation, self.region, self.axes, self.lo, self.hi, self.dense)
+
+
+@dataclass(frozen=True)
 class Send:
     buf: int  # the local buffer sent from
     peer: int
     tag: int
     region: Region  # the part of the buffer's region sent
+    select: Select | None = field(default=None, metadata={serialize.OMIT_EMPTY: True})
 
     def __str__(self) -> str:
-        return f"send %{self.buf}{self.region} -> device {self.peer} #{self.tag}"
+        select = "" if self.select is None else str(self.select)
+        return f"send %{self.buf}{self.region}{select} -> device {self.peer} #{self.tag}"
 
 
 @dataclass(frozen=True)
@@ -104,9 +135,11 @@ class Recv:
     region: Region
     dtype: str
     full: bool = False
+    select: Select | None = field(default=None, metadata={serialize.OMIT_EMPTY: True})
 
     def __str__(self) -> str:
-        return f"%{self.buf} = recv {self.relation}{self.region} <- device {self.peer} #{self.tag}"
+        select = "" if self.select is None else str(self.select)
+        return f"%{self.buf} = recv {self.relation}{self.region}{select} <- device {self.peer} #{self.tag}"
 
 
 @dataclass(frozen=True)
@@ -242,7 +275,11 @@ def reads(op: Op) -> tuple[int, ...]:
         return op.sources
     if isinstance(op, Collective):
         return (op.source,)
-    if isinstance(op, Send | Free):
+    if isinstance(op, Send):
+        return (op.buf,) if op.select is None else tuple(dict.fromkeys((op.buf, *(b for b, _ in op.select.reads))))
+    if isinstance(op, Recv):
+        return () if op.select is None else tuple(dict.fromkeys(b for b, _ in op.select.reads))
+    if isinstance(op, Free):
         return (op.buf,)
     return ()
 
@@ -300,6 +337,7 @@ class Programs:
         full_of: dict[int, bool] = {}
         sends: dict[int, tuple[int, int, Region, str, bool]] = {}  # tag -> src, dst, region, dtype, full
         recvs: dict[int, tuple[int, int, Region, str, bool]] = {}
+        selects: dict[tuple[int, bool], tuple[object, ...] | None] = {}  # (tag, at the sender) -> agreed
         meetings: dict[int, list[tuple[int, Collective]]] = {}  # tag -> (device, its op)
         in_group: dict[tuple[tuple[int, ...], int], list[int]] = {}  # (group, member) -> its tags in order
         for p in self.devices:
@@ -342,7 +380,9 @@ class Programs:
                         raise VerifyError(f"{where}: tag #{op.tag} sent twice")
                     if op.peer == p.device:
                         raise VerifyError(f"{where}: sends to itself")
-                    sends[op.tag] = (p.device, op.peer, op.region, dtype, full_of[op.buf])
+                    # A selective message's receiver holds the unsent cells absent.
+                    sends[op.tag] = (p.device, op.peer, op.region, dtype, full_of[op.buf] and op.select is None)
+                    selects[(op.tag, True)] = _check_select(op.select, defined, op.region, where)
                 elif isinstance(op, Combine):
                     for b in op.sources:
                         if not defined[b][2].contains(op.region):
@@ -360,6 +400,7 @@ class Programs:
                     if op.tag in recvs:
                         raise VerifyError(f"{where}: tag #{op.tag} received twice")
                     recvs[op.tag] = (op.peer, p.device, op.region, op.dtype, op.full)
+                    selects[(op.tag, False)] = _check_select(op.select, defined, op.region, where)
                 if isinstance(op, Combine) and any(full_of[b] for b in op.sources) and not op.full:
                     raise VerifyError(f"{where}: a full source, not full")
                 for m in made(op):
@@ -395,6 +436,8 @@ class Programs:
                 raise VerifyError(f"#{tag}: sent {s[3]} but received {r[3]}")
             if s[4] != r[4]:
                 raise VerifyError(f"#{tag}: sent a buffer with full={s[4]}, received one with full={r[4]}")
+            if selects[(tag, True)] != selects[(tag, False)]:
+                raise VerifyError(f"#{tag}: the sender and the receiver select different cells")
         for tag, members in meetings.items():
             d0, first = members[0]
             devices = sorted(d for d, _ in members)
@@ -515,6 +558,27 @@ class OpCost:
 REDUCTIONS = ("sum", "prod", "max", "min")  # the aggregations a collective folds with
 
 
+def _check_select(
+    select: Select | None, defined: dict[int, tuple[int, str, Region, str]], message: Region, where: _At
+) -> tuple[object, ...] | None:
+    """What a selective message's end must agree on with the other (None: not selective), after
+    checking that its route buffer covers the route's part and that the part runs along the
+    message's rows."""
+    if select is None:
+        return None
+    for b, part in select.reads:
+        if not (select.region.contains(part) and defined[b][2].contains(part)) or defined[b][1] != select.relation:
+            raise VerifyError(f"{where}: %{b} does not hold {select.relation}{part}")
+    if len(select.axes) != len(select.region.axes) or not any(m is not None for m in select.axes):
+        raise VerifyError(f"{where}: a selection's axes {select.axes} do not fit {select.region}")
+    for axis, m in zip(select.region.axes, select.axes, strict=True):
+        if m is not None and (not 0 <= m < len(message.axes) or message.axes[m] != axis):
+            raise VerifyError(f"{where}: the route's part {select.region} does not run along {message}")
+    if not select.lo < select.hi:
+        raise VerifyError(f"{where}: an empty selection [{select.lo}, {select.hi})")
+    return select.agreed()
+
+
 def _check_collective(
     op: Collective, device: int, source: tuple[int, str, Region, str], source_full: bool, where: _At
 ) -> None:
@@ -584,6 +648,7 @@ PROGRAM_CLASSES: tuple[type, ...] = (
     Fused,
     Send,
     Recv,
+    Select,
     Combine,
     Collective,
     Free,

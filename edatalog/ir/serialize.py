@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-OMIT_EMPTY = "omit_empty"  # field metadata: an empty tuple is left out of the JSON (its default)
+OMIT_EMPTY = "omit_empty"  # field metadata: an empty tuple or None is left out of the JSON (its default)
 FORMAT = 2  # bump when the JSON layout changes (2: index parts are affine expressions)
 
 
@@ -23,7 +23,7 @@ def encode(obj: Any, *, with_origins: bool = True) -> Any:
             if not with_origins and not f.compare:
                 continue
             value = getattr(obj, f.name)
-            if f.metadata.get(OMIT_EMPTY) and value == ():
+            if f.metadata.get(OMIT_EMPTY) and (value == () or value is None):
                 continue  # an optional part left empty (lookups, repeats): written as before it existed
             out[f.name] = encode(value, with_origins=with_origins)
         return out
