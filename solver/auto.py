@@ -390,14 +390,16 @@ def _prune(opts: list[Option]) -> tuple[list[Option], dict[Tile, int]]:
     same needs, but more time or more memory.  Also says which kept option stands for each tile."""
     best: dict[tuple[object, ...], Option] = {}
     for o in opts:
-        key = (o.held, o.needs)
+        key = (o.held, o.needs, o.shares)
         cur = best.get(key)
         if cur is None or (o.compute + o.reduce, o.out_bytes) < (cur.compute + cur.reduce, cur.out_bytes):
             best[key] = o
     kept = list(best.values())
     where = {id(o): k for k, o in enumerate(kept)}
     # Baselines name tiles only (their partials reduce along the longest axis).
-    return kept, {o.layout.tile: where[id(best[(o.held, o.needs)])] for o in opts if o.cand.reduce_axis is None}
+    return kept, {
+        o.layout.tile: where[id(best[(o.held, o.needs, o.shares)])] for o in opts if o.cand.reduce_axis is None
+    }
 
 
 class Model:
@@ -419,7 +421,7 @@ class Model:
         self.terms: list[tuple[str, int]] = []  # objective: (literal, weight in units of ``unit_ns``)
         self.asserts: list[str] = []
         self.held: dict[str, dict[Held, str]] = {}
-        self.need: dict[str, dict[Need, str]] = {}
+        self.need: dict[str, dict[tuple[Need, float], str]] = {}  # per relation: (need, share) -> class
         self.step_terms: list[list[_Term]] = []
         self._layouts: dict[tuple[str, int], Held] = {}
         # What a pick implies, by literal: its own, its needs' classes and its output's layout
@@ -439,7 +441,7 @@ class Model:
         self.names.append(name)
         return name
 
-    def _class(self, classes: dict[Any, str], key: Held | Need, prefix: str) -> str:
+    def _class(self, classes: dict[Any, str], key: Held | tuple[Need, float], prefix: str) -> str:
         """The literal standing for one layout or need class (made on first use)."""
         lit = classes.get(key)
         if lit is None:
@@ -466,12 +468,12 @@ class Model:
                     self.implied[v].append(lit)
         for node in g.nodes:
             for v, o in zip(self.x[node.name], self.options[node.name], strict=True):
-                for acc, need in o.needs:
-                    lit = self._class(self.need.setdefault(acc.relation, {}), need, "n")
+                for (acc, need), share in zip(o.needs, o.shares, strict=True):
+                    lit = self._class(self.need.setdefault(acc.relation, {}), (need, share), "n")
                     self.asserts.append(f"(=> {v} {lit})")
                     self.implied[v].append(lit)
         for name, need in self.costs.replicated_need.items():
-            lit = self._class(self.need.setdefault(name, {}), need, "n")
+            lit = self._class(self.need.setdefault(name, {}), (need, 1.0), "n")
             self.asserts.append(lit)
             self.always.append(lit)
         # Transfers: a (layout, need) pair that both hold costs its transfer.
@@ -481,7 +483,9 @@ class Model:
             for held, h in helds.items():
                 if time.monotonic() > self.deadline:
                     raise _OutOfTime
-                times = self.costs.transfers(rel_name, held, [need for need, _ in needs])
+                times = self.costs.transfers(
+                    rel_name, held, [need for (need, _), _ in needs], [s for (_, s), _ in needs]
+                )
                 for (_, lit), sec in zip(needs, times, strict=True):
                     if sec > 0:
                         y = self._fresh("y")
@@ -544,7 +548,7 @@ class Model:
         for rel in g.relations:
             if rel.kind != "derived":
                 item = self.costs.itemsize(rel.name)
-                for need, lit in self.need.get(rel.name, {}).items():
+                for (need, _), lit in self.need.get(rel.name, {}).items():  # rows that came, in place
                     resident.append((lit, need_bytes(need, item)))
         last = {rel.name: -1 for rel in g.relations}
         for node in g.nodes:
@@ -808,8 +812,8 @@ class Neighbours:
         spent = {n: m._weight(m.options[n][i].compute + m.options[n][i].reduce) for n, i in choice.items()}
         for node in self.graph.nodes:
             o = m.options[node.name][choice[node.name]]
-            for acc, need in o.needs:
-                lit = m.need.get(acc.relation, {}).get(need)
+            for (acc, need), share in zip(o.needs, o.shares, strict=True):
+                lit = m.need.get(acc.relation, {}).get((need, share))
                 producers = self.graph.producers(acc.relation)
                 if lit is None or not producers:
                     continue

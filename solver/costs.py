@@ -21,8 +21,16 @@ import numpy as np
 from edatalog.ir import dtypes
 from edatalog.ir.attention import attention_chains, key_index
 from edatalog.ir.attention_backward import attention_backwards
-from edatalog.ir.cost import ONE_ATTENTION, GemmRoles, flops_per_point, gemm_roles, gemm_shape, launches
-from edatalog.ir.forms import routed_form, routed_gemm, routed_parts_only
+from edatalog.ir.cost import (
+    ONE_ATTENTION,
+    GemmRoles,
+    flops_per_point,
+    gemm_roles,
+    gemm_shape,
+    launches,
+    routed_share,
+)
+from edatalog.ir.forms import route_lookup, route_rows, routed_form, routed_gemm, routed_parts_only
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import (
@@ -69,6 +77,9 @@ class Option:
     reduce: float  # seconds to reduce-scatter partial results (0 when none)
     held: Held  # where the output is after the node (and its reduction)
     needs: tuple[tuple[Access, Need], ...]  # per distinct input access
+    # Per need: the share of its rows that travel (1.0 but for a block over part of a routed
+    # index, which reads a row only where the route sends it there; see ``routed_shares``).
+    shares: tuple[float, ...]
     out_bytes: int  # the most bytes of output (partials included) one device makes
     in_bytes: dict[str, int]  # per input relation: the most bytes one device reads of it
 
@@ -78,7 +89,7 @@ class Costs:
 
     def __init__(self, graph: Graph, topology: Topology) -> None:
         self.graph, self.topo = graph, topology
-        self._pairs: dict[tuple[int, int, int], tuple[Held, Need, float]] = {}
+        self._pairs: dict[tuple[int, int, int, float], tuple[Held, Need, float]] = {}
         self._held: dict[int, tuple[Held, _Pieces]] = {}
         self._needs: dict[int, tuple[Need, np.ndarray, np.ndarray | None]] = {}
         self._node_of = np.array([d.node for d in topology.devices], dtype=np.int64)
@@ -184,6 +195,7 @@ class Costs:
             reduce,
             held,
             tuple((a, tuple(sorted(needs[k].items()))) for k, a in enumerate(accesses)),
+            routed_shares(node, layout.cand, accesses),
             max(made.values(), default=0),
             in_bytes,
         )
@@ -268,18 +280,22 @@ class Costs:
                 busy[owner] = busy.get(owner, 0.0) + recv + combine
         return tuple((d, tuple(bs)) for d, bs in sorted(held.items())), max(busy.values(), default=0.0)
 
-    def transfer(self, relation: str, held: Held, need: Need) -> float:
+    def transfer(self, relation: str, held: Held, need: Need, share: float = 1.0) -> float:
         """Seconds to bring every device what it needs of ``relation`` and lacks: the busiest
-        receiving or sending port, latency per source included."""
-        return self.transfers(relation, held, [need])[0]
+        receiving or sending port, latency per source included.  ``share``: the part of the
+        bytes that travel (a routed reader's rows, :func:`routed_shares`)."""
+        return self.transfers(relation, held, [need], [share])[0]
 
-    def transfers(self, relation: str, held: Held, needs: Sequence[Need]) -> list[float]:
+    def transfers(
+        self, relation: str, held: Held, needs: Sequence[Need], shares: Sequence[float] | None = None
+    ) -> list[float]:
         """:meth:`transfer` from one layout to each of ``needs``, computed together."""
         item = self.itemsize(relation)
+        shares = shares if shares is not None else [1.0] * len(needs)
         out: list[float] = []
         todo: list[int] = []
         for k, need in enumerate(needs):
-            hit = self._pairs.get((item, id(held), id(need)))  # layouts are big: hashing them is slow
+            hit = self._pairs.get((item, id(held), id(need), shares[k]))  # layouts are big: hashing them is slow
             if hit is not None and hit[0] is held and hit[1] is need:
                 out.append(hit[2])
             else:
@@ -287,9 +303,10 @@ class Costs:
                 todo.append(k)
         if todo:
             pieces = self._pieces(held)
-            for k, seconds in zip(todo, self._transfer(item, pieces, [needs[k] for k in todo]), strict=True):
+            times = self._transfer(item, pieces, [needs[k] for k in todo], [shares[k] for k in todo])
+            for k, seconds in zip(todo, times, strict=True):
                 out[k] = seconds
-                self._pairs[(item, id(held), id(needs[k]))] = (held, needs[k], seconds)
+                self._pairs[(item, id(held), id(needs[k]), shares[k])] = (held, needs[k], seconds)
         return out
 
     def _pieces(self, held: Held) -> _Pieces:
@@ -330,7 +347,7 @@ class Costs:
             self._needs[id(need)] = hit
         return hit[1], hit[2]
 
-    def _transfer(self, item: int, pieces: _Pieces, needs: list[Need]) -> list[float]:
+    def _transfer(self, item: int, pieces: _Pieces, needs: list[Need], shares: list[float]) -> list[float]:
         out = [0.0] * len(needs)
         if not pieces.boxes:
             return out  # nothing is held (no block has a point)
@@ -358,7 +375,7 @@ class Costs:
         nodes = self._node_of[devs]
         near = pieces.on_node[:, nodes].T  # need device x piece: a holder on the same node
         latency = np.where(near, intra.latency, inter.latency)
-        nbytes = overlap * item
+        nbytes = overlap * item * np.array([shares[k] for k, _, _ in rows])[which][:, None]
         # Each transfer holds both ports (at the port's rate) and its pair (at the pair's rate).
         port = np.where(fetch, latency + nbytes / np.where(near, intra.bandwidth, inter.bandwidth), 0.0)
         pair = np.where(fetch, latency + nbytes / np.where(near, intra.pair_bandwidth, inter.pair_bandwidth), 0.0)
@@ -425,6 +442,32 @@ def _overlaps(wants: list[Box], pieces: list[Box]) -> np.ndarray:
     if a is not None and b is not None:
         return _meet_arrays(a, b)
     return np.array([[box_meet(w, p) for p in pieces] for w in wants], dtype=np.int64).reshape(len(wants), len(pieces))
+
+
+def routed_shares(node: JoinAgg, cand: Candidate, accesses: Sequence[Access]) -> tuple[float, ...]:
+    """Per input access of a candidate: the expected share of the rows it needs that travel
+    (1.0 for all but the inputs a block over part of a routed index reads by their rows; see
+    :class:`edatalog.ir.program.Select`): exchange synthesis sends a token's row only to the
+    devices of its experts, at the expected load (uniform routing)."""
+    lk = route_lookup(node)
+    if lk is None:
+        return (1.0,) * len(accesses)
+    parts = cand.parts[[i.name for i in node.indices].index(lk.index)]
+    if parts <= 1:
+        return (1.0,) * len(accesses)
+    route = node.inputs[lk.input]
+    out = []
+    for acc in accesses:
+        along = None if acc.relation == route.relation else route_rows(node, lk, acc.axes)
+        if along is None:
+            out.append(1.0)
+            continue
+        # Each row routes to one value per cell of the route along the axes it lacks (a token's K).
+        lacking = math.prod(
+            node.box[str(ax.parts[0].index)] for ax, m in zip(route.axes, along, strict=True) if m is None
+        )
+        out.append(routed_share(lk.extent, -(-lk.extent // parts), lacking))
+    return tuple(out)
 
 
 def need_bytes(need: Need, item: int) -> int:

@@ -59,9 +59,9 @@ def explain(graph: Graph, topo: Topology, plan: Plan, rule: str) -> list[Priced]
     seen: set[tuple[object, ...]] = set()  # candidates alike in layout and needs are one choice
     for k, layout in enumerate(layouts):
         o = costs.option(node, layout)
-        if (o.held, o.needs) in seen:
+        if (o.held, o.needs, o.shares) in seen:
             continue
-        seen.add((o.held, o.needs))
+        seen.add((o.held, o.needs, o.shares))
         out.append(_price(graph, costs, plan, fixed, o, chosen=k == 0))
     out.sort(key=lambda p: (p.total, not p.chosen))
     return out
@@ -70,14 +70,15 @@ def explain(graph: Graph, topo: Topology, plan: Plan, rule: str) -> list[Priced]
 def _price(graph: Graph, costs: Costs, plan: Plan, fixed: dict[str, Option], o: Option, chosen: bool) -> Priced:
     node = o.layout.node
     inbound = 0.0
-    for acc, need in o.needs:
+    for (acc, need), share in zip(o.needs, o.shares, strict=True):
         for producer in graph.producers(acc.relation):
-            inbound += costs.transfer(acc.relation, fixed[producer.name].held, need)
+            inbound += costs.transfer(acc.relation, fixed[producer.name].held, need, share)
     outbound = 0.0
     for consumer in graph.nodes:
-        for acc, need in fixed[consumer.name].needs:
+        reader = fixed[consumer.name]
+        for (acc, need), share in zip(reader.needs, reader.shares, strict=True):
             if acc.relation == node.out:
-                outbound += costs.transfer(node.out, o.held, need)
+                outbound += costs.transfer(node.out, o.held, need, share)
     if node.out in {p.relation for p in plan.outputs}:
         outbound += costs.transfer(node.out, o.held, costs.replicated_need[node.out])
     return Priced(o.layout.tile, o.cand.reduce_axis, o.compute, o.reduce, inbound, outbound, chosen)

@@ -163,10 +163,11 @@ def _greedy(graph: Graph, model: Model) -> dict[str, int]:
         def price(k: int, node: JoinAgg = node) -> float:
             o = model.options[node.name][k]
             total = o.compute + o.reduce
-            for acc, need in o.needs:
+            for (acc, need), share in zip(o.needs, o.shares, strict=True):
                 producers = graph.producers(acc.relation)
                 if producers and producers[0].name in choice:
-                    total += costs.transfer(acc.relation, model.held_of(acc.relation, choice[producers[0].name]), need)
+                    held = model.held_of(acc.relation, choice[producers[0].name])
+                    total += costs.transfer(acc.relation, held, need, share)
             return total
 
         together = model.tied.get(node.out, False)

@@ -365,8 +365,7 @@ class _Synthesizer:
         route = self.graph.relation(rows.route)
         need = Region(
             tuple(
-                region.axes[m] if m is not None else Region.whole(route.shape).axes[j]
-                for j, m in enumerate(rows.axes)
+                region.axes[m] if m is not None else Region.whole(route.shape).axes[j] for j, m in enumerate(rows.axes)
             )
         )
         at_dest = self._held(rows.route, need, d)

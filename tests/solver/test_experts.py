@@ -83,3 +83,25 @@ def test_the_solved_plan_beats_megatron_of_every_expert_at_mixtral_widths() -> N
     megatron = edatalog.plan(prog, topology="a100x8", strategy="megatron").report.seconds
     auto = edatalog.plan(prog, topology="a100x8", strategy="auto", time_limit=20.0).report.seconds
     assert auto < megatron
+
+
+def test_the_solver_prices_a_routed_readers_inputs_by_the_rows_that_travel() -> None:
+    """A block over 2 of 8 experts reads a token's row of ``x`` (its K=2 choices: any of them)
+    with probability 1 - C(6, 2) / C(8, 2) = 13/28, a (token, choice) cell of the gates with
+    2/8; the route itself whole, as exchange synthesis sends them (selective messages)."""
+    from edatalog.solver.blocks import Candidate
+    from edatalog.solver.costs import routed_shares
+
+    prog = _compile()
+    node = prog.graph.node("a")  # a[t, k, f] = silu(h1) * h3 * p / z where route[t, k] = e:X
+    accesses = tuple(dict.fromkeys(node.inputs))
+    parts = tuple(4 if i.name == "e" else 1 for i in node.indices)
+    shares = dict(zip((a.relation for a in accesses), routed_shares(node, Candidate(parts, 1), accesses), strict=True))
+    assert shares == pytest.approx({"h1": 0.25, "h3": 0.25, "p": 0.25, "z": 13 / 28, "route": 1.0})
+    whole = routed_shares(node, Candidate((1,) * len(node.indices), 1), accesses)
+    assert whole == (1.0,) * len(accesses)
+    x = prog.graph.node("h1")
+    accesses = tuple(dict.fromkeys(x.inputs))
+    parts = tuple(4 if i.name == "e" else 1 for i in x.indices)
+    got = dict(zip((a.relation for a in accesses), routed_shares(x, Candidate(parts, 1), accesses), strict=True))
+    assert got == pytest.approx({"x": 13 / 28, "w1": 1.0, "route": 1.0})
