@@ -25,6 +25,9 @@ class Priced:
     inbound: float  # bringing its inputs from the producers' layouts
     outbound: float  # bringing its output to the consumers' needs (and to where outputs must end)
     chosen: bool
+    # Inputs whose rows travel only where the route sends them (a block over part of the
+    # experts; an all-to-all), with the expected share of their rows that does.
+    selective: tuple[tuple[str, float], ...] = ()
 
     @property
     def total(self) -> float:
@@ -81,4 +84,7 @@ def _price(graph: Graph, costs: Costs, plan: Plan, fixed: dict[str, Option], o: 
                 outbound += costs.transfer(node.out, o.held, need, share)
     if node.out in {p.relation for p in plan.outputs}:
         outbound += costs.transfer(node.out, o.held, costs.replicated_need[node.out])
-    return Priced(o.layout.tile, o.cand.reduce_axis, o.compute, o.reduce, inbound, outbound, chosen)
+    selective = tuple(
+        dict.fromkeys((acc.relation, share) for (acc, _), share in zip(o.needs, o.shares, strict=True) if share < 1.0)
+    )
+    return Priced(o.layout.tile, o.cand.reduce_axis, o.compute, o.reduce, inbound, outbound, chosen, selective)

@@ -418,6 +418,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 f"the plan's choice costs {chosen.total * 1e6:.1f} us, {verdict} the runner-up "
                 f"({runner.describe(n)}) at {runner.total * 1e6:.1f} us"
             )
+        if chosen.selective:
+            rows_of = ", ".join(f"{name} {share:.0%}" for name, share in chosen.selective)
+            print(
+                f"the plan's blocks hold part of the routed range: of these inputs only the rows routed to "
+                f"a block travel to it (an all-to-all; expected share of the rows: {rows_of})"
+            )
         print()
     return 0
 
@@ -453,6 +459,7 @@ def _priced_json(p: Priced, n_devices: int) -> dict[str, Any]:
         "outbound_us": p.outbound * 1e6,
         "total_us": p.total * 1e6,
         "chosen": p.chosen,
+        "selective": dict(p.selective),  # input -> expected share of its rows that travel
     }
 
 

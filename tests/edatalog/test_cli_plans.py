@@ -514,6 +514,23 @@ def test_explain_an_input_or_param_shows_where_it_lives(capsys: pytest.CaptureFi
     assert code == 0 and out.startswith("rule qr#2: ")
 
 
+def test_explain_an_expert_rule_names_the_rows_that_travel(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Under expert parallelism a block over 4 of 8 experts takes a token's row of ``x`` only where
+    the token routes there (K=2 choices): 22/28 of the rows, expected."""
+    moe = Path(__file__).resolve().parents[2] / "programs" / "moe_layer.edl"
+    src = tmp_path / "layer.edl"  # the tokens made on the devices, as inside a model
+    src.write_text(moe.read_text().replace("input x[T, D] : f32.", "input x0[T, D] : f32.\nx[t, d] = x0[t, d]."))
+    plan = tmp_path / "ep.json"
+    dims = ["--dim", "T=16", "--dim", "D=32", "--dim", "F=48"]
+    assert _run(capsys, "plan", str(src), *dims, "-s", "expert", "-t", "cpux2", "-o", str(plan))[0] == 0
+    code, out, _ = _run(capsys, "explain", str(plan), "h1")
+    assert code == 0 and "only the rows routed to a block travel to it (an all-to-all" in out
+    assert out.splitlines()[-2].endswith("expected share of the rows: x 79%)")
+    code, out, _ = _run(capsys, "explain", str(plan), "h1", "--json")
+    chosen = next(p for p in json.loads(out)["h1"] if p["chosen"])
+    assert chosen["selective"] == {"x": pytest.approx(22 / 28)}
+
+
 # -- whole models ------------------------------------------------------------------------------------
 
 MODEL = str(ROOT / "programs" / "llama.edl")
