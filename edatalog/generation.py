@@ -225,14 +225,19 @@ def _bucket(needed: int, least: int) -> int:
 def programs(req: Request) -> Programs:
     from edatalog.api import compile as compile_program
     from edatalog.checkpoint import configured
+    from edatalog.lang import ast
     from edatalog.lang.parser import parse_file
 
     s, t = prompt_positions(req), cache_positions(len(req.prompt) + req.max_new, req.buckets)
-    dims_p, consts_p = configured(parse_file(req.program), req.weights)
-    dims_d, consts_d = configured(parse_file(req.decode), req.weights)
+    model, step = parse_file(req.program), parse_file(req.decode)
+    dims_p, consts_p = configured(model, req.weights)
+    dims_d, consts_d = configured(step, req.weights)
+    # A dim the decode program does not declare is the model program's alone (the capacity C of
+    # programs/mixtral_capacity.edl, whose steps run programs/mixtral_decode.edl).
+    declared = {b.name for st in step.statements if isinstance(st, ast.DimDecl) for b in st.items}
     decode = compile_program(
         req.decode,
-        dims={**dims_d, **req.dims, "B": 1, "T": t},
+        dims={**dims_d, **{k: v for k, v in req.dims.items() if k in declared}, "B": 1, "T": t},
         consts={**consts_d, **req.consts},
         dtype=req.dtype,
     )

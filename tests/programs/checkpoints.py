@@ -36,11 +36,13 @@ def save(tmp_path_factory: pytest.TempPathFactory, model: Any, name: str) -> Pat
     return where
 
 
-def compile_configured(program: Path, weights: Path, seq: int, **kw: Any) -> edatalog.Program:
+def compile_configured(
+    program: Path, weights: Path, seq: int, dims: dict[str, int] | None = None, **kw: Any
+) -> edatalog.Program:
     """``program`` in float64 over ``seq`` tokens, its dims and consts from ``weights``'
-    config.json."""
-    dims, consts = configured(parse_file(str(program)), weights)
-    return edatalog.compile(program, dims={**dims, "S": seq}, consts=consts, dtype="f64", **kw)
+    config.json (``dims``: more dims, set as well)."""
+    found, consts = configured(parse_file(str(program)), weights)
+    return edatalog.compile(program, dims={**found, "S": seq, **(dims or {})}, consts=consts, dtype="f64", **kw)
 
 
 def reference_logits(model: Any, ids: list[int]) -> np.ndarray:

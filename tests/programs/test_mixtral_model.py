@@ -268,3 +268,39 @@ def test_f32_generation_on_two_processes_records_the_grouped_gemms(
     done = _cli(*args, "--max-new", str(NEW), "--nproc", "2", "--time-limit", "3", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["ids"] == _hf_generate(model)
+
+
+CAPACITY = ROOT / "programs" / "mixtral_capacity.edl"
+
+
+def test_the_capacity_model_drops_only_what_overflows(saved: tuple[Path, MixtralForCausalLM]) -> None:
+    """programs/mixtral_capacity.edl, from the same checkpoint: with a slot for every choice
+    (C = S: a token's K choices are distinct experts, so no expert can get more) its logits are
+    transformers'; with one slot per sequence and expert, choices are dropped and they differ.
+    Under the ``expert`` plan (the sequences split for their rules, the experts for theirs) the
+    dispatch and the combine are the slots' all-to-alls, and the run equals the reference."""
+    where, model = saved
+    ref = reference_logits(model, PROMPT)
+    values: dict[str, Any] = {}
+    for slots, close in ((len(PROMPT), True), (1, False)):
+        prog = compile_configured(CAPACITY, where, len(PROMPT), dims={"C": slots})
+        values = {**prog.load_checkpoint(where), "ids": np.array([PROMPT])}
+        out = prog.run(values)["logits"]
+        assert (_rel(out, ref) <= TOL) == close, _rel(out, ref)
+    prog = compile_configured(CAPACITY, where, len(PROMPT), dims={"C": 1, "B": 2})  # two sequences
+    values = {**values, "ids": np.array([PROMPT, PROMPT[::-1]])}
+    plan = edatalog.plan(prog, topology="cpux2", strategy="expert")
+    received = {op.relation for _, _, op in plan.schedule.programs.ops() if isinstance(op, ir.Recv)}
+    assert {"layers.0.xe", "layers.0.ye"} <= received  # the slots, both ways
+    got = prog.run(values, plan=plan, backend="torch")["logits"]
+    np.testing.assert_allclose(np.asarray(got), prog.run(values)["logits"], rtol=1e-10, atol=1e-12)
+
+
+def test_greedy_generation_of_the_capacity_model_equals_transformers(saved: tuple[Path, MixtralForCausalLM]) -> None:
+    """Prefill with room for every choice, then mixtral_decode.edl's steps (one token a step:
+    a group of one never overflows)."""
+    where, model = saved
+    gen = edatalog.generate(
+        CAPACITY, where, PROMPT, NEW, decode=DECODE, dims={"C": len(PROMPT)}, dtype="f64", backend="reference"
+    )
+    assert gen.ids == _hf_generate(model)

@@ -32,6 +32,10 @@ SMALL: dict[str, tuple[dict[str, int], dict[str, tuple[str, ...]]]] = {
         {"S": 5, "D": 12, "H": 3, "KVH": 1, "F": 7, "L": 2, "V": 11, "X": 4, "K": 2},
         {"logits": ("B", "S", "V")},
     ),
+    "mixtral_capacity.edl": (
+        {"S": 5, "D": 12, "H": 3, "KVH": 1, "F": 7, "L": 2, "V": 11, "X": 4, "K": 2, "C": 2},
+        {"logits": ("B", "S", "V")},
+    ),
     "mixtral_decode.edl": (
         {"D": 12, "H": 3, "KVH": 1, "F": 7, "L": 2, "V": 11, "X": 4, "K": 2, "T": 6},
         {"logits": ("B", "V"), **{f"layers.{k}.{c}_new": ("B", "KVH", "E") for k in (0, 1) for c in ("kr", "v")}},
