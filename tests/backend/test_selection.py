@@ -160,3 +160,22 @@ def test_torch_runs_of_the_expert_plan_equal_the_reference() -> None:
         got = exe({"x0": torch.from_numpy(np.asarray(values["x0"]))})["y"].numpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=call)
     assert isinstance(exe._impl, CompiledExecutable) and exe._impl.replays
+
+
+@pytest.mark.distributed
+def test_two_ranks_send_the_routed_rows_and_equal_the_reference(tmp_path: Path) -> None:
+    """The expert plan on 2 gloo ranks (``edl run --nproc 2``): each rank counts the rows it
+    receives from its own copy of the route, and the output equals the reference."""
+    from tests.backend.test_spmd import EDL, _env, _run
+
+    prog = _layer()
+    src = tmp_path / "layer.edl"
+    src.write_text(MOE.read_text().replace("input x[T, D] : f32.", "input x0[T, D] : f32.\nx[t, d] = 2.0 * x0[t, d]."))
+    plan_file, out = tmp_path / "plan.json", tmp_path / "out.npz"
+    edatalog.plan(prog, topology="cpux2", strategy="expert").save(plan_file)
+    dims = [f"--dim={k}={v}" for k, v in DIMS.items()]
+    cmd = [*EDL, "run", str(src), *dims, "--plan", str(plan_file), "--backend", "torch", "--nproc", "2"]
+    done = _run([*cmd, "--random", "0", "-o", str(out)], 120, _env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    want = prog.run(prog.random_inputs(0))["y"]
+    np.testing.assert_allclose(np.load(out)["y"], want, rtol=1e-5, atol=1e-5)
