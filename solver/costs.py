@@ -449,7 +449,7 @@ def routed_shares(node: JoinAgg, cand: Candidate, accesses: Sequence[Access]) ->
     (1.0 for all but the inputs a block over part of a routed index reads by their rows; see
     :class:`edatalog.ir.program.Select`): exchange synthesis sends a token's row only to the
     devices of its experts, at the expected load (uniform routing)."""
-    lk = route_lookup(node)
+    lk = route_lookup(node) if node.lookups else None
     if lk is None:
         return (1.0,) * len(accesses)
     parts = cand.parts[[i.name for i in node.indices].index(lk.index)]

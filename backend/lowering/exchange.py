@@ -330,8 +330,12 @@ class _Synthesizer:
 
     def _source(self, holders: Mapping[int, int], d: int) -> int:
         """The holder to send from: the same node first, then the least busy sender."""
+        return self._sources(holders, d)[0]
+
+    def _sources(self, holders: Mapping[int, int], d: int) -> list[int]:
+        """The holders in the order :meth:`_source` prefers them."""
         node = self.topo.devices[d].node
-        return min(holders, key=lambda s: (self.topo.devices[s].node != node, self.egress[s], s))
+        return sorted(holders, key=lambda s: (self.topo.devices[s].node != node, self.egress[s], s))
 
     def _send(
         self, relation: str, region: Region, holders: Mapping[int, int], d: int, rows: RoutedRows | None = None
@@ -359,9 +363,9 @@ class _Synthesizer:
     def _selection(
         self, rows: RoutedRows, region: Region, holders: Mapping[int, int], d: int
     ) -> tuple[int, Selection] | None:
-        """A holder to send ``rows`` of ``region`` from, and the selection, where the receiver
-        and that holder both hold the route's cells for those rows (the receiver's first
-        preference otherwise); None where they do not."""
+        """The holder to send ``rows`` of ``region`` from (the first, in :meth:`_source`'s order,
+        that holds the route's cells for those rows), and the selection; None where the receiver
+        or every holder lacks them."""
         route = self.graph.relation(rows.route)
         need = Region(
             tuple(
@@ -371,8 +375,7 @@ class _Synthesizer:
         at_dest = self._held(rows.route, need, d)
         if at_dest is None:
             return None
-        node = self.topo.devices[d].node
-        for src in sorted(holders, key=lambda s: (self.topo.devices[s].node != node, self.egress[s], s)):
+        for src in self._sources(holders, d):
             at_source = self._held(rows.route, need, src)
             if at_source is not None:
                 return src, Selection(rows, need, at_source, at_dest)

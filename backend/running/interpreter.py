@@ -360,8 +360,8 @@ class Device:
     def selected(self, op: ir.Recv, piece: Buffer) -> Buffer:
         """A selective message as its buffer: its rows in place (packed, or the whole region
         while recording: see :mod:`edatalog.backend.running.selection`), the others absent."""
-        rows = self.rows(op.select) if op.select is not None else None
-        assert rows is not None
+        assert op.select is not None
+        rows = self.rows(op.select)
         if self.xp.reads_back:
             data, present = selection.unpack(self.xp, piece.data, piece.present, rows, op.region.shape, self.device)
         else:

@@ -91,10 +91,10 @@ class Select:
     = e`` over part of ``e``) reads row ``t`` of ``x`` only where some ``route[t, k]`` falls
     there, and the partial sums it writes exist only there: both ends of the transfer hold the
     route's cells for the message's rows (``region`` of it, in the buffers ``reads`` names), so
-    both work out the same rows, and only those cross.  ``axes``: for each axis of the route, the axis of
-    the message it runs along, or None where the message has no such axis (a row is sent when
-    any of the route's values along it falls in the part).  The receiver's buffer has the other
-    cells absent."""
+    both work out the same rows, and only those cross.  ``axes``: for each axis of the route,
+    the axis of the message it runs along, or None where the message has no such axis (a row
+    is sent when any of the route's values along it falls in the part).  The receiver's buffer
+    has the other cells absent."""
 
     relation: str  # the route
     reads: tuple[tuple[int, Region], ...]  # buffers on this op's device holding its cells, and their parts
