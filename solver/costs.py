@@ -30,7 +30,7 @@ from edatalog.ir.cost import (
     launches,
     routed_share,
 )
-from edatalog.ir.forms import route_lookup, route_rows, routed_form, routed_gemm, routed_parts_only
+from edatalog.ir.forms import route_choices, route_lookup, route_rows, routed_form, routed_gemm, routed_parts_only
 from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import (
@@ -462,11 +462,7 @@ def routed_shares(node: JoinAgg, cand: Candidate, accesses: Sequence[Access]) ->
         if along is None:
             out.append(1.0)
             continue
-        # Each row routes to one value per cell of the route along the axes it lacks (a token's K).
-        lacking = math.prod(
-            node.box[str(ax.parts[0].index)] for ax, m in zip(route.axes, along, strict=True) if m is None
-        )
-        out.append(routed_share(lk.extent, -(-lk.extent // parts), lacking))
+        out.append(routed_share(lk.extent, -(-lk.extent // parts), route_choices(node, lk, along)))
     return tuple(out)
 
 

@@ -42,8 +42,16 @@ from edatalog.backend.lowering.tasks import (
 from edatalog.errors import EdlError
 from edatalog.ir import dtypes
 from edatalog.ir import program as ir
-from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches, routed_share
-from edatalog.ir.forms import route_key, route_lookup, route_rows, routed_form, routed_gemm, routed_parts_only
+from edatalog.ir.cost import flops_per_point, gemm_roles, gemm_shape, launches
+from edatalog.ir.forms import (
+    route_choices,
+    route_key,
+    route_lookup,
+    route_rows,
+    routed_form,
+    routed_gemm,
+    routed_parts_only,
+)
 from edatalog.ir.graph import Graph, JoinAgg
 from edatalog.ir.intervals import atoms
 from edatalog.ir.program import OpCost
@@ -264,7 +272,10 @@ class _Synthesizer:
         out: list[RoutedRows | None] = []
         for k, axes in enumerate((*(acc.axes for acc in node.inputs), node.out_axes)):
             along = None if k == lk.input else route_rows(node, lk, axes)
-            out.append(None if along is None else RoutedRows(route, along, lo, hi, lk.extent))
+            rows = (
+                None if along is None else RoutedRows(route, along, lo, hi, lk.extent, route_choices(node, lk, along))
+            )
+            out.append(rows)
         return out
 
     # -- moving data ---------------------------------------------------------------------------------
@@ -352,7 +363,7 @@ class _Synthesizer:
         buf = holders[src]
         nbytes = region.size * self._itemsize(relation)
         if selection is not None:
-            nbytes = math.ceil(nbytes * self._share(selection.rows, selection.region))
+            nbytes = math.ceil(nbytes * selection.rows.share())
         self.egress[src] += nbytes
         deps = [self.buffers[buf].task]
         if selection is not None:
@@ -396,13 +407,6 @@ class _Synthesizer:
                     parts.append((buf, overlap))
                     missing = [rest for m in missing for rest in m.minus(overlap)]
         return tuple(parts) if all(m.empty for m in missing) else None
-
-    def _share(self, rows: RoutedRows, need: Region) -> float:
-        """The expected share of a selective transfer's rows that travel (see
-        :func:`edatalog.ir.cost.routed_share`): each row routes to as many distinct values as
-        the route has cells along the axes the relation lacks."""
-        lacking = math.prod(n for n, m in zip(need.shape, rows.axes, strict=True) if m is None)
-        return routed_share(rows.extent, rows.hi - rows.lo, lacking)
 
     def _place(self, relation: str, tile: Tile) -> list[Entry]:
         """Make an output end where the plan wants it (e.g. replicated on every device)."""

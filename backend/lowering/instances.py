@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
-from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Routed, Selection, Send, Task
+from edatalog.backend.lowering.tasks import Buffer, Combine, Compute, Entry, Routed, RoutedRows, Selection, Send, Task
 from edatalog.ir.forms import RouteKey
 from edatalog.ir.graph import Graph, Repeat
 from edatalog.solver.plan import Plan
@@ -112,8 +112,8 @@ class InstanceCopier:
             fresh_of.update(zip(entries, moved, strict=True))
         for (d, old, rows), got in list(synth.received.items()):
             if old in fresh_of:
-                rows = None if rows is None else dataclasses.replace(rows, route=rename(rows.route))
-                synth.received[(d, fresh_of[old], rows)] = [(r, move(b)) for r, b in got]
+                fresh = None if rows is None else _rows(rows, rename)
+                synth.received[(d, fresh_of[old], fresh)] = [(r, move(b)) for r, b in got]
         for node in self.rep.instance(k - 1):
             if node in synth.blocks:
                 synth.blocks[rename(node)] = set(synth.blocks[node])
@@ -183,7 +183,7 @@ def _translate(task: Task, move: Callable[[int], int], rename: Callable[[str], s
         selection = task.selection
         if selection is not None:
             selection = Selection(
-                dataclasses.replace(selection.rows, route=rename(selection.rows.route)),
+                _rows(selection.rows, rename),
                 selection.region,
                 tuple((move(b), r) for b, r in selection.at_source),
                 tuple((move(b), r) for b, r in selection.at_dest),
@@ -209,6 +209,11 @@ def _same(a: Task, b: Task) -> bool:
 def _tiles(plan: Plan, rep: Repeat, k: int) -> tuple[object, ...]:
     """How the plan tiles instance ``k``'s rules: splits, devices, reduction axis."""
     return tuple((plan.node(name).tile, plan.node(name).reduce_axis) for name in rep.instance(k))
+
+
+def _rows(rows: RoutedRows, rename: Callable[[str], str]) -> RoutedRows:
+    """Rows routed by the next instance's own route."""
+    return dataclasses.replace(rows, route=rename(rows.route))
 
 
 def _routed(entry: Entry, rename: Callable[[str], str]) -> Routed | None:

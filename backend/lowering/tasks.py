@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edatalog.ir.cost import routed_share
 from edatalog.ir.forms import RouteKey
 from edatalog.ir.regions import Region
 
@@ -50,6 +51,11 @@ class RoutedRows:
     lo: int
     hi: int
     extent: int  # how many values the route takes (the looked-up index's extent)
+    choices: int  # how many of them a row has (a token's K: see edatalog.ir.forms.route_choices)
+
+    def share(self) -> float:
+        """The expected share of the rows that travel (:func:`edatalog.ir.cost.routed_share`)."""
+        return routed_share(self.extent, self.hi - self.lo, self.choices)
 
 
 @dataclass(frozen=True)

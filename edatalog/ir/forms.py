@@ -159,14 +159,10 @@ def filter_lookups(node: JoinAgg) -> tuple[int, ...]:
 def route_key(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> RouteKey | None:
     """The lookup's arguments as axes of ``axes`` (the head's or an input's), or None where an
     argument is no plain index held by one of them."""
-    positions = []
-    plain = [plain_index(ax) for ax in axes]
-    for ax in node.inputs[lk.input].axes:
-        v = plain_index(ax)
-        if v is None or v not in plain:
-            return None
-        positions.append(plain.index(v))
-    return RouteKey(node.inputs[lk.input].relation, tuple(positions))
+    positions = _argument_axes(node, lk, axes)
+    if positions is None or any(p is None for p in positions):
+        return None
+    return RouteKey(node.inputs[lk.input].relation, tuple(p for p in positions if p is not None))
 
 
 def route_rows(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> tuple[int | None, ...] | None:
@@ -175,6 +171,20 @@ def route_rows(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> tuple[in
     route's ``t`` (axis 0) and lacks its ``k``.  None when no argument is held, or one is no plain
     index.  A block over part of the routed range reads (or writes) a row only where some value
     of the route along it falls in the part (:class:`edatalog.ir.program.Select`)."""
+    positions = _argument_axes(node, lk, axes)
+    return positions if positions is not None and any(p is not None for p in positions) else None
+
+
+def route_choices(node: JoinAgg, lk: Lookup, along: tuple[int | None, ...]) -> int:
+    """How many routed values a row runs along (see :func:`route_rows`) has: one per cell of
+    the route along the arguments the row lacks (a token's ``K`` choices for ``x[t, d]``)."""
+    args = node.inputs[lk.input].axes
+    return math.prod(node.box[str(ax.parts[0].index)] for ax, m in zip(args, along, strict=True) if m is None)
+
+
+def _argument_axes(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> tuple[int | None, ...] | None:
+    """For each argument of the lookup, the axis of ``axes`` holding the same plain index (None
+    where none does); None where an argument is no plain index."""
     plain = [plain_index(ax) for ax in axes]
     positions: list[int | None] = []
     for ax in node.inputs[lk.input].axes:
@@ -182,7 +192,7 @@ def route_rows(node: JoinAgg, lk: Lookup, axes: tuple[AxisMap, ...]) -> tuple[in
         if v is None:
             return None
         positions.append(plain.index(v) if v in plain else None)
-    return tuple(positions) if any(p is not None for p in positions) else None
+    return tuple(positions)
 
 
 def routed_partition(node: JoinAgg) -> tuple[Lookup, RouteKey] | None:
