@@ -3,7 +3,9 @@
 One LLaMA (transformers' ``LlamaForCausalLM``, random weights saved once), one token file, the
 same batches for every contender: --batch sequences of --seq tokens per step (each rank of DDP
 and FSDP2 takes its half), the mean cross-entropy over every position, AdamW (betas 0.9/0.95,
-weight decay 0.1, eps 1e-8, lr 1e-3) after global-norm clipping at 1.0, f32.
+weight decay 0.1, eps 1e-8, lr 1e-3) after global-norm clipping at 1.0, f32.  DDP and FSDP2 use
+torch's fused AdamW kernel (``fused=True``), as edatalog's step does (``--single-tensor-adamw``:
+torch's default on a CPU instead).
 
 - ``ddp``: ``DistributedDataParallel`` around the model, gradients all-reduced in buckets while
   the backward runs;
@@ -136,7 +138,10 @@ def torch_rank(contender: str, args: argparse.Namespace, work: Path) -> Run:
         for layer in model.model.layers:
             fully_shard(layer)
         wrapped = fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY)
+    # torch's fused AdamW kernel (one pass per param), as edatalog's step runs its updates.
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY, fused=args.fused
+    )
     batches = _batches(args, np.load(work / "tokens.npy"), args.steps)
     per = args.batch // world
     losses, times = [], []
@@ -293,6 +298,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory", help="edatalog's solver plans within this memory per device (e.g. 150MB)")
     p.add_argument("--refine", action="store_true", help="a baseline gets the solver's refinements")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="a comma-separated subset")
+    p.add_argument(
+        "--single-tensor-adamw",
+        dest="fused",
+        action="store_false",
+        help="DDP and FSDP2 step with torch's default AdamW on a CPU (a loop over params) instead of its fused kernel",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     if args.batch % args.nproc:

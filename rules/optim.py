@@ -148,10 +148,6 @@ def training_step(
         step = b.input_scalar(STEP, "f64")
         b1, b2 = optimizer.betas
         lr, eps, wd = optimizer.lr, optimizer.eps, optimizer.weight_decay
-        bc1 = b.scalar("adam_bc1", "f64")
-        b.scalar_rule(bc1, [step], lambda e, t: e.sub(e.const(1.0), e.op("pow", e.const(b1), t)))
-        bc2 = b.scalar("adam_bc2", "f64")
-        b.scalar_rule(bc2, [step], lambda e, t: e.sub(e.const(1.0), e.op("pow", e.const(b2), t)))
 
         def first_moment(e: Builder, m_: int, g: int, *c: int) -> int:  # b1 m + (1 - b1) s g
             return e.add(e.mul(e.const(b1), m_), e.mul(scaled(e, 1 - b1, c), g))
@@ -160,7 +156,11 @@ def training_step(
             k = e.mul(scaled(e, 1 - b2, c), c[0]) if c else e.const(1 - b2)
             return e.add(e.mul(e.const(b2), v_), e.mul(k, e.mul(g, g)))
 
-        def update(e: Builder, p_: int, m_: int, v_: int, c1: int, c2: int) -> int:
+        def update(e: Builder, p_: int, m_: int, v_: int, t: int) -> int:
+            # The bias corrections 1 - b^t are scalars of the rule (computed once per block): the
+            # update reads the step itself, as torch's fused kernel does.
+            c1 = e.sub(e.const(1.0), e.op("pow", e.const(b1), t))
+            c2 = e.sub(e.const(1.0), e.op("pow", e.const(b2), t))
             decayed = e.mul(p_, e.const(1 - lr * wd))
             denom = e.add(e.div(e.op("sqrt", v_), e.op("sqrt", c2)), e.const(eps))
             return e.sub(decayed, e.mul(e.div(e.const(lr), c1), e.div(m_, denom)))
@@ -171,7 +171,7 @@ def training_step(
             m2, v2, p2 = b.like(NEXT + m, p), b.like(NEXT + v, p), b.like(NEXT + p, p)
             b.elementwise(m2, [m, grads[p]], scales, first_moment)
             b.elementwise(v2, [v, grads[p]], scales, second_moment)
-            b.elementwise(p2, [p, m2, v2], [bc1, bc2], update)
+            b.elementwise(p2, [p, m2, v2], [step], update)
     else:
         lr, mom, wd = optimizer.lr, optimizer.momentum, optimizer.weight_decay
         for p in params_:

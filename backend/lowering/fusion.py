@@ -19,6 +19,13 @@ kernels.  A block is fused when each of its rules has one kernel on the device, 
 intermediate is read whole by the block alone (no key index or feature split off), and nothing
 reads the gradients before the fused op, which stands at the first of its kernels that comes
 after everything it reads.
+
+AdamW's update of a param (:mod:`edatalog.ir.adamw`: the rules of ``m'``, ``v'`` and ``p'``) is
+fused too, one block per device into one op of kind :data:`KIND_ADAMW` that exports ``m'`` and
+``v'`` beside ``p'``.  Torch runs it as one pass of its fused AdamW kernel over the block (the
+rules make a pass per operator); other runtimes run the three kernels.  A block is fused when
+the kernels of ``m'`` and ``v'`` have ``p'``'s region, ``p'``'s kernel reads them whole, and
+nothing reads them before ``p'``'s kernel, where the fused op stands.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import math
 
 from edatalog.backend.kernels.joinagg import prepare
 from edatalog.ir import program as ir
+from edatalog.ir.adamw import AdamWUpdate, adamw_updates
 from edatalog.ir.attention import Chain, attention_chains, exp_of_difference
 from edatalog.ir.attention_backward import Backward, attention_backwards
 from edatalog.ir.graph import Graph, JoinAgg
@@ -36,6 +44,7 @@ from edatalog.ir.rewrite import restrict
 
 KIND = "attention"
 KIND_BACKWARD = "attention backward"
+KIND_ADAMW = "adamw"
 
 
 # -- programs --------------------------------------------------------------------------------------
@@ -44,15 +53,20 @@ KIND_BACKWARD = "attention backward"
 def fuse_programs(programs: ir.Programs, graph: Graph) -> ir.Programs:
     """The programs with each device's attention blocks (see the module docstring) fused."""
     chains = attention_chains(graph)
-    if not chains:
+    updates = adamw_updates(graph)
+    if not chains and not updates:
         return programs
-    backwards = attention_backwards(graph)
-    devices = tuple(_fuse_device(p, graph, chains, backwards) for p in programs.devices)
+    backwards = attention_backwards(graph) if chains else []
+    devices = tuple(_fuse_device(p, graph, chains, backwards, updates) for p in programs.devices)
     return ir.Programs(programs.graph, programs.relations, devices, programs.outputs)
 
 
 def _fuse_device(
-    program: ir.DeviceProgram, graph: Graph, chains: list[Chain], backwards: list[Backward]
+    program: ir.DeviceProgram,
+    graph: Graph,
+    chains: list[Chain],
+    backwards: list[Backward],
+    updates: list[AdamWUpdate],
 ) -> ir.DeviceProgram:
     ops = list(program.ops)
     made = {op.buf: k for k, op in enumerate(ops) if isinstance(op, ir.DEFINES)}
@@ -92,6 +106,26 @@ def _fuse_device(
                     last.buf, KIND_BACKWARD, inner, last.relation, last.region, last.dtype, last.full, exports
                 )
                 drop.update(j for j in group if j != host)
+    for update in updates:
+        for k in outs.get(update.update, ()):
+            moments = _adamw_group(ops, k, update, made, readers)
+            if moments is not None and not drop.intersection(moments):
+                kernels = [ops[j] for j in (*moments, k)]
+                trio = tuple(op for op in kernels if isinstance(op, ir.Kernel))
+                assert len(trio) == 3
+                last = trio[-1]
+                exports = tuple(op.buf for op in trio[:2])
+                # The param's and moments' blocks, where nothing reads them after the update.
+                overwrites = tuple(
+                    b
+                    for role in ("p", "m", "v")
+                    for b in _read_of(graph, trio, update, role)
+                    if all(r <= k for r in readers.get(b, ()))
+                )
+                replace[k] = ir.Fused(
+                    last.buf, KIND_ADAMW, trio, last.relation, last.region, last.dtype, last.full, exports, overwrites
+                )
+                drop.update(moments)
     if not replace:
         return program
     freed = {op.buf for op in ops if isinstance(op, ir.Free)}
@@ -251,6 +285,39 @@ def _backward_group(
     if not (sums.full or _all_rows(graph, sums)):
         return None  # a query without keys: absent in the rules, NaN in the kernel
     return positions, host
+
+
+def _adamw_group(
+    ops: list[ir.Op], k: int, update: AdamWUpdate, made: dict[int, int], readers: dict[int, list[int]]
+) -> tuple[int, int] | None:
+    """The positions of the kernels of ``m'`` and ``v'`` that the kernel of ``p'`` at ``k``
+    reads, if the three fuse (see the module docstring)."""
+    last = ops[k]
+    assert isinstance(last, ir.Kernel)
+    found = []
+    for rule in (update.first, update.second):
+        out = [
+            j for parts in last.reads for b, _ in parts if (j := made.get(b)) is not None and _kernel_of(ops[j], rule)
+        ]
+        if len(out) != 1:
+            return None
+        j = out[0]
+        kernel = ops[j]
+        assert isinstance(kernel, ir.Kernel)
+        if kernel.region != last.region or any(r < k for r in readers.get(kernel.buf, []) if r != k):
+            return None
+        found.append(j)
+    if not all(len(parts) == 1 for parts in last.reads):
+        return None
+    return found[0], found[1]
+
+
+def _read_of(graph: Graph, inner: tuple[ir.Kernel, ...], update: AdamWUpdate, role: str) -> tuple[int, ...]:
+    """The buffers an AdamW block reads for one operand (see ``AdamWUpdate.operands``)."""
+    place, relation = update.operands[role]
+    kernel = inner[place]
+    position = next(k for k, acc in enumerate(graph.node(kernel.node).inputs) if acc.relation == relation)
+    return tuple(b for b, _ in kernel.reads[position])
 
 
 def _bufs(op: ir.Op) -> tuple[int, ...]:

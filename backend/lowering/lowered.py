@@ -4,8 +4,8 @@ Exchange synthesis (:mod:`edatalog.backend.lowering.exchange`) makes point-to-po
 separate kernels.  :func:`lower` then runs the lowering passes on them, once, each a small
 rewrite of :class:`~edatalog.ir.program.Programs` checked by ``verify()`` after it runs:
 
-1. ``fusion``: each device's attention blocks become one fused kernel
-   (:func:`edatalog.backend.lowering.fusion.fuse_programs`);
+1. ``fusion``: each device's attention blocks, and each param block's AdamW update, become one
+   fused kernel (:func:`edatalog.backend.lowering.fusion.fuse_programs`);
 2. ``presence``: every buffer that supports and guards make full is marked so, decided
    symbolically (:func:`edatalog.backend.lowering.presence.mark_full`): no runtime decides it
    again, and no presence mask travels for it;
@@ -26,6 +26,13 @@ What ops cost (:func:`op_costs`):
   the ``FLASH_TILE x FLASH_TILE`` tiles of queries and keys that hold a point of the guard
   (a causal block skips whole tiles above the diagonal, and computes whole tiles on it), and
   the bytes of its inputs and output only: scores and probabilities never leave the chip;
+- a fused AdamW block costs what torch's fused kernel moves as the torch runtime calls it: the
+  gradient scaled (under clipping), then one pass reading the param, gradient and moments and
+  writing the three results; a block of the param or a moment that it does not overwrite
+  (``Fused.overwrites``) is copied into its result first.  (The rules' own cost counts each
+  rule's inputs and output once, as if a rule were one kernel: eleven operators.)  Runtimes
+  overwrite only the blocks a call owns, the carried state of a training step on the SPMD
+  runtime: elsewhere (one process) the copies are made, and predicted as not made;
 - a collective moves its whole region (its cost model is
   :func:`edatalog.solver.costmodel.collective_seconds`).
 """
@@ -43,7 +50,7 @@ from functools import cached_property
 
 from edatalog.backend.lowering.collectives import use_collectives
 from edatalog.backend.lowering.exchange import Schedule
-from edatalog.backend.lowering.fusion import fuse_programs
+from edatalog.backend.lowering.fusion import KIND_ADAMW, fuse_programs
 from edatalog.backend.lowering.presence import mark_full
 from edatalog.backend.lowering.tasks import Entry
 from edatalog.ir import dtypes
@@ -271,7 +278,8 @@ def op_costs(s: Schedule, programs: ir.Programs) -> dict[tuple[int, int], OpCost
                 if dtype_of is None:
                     dtype_of = {m.buf: m.dtype for o in prog.ops for m in ir.made(o)}
                 inner = {part.buf: made[(device, part.buf)] for part in op.body}
-                out[(device, k)] = flash_cost(s.graph, op, inner, dtype_of)
+                priced = adamw_cost if op.kind == KIND_ADAMW else flash_cost
+                out[(device, k)] = priced(s.graph, op, inner, dtype_of)
             elif isinstance(op, ir.Collective):
                 out[(device, k)] = OpCost(0, op.whole.size * dtypes.itemsize(op.dtype), op.dtype)
             elif isinstance(op, ir.Send):
@@ -296,6 +304,21 @@ def flash_cost(graph: Graph, op: ir.Fused, inner: Mapping[int, OpCost], dtype_of
     nbytes = sum(region.size * dtypes.itemsize(dtype_of[b]) for b, region in read)
     nbytes += sum(m.region.size * dtypes.itemsize(m.dtype) for m in ir.made(op))
     return OpCost(flops, nbytes, inner[scores.buf].dtype, launches=ONE_ATTENTION)
+
+
+def adamw_cost(graph: Graph, op: ir.Fused, inner: Mapping[int, OpCost], dtype_of: Mapping[int, str]) -> OpCost:
+    """A fused AdamW block's cost (see the module docstring; ``inner`` and ``dtype_of`` as for
+    :func:`flash_cost`): with ``A`` the bytes of one block, the scaling of the gradient moves
+    ``2A`` (under clipping), the kernel ``7A``, and each copy of a block it does not overwrite
+    ``2A``."""
+    first, _, update = op.kernels
+    block = op.region.size * dtypes.itemsize(op.dtype)
+    scaled = any(not region.shape for parts in first.reads for _, region in parts)  # the factor s
+    copies = 3 - len(op.overwrites)  # what it may overwrite: the blocks of the param and moments
+    passes = (2 if scaled else 0) + 7 + 2 * copies
+    launches = Launches(elementwise=copies + (1 if scaled else 0) + 1)
+    flops = sum(c.flops for c in inner.values())
+    return OpCost(flops, passes * block, inner[update.buf].dtype, launches=launches)
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -6,7 +6,10 @@ places the relation where its next value is made (what
 gathered and cut into the blocks (correct, and slower).
 
 Runtimes hold the carried blocks between calls; a call reading one takes it out of the held
-blocks, so that the device frees it after its last read, as an update in place would.
+blocks, so that the device frees it after its last read, as an update in place would.  A block
+that nothing outside the runtime holds (not handed to it by the caller, nor returned to the
+caller as an output) is *exclusive*: a call that takes one owns its memory, and a fused op that
+is its last reader (``Fused.overwrites``: an AdamW update) may write its results over it.
 """
 
 from __future__ import annotations
@@ -69,16 +72,23 @@ def own(data: Any) -> Any:
 
 
 def taking(
-    load: Callable[[ir.Load], Any], blocks: dict[int, Any], carried: Collection[int]
+    load: Callable[[ir.Load], Any],
+    blocks: dict[int, Any],
+    carried: Collection[int],
+    owned: set[int] | None = None,
+    exclusive: Collection[int] = (),
 ) -> Callable[[ir.Load], Any]:
     """``load``, taking each carried block out of ``blocks`` as it is loaded: the device then
     holds the only reference and frees it after its last read.  (A call that fails after
-    that has lost the state: :class:`edatalog.executable.Executable` asks for it again.)"""
+    that has lost the state: :class:`edatalog.executable.Executable` asks for it again.)  The
+    loads of ``exclusive`` blocks taken so go into ``owned``."""
 
     def take(op: ir.Load) -> Any:
         data = load(op)
         if op.buf in carried:
-            blocks.pop(op.buf, None)
+            held = blocks.pop(op.buf, None)
+            if owned is not None and held is data and op.buf in exclusive:
+                owned.add(op.buf)
         return data
 
     return take

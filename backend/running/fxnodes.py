@@ -78,6 +78,23 @@ def writes(node: Any) -> Any | None:
     return None
 
 
+def list_writes(node: Any) -> tuple[Any, ...]:
+    """The nodes an ATen op writes through lists of tensors it mutates (torch's fused optimizer
+    kernels update ``Tensor(a!)[]`` arguments), which :func:`writes` does not name: it returns
+    one node."""
+    aten = aten_of(node)
+    if aten is None:
+        return ()
+    out: list[Any] = []
+    for k, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, list | tuple):
+            out.extend(v for v in value if hasattr(v, "op"))
+    return tuple(out)
+
+
 @functools.cache
 def functional_variant(overload: Any) -> Any | None:
     """The functional overload of an ATen ``out=`` overload (``mul.out`` -> ``mul.Tensor``,

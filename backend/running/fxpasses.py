@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
-from edatalog.backend.running.fxnodes import POINTWISE, functional_variant
+from edatalog.backend.running.fxnodes import POINTWISE, functional_variant, list_writes
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
 from edatalog.backend.running.fxnodes import is_view as _is_view
@@ -306,6 +306,8 @@ def _bases_and_writes(nodes: list[Any], order: dict[Any, int]) -> tuple[dict[Any
             writes.setdefault(root, []).append(order[node])
         elif _is_view(node):
             base[node] = base.get(node.args[0], node.args[0])
+        for target in list_writes(node):  # a fused optimizer step updating its lists in place
+            writes.setdefault(base.get(target, target), []).append(order[node])
     return base, writes
 
 

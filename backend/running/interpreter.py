@@ -24,11 +24,13 @@ from edatalog.backend.kernels import ops
 from edatalog.backend.kernels.arrays import NUMPY, Array, ArrayOps
 from edatalog.backend.kernels.attention import AttentionBackwardKernel, AttentionKernel
 from edatalog.backend.kernels.joinagg import Known, evaluate_node, known_presence
+from edatalog.backend.kernels.optimizer import AdamWKernel
 from edatalog.backend.kernels.prepared import Layout, Prepared, layout_of, prepare_block
 from edatalog.backend.kernels.reference import write_cells
-from edatalog.backend.lowering.fusion import KIND, KIND_BACKWARD
+from edatalog.backend.lowering.fusion import KIND, KIND_ADAMW, KIND_BACKWARD
 from edatalog.backend.running import selection
 from edatalog.ir import program as ir
+from edatalog.ir.adamw import AdamWUpdate, adamw_updates
 from edatalog.ir.attention import Chain, attention_chains
 from edatalog.ir.attention_backward import Backward, attention_backwards
 from edatalog.ir.graph import AGG_NAMES, Graph, JoinAgg
@@ -94,6 +96,7 @@ class Kernels:
         self.attention: dict[tuple[object, ...], AttentionKernel | AttentionBackwardKernel] = {}
         self.tiling: dict[tuple[Region, tuple[Region, ...]], bool] = {}
         self._chains: list[Chain] | None = None
+        self._updates: dict[str, AdamWUpdate] | None = None  # by the rule of p'
         self._backwards: list[Backward] | None = None
         self.prepared: dict[tuple[tuple[str, ir.Ranges], str, tuple[Layout, ...]], Prepared | None] = {}
         self.indexes: dict[tuple[object, ...], tuple[Any, ...]] = {}
@@ -155,6 +158,16 @@ class Kernels:
         kernel = self.attention[where]
         assert isinstance(kernel, AttentionBackwardKernel)
         return kernel
+
+    def adamw_kernel(self, op: ir.Fused, xp: ArrayOps) -> AdamWKernel | None:
+        """The fast kernel of a fused AdamW update on ``xp`` (torch's fused AdamW), where there is
+        one and every block of the op is full (the kernel has no absent cells)."""
+        if op.kind != KIND_ADAMW or not AdamWKernel.supports(xp, op.dtype) or not all(k.full for k in op.kernels):
+            return None
+        if self._updates is None:
+            self._updates = {u.update: u for u in adamw_updates(self.graph)}
+        update = self._updates.get(op.kernels[-1].node)
+        return None if update is None else AdamWKernel(update, xp)
 
     def backwards(self) -> list[Backward]:
         if self._backwards is None:
@@ -246,9 +259,13 @@ class Device:
         xp: ArrayOps = NUMPY,
         device: Any = None,
         on_op: Callable[[int, ir.Op, str], None] | None = None,
+        owned: set[int] | None = None,
     ) -> None:
         self.program, self.graph, self.kernels, self.loader = program, graph, kernels, loader
         self.xp, self.device, self.on_op = xp, device, on_op
+        # Loads whose memory this call owns (exclusive carried blocks it took: see
+        # edatalog.backend.running.carry): a fused op may write over those it reads last.
+        self.owned: set[int] = owned if owned is not None else set()
         self.store: dict[int, Buffer] = {}
         self.pending: dict[int, Callable[[], Buffer]] = {}  # see ``defer``
         self.position = 0
@@ -482,6 +499,11 @@ class Device:
                     self.keep(kernel.buf, Buffer(kernel.region, data, None))
             assert last is not None
             return last
+        adamw = self.kernels.adamw_kernel(op, self.xp)
+        if adamw is not None:
+            updated = self._adamw(op, adamw)
+            if updated is not None:
+                return updated
         fast = self.kernels.fused_kernel(op, self.xp, self.device)
         if fast is None:
             for k in op.body:
@@ -500,6 +522,39 @@ class Device:
             data, _ = self.assemble(needs[position], kernel.reads[position], self.graph.relation(relation).dtype)
             operands.append(data)
         return Buffer(op.region, fast(*operands), None)
+
+    def _adamw(self, op: ir.Fused, kernel: AdamWKernel) -> Buffer | None:
+        """A fused AdamW update by torch's kernel; None (the rules run instead) where a block it
+        reads may lack cells."""
+        operands: dict[str, Array | None] = {"s": None}
+        for name, (place, relation) in kernel.update.operands.items():
+            inner = op.kernels[place]
+            node, _, needs = self.kernels.block(inner)
+            position = next(k for k, acc in enumerate(node.inputs) if acc.relation == relation)
+            data, present = self.assemble(needs[position], inner.reads[position], self.graph.relation(relation).dtype)
+            if present is not None:
+                return None
+            operands[name] = data
+        free = set(op.overwrites) & self.owned
+        over = tuple(bool(free.intersection(self._read_bufs(op, kernel, role))) for role in ("p", "m", "v"))
+        p, g, m, v, t = (operands[n] for n in ("p", "g", "m", "v", "t"))
+        p2, m2, v2 = kernel(p, g, m, v, t, operands["s"], (over[0], over[1], over[2]))
+        first, second, _ = op.kernels
+        self.keep(first.buf, Buffer(first.region, m2, None))
+        self.keep(second.buf, Buffer(second.region, v2, None))
+        return Buffer(op.region, p2, None)
+
+    def _read_bufs(self, op: ir.Fused, kernel: AdamWKernel, role: str) -> set[int]:
+        """The buffers of one operand of a fused AdamW update, where one buffer holds it whole
+        (what the kernel may update in place); else none."""
+        place, relation = kernel.update.operands[role]
+        inner = op.kernels[place]
+        node, _, needs = self.kernels.block(inner)
+        position = next(k for k, acc in enumerate(node.inputs) if acc.relation == relation)
+        parts = inner.reads[position]
+        if len(parts) != 1 or self.get(parts[0][0]).region != needs[position]:
+            return set()
+        return {parts[0][0]}
 
     def fold(self, parts: list[Buffer], agg: str | None, dtype: str, full: bool) -> Buffer:
         """Partials of one region folded with the aggregation; absent cells contribute nothing."""

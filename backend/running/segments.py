@@ -180,8 +180,11 @@ class CompiledSpmdExecutable:
         eager = self.eager
         torch = torch_module()
         dev = Device(self.program, self.graph, eager.kernels, eager.loader(whole), eager.xp, eager.device)
-        # The held blocks are the graphs' first arguments: graphs are kept per set of them too.
-        graphs = self.replays.setdefault((sig, tuple(sorted(eager.blocks))), {})
+        # The held blocks are the graphs' first arguments: graphs are kept per set of them too,
+        # and per set of those the call owns (a graph may update those in place).
+        carried = {c.load.buf for c in eager.carried}
+        owned = frozenset(b for b in eager.blocks if b in carried and b in eager.exclusive)
+        graphs = self.replays.setdefault((sig, tuple(sorted(eager.blocks)), owned), {})
         names = tuple(sorted(whole))
         state_keys = sorted(eager.blocks)
         flat_state = [eager.blocks[b] for b in state_keys]
@@ -196,7 +199,7 @@ class CompiledSpmdExecutable:
             replay = graphs.get(k)
             if replay is None:
                 began = time.perf_counter()
-                fn = self._segment_fn(seg, names, state_keys, masks)
+                fn = self._segment_fn(seg, names, state_keys, masks, owned)
                 try:
                     recording = record(fn, args)
                 except TraceError as exc:  # never expected: every rank must take this path alike
@@ -230,11 +233,19 @@ class CompiledSpmdExecutable:
                 request.wait()
         eager._in_flight, eager._kept = [], []
         eager.last_times = []
-        eager.carry(dev)
+        eager.carry(dev, outputs)
         return eager._outputs(dev, gather_outputs, outputs)
 
-    def _segment_fn(self, seg: Segment, names: tuple[str, ...], state_keys: list[int], masks: tuple[bool, ...]) -> Any:
-        """What a segment's graph records: its ops on a device whose store holds what it reads."""
+    def _segment_fn(
+        self,
+        seg: Segment,
+        names: tuple[str, ...],
+        state_keys: list[int],
+        masks: tuple[bool, ...],
+        owned: frozenset[int],
+    ) -> Any:
+        """What a segment's graph records: its ops on a device whose store holds what it reads
+        (the ``owned`` held blocks its own to overwrite)."""
         eager, graph, program = self.eager, self.graph, self.program
         kernels = eager.kernels.fork()
         ops = program.ops[seg.start : seg.stop]
@@ -247,7 +258,9 @@ class CompiledSpmdExecutable:
             given = dict(zip(names, flat[n_state : n_state + n_in], strict=True))
             data = flat[n_state + n_in : n_state + n_in + n_enter]
             kept = iter(flat[n_state + n_in + n_enter :])
-            dev = Device(program, graph, kernels, slicer(given, blocks), StaticOps(eager.device), eager.device)
+            dev = Device(
+                program, graph, kernels, slicer(given, blocks), StaticOps(eager.device), eager.device, owned=set(owned)
+            )
             for b, d, has in zip(seg.entering, data, masks, strict=True):
                 dev.store[b] = Buffer(regions[b], d, next(kept) if has else None)
             for op in ops:

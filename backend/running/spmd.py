@@ -114,6 +114,7 @@ class SpmdExecutable:
         self.xp = TorchOps(self.device)
         self.kernels = Kernels(graph)
         self.blocks: dict[int, Any] = {}
+        self.exclusive: set[int] = set()  # held carried blocks no one else holds (see ``carry``)
         made = [m for _, _, op in programs.ops() for m in ir.made(op)]
         self.full = {op.buf: op.full for op in made}
         self.buffer_dtype = {op.buf: op.dtype for op in made}
@@ -149,7 +150,11 @@ class SpmdExecutable:
         tensors; the blocks of relations not given stay as they are."""
         for op in self.program.ops:
             if isinstance(op, ir.Load) and op.relation in params and op.relation in self.loadable:
-                self.blocks[op.buf] = self._block(TorchOps().asarray(params[op.relation]), op)
+                block = self._block(TorchOps().asarray(params[op.relation]), op)
+                if op.relation in self.graph.carried:  # a copy of its own, which updates may overwrite
+                    block = block.clone()
+                    self.exclusive.add(op.buf)
+                self.blocks[op.buf] = block
 
     def load_slices(self, read: Callable[[str, tuple[slice, ...]], Any]) -> None:
         """Keep this rank's blocks of the params, reading only those slices: ``read(param,
@@ -159,6 +164,7 @@ class SpmdExecutable:
             if isinstance(op, ir.Load) and op.relation in names:
                 ranges = tuple(slice(a[0][0], a[-1][1]) for a in op.region.axes)  # loads are boxes
                 self.blocks[op.buf] = self._block(read(op.relation, ranges), op, whole=False)
+                self.exclusive.discard(op.buf)
 
     def _block(self, source: Any, op: ir.Load, whole: bool = True) -> Any:
         """The load's block of ``source`` (the whole param, or with ``whole`` False the block
@@ -185,7 +191,10 @@ class SpmdExecutable:
         whole = {k: TorchOps().asarray(v) for k, v in inputs.items()}
         start = time.perf_counter()
         times: list[OpTime] = []
-        dev = Device(self.program, self.graph, self.kernels, self.loader(whole), self.xp, self.device)
+        owned: set[int] = set()
+        dev = Device(
+            self.program, self.graph, self.kernels, self.loader(whole, owned), self.xp, self.device, owned=owned
+        )
         torch = torch_module()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -223,28 +232,37 @@ class SpmdExecutable:
         self.last_times = times
         on_gpu = self.device.type == "cuda"
         self.last_peak = {self.rank: int(torch.cuda.max_memory_allocated(self.device)) if on_gpu else dev.peak_bytes}
-        self.carry(dev)
+        self.carry(dev, outputs)
         return self._outputs(dev, gather_outputs, outputs)
 
     # -- carried state ------------------------------------------------------------------------------
 
-    def loader(self, whole: Mapping[str, Any]) -> Callable[[ir.Load], Any]:
+    def loader(self, whole: Mapping[str, Any], owned: set[int] | None = None) -> Callable[[ir.Load], Any]:
         """Loads from the held blocks, else from the whole inputs; a carried relation given
-        among the inputs replaces its held blocks, and carried blocks are taken as loaded."""
+        among the inputs replaces its held blocks, and carried blocks are taken as loaded (the
+        exclusive ones into ``owned``)."""
         for c in self.carried:
             if c.target in whole:
                 self.blocks.pop(c.load.buf, None)
-        return taking(slicer(whole, self.blocks), self.blocks, {c.load.buf for c in self.carried})
+                self.exclusive.discard(c.load.buf)
+        carried = {c.load.buf for c in self.carried}
+        return taking(slicer(whole, self.blocks), self.blocks, carried, owned, self.exclusive)
 
-    def carry(self, dev: Device) -> None:
+    def carry(self, dev: Device, returned: Collection[str] | None = None) -> None:
         """The carried outputs as the next call's blocks: cut from this rank's own buffers, or
-        (a plan placing the state elsewhere than where it is made) gathered, on every rank."""
+        (a plan placing the state elsewhere than where it is made) gathered, on every rank.  A
+        block the call does not also return (``returned``: the outputs it returns, None: all)
+        is exclusive: nothing outside holds it."""
         if not self.graph.carries:
             return
         if self.carried_local:
             for c in self.carried:
                 assert c.source is not None
                 self.blocks[c.load.buf] = own(dev.cut(dev.get(c.source), c.load.region).data)
+                if returned is None or c.output in returned:
+                    self.exclusive.discard(c.load.buf)
+                else:
+                    self.exclusive.add(c.load.buf)
             return
         gathered = self._outputs(dev, True, [out for out, _ in self.graph.carries]).values
         self.load({target: gathered[out] for out, target in self.graph.carries})

@@ -164,7 +164,9 @@ class Fused:
     and the combines of partials among them.  The buffers the inner ops make and read among
     themselves never exist outside; the last op's buffer is the fused op's, and ``exports``
     names inner ops' buffers that outlive it too (an attention's backward makes the gradients
-    of q, k and v at once)."""
+    of q, k and v at once).  ``overwrites`` names buffers it reads whose last reader it is on
+    its device: a runtime may write its results over those whose memory the call owns (an
+    AdamW update over a param's and its moments' blocks, as torch's optimizers update)."""
 
     buf: int
     kind: str
@@ -174,6 +176,7 @@ class Fused:
     dtype: str
     full: bool = False
     exports: tuple[int, ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})
+    overwrites: tuple[int, ...] = field(default=(), metadata={serialize.OMIT_EMPTY: True})
 
     @property
     def internal(self) -> frozenset[int]:
@@ -344,11 +347,16 @@ class Programs:
             if not (0 <= p.device < self.n_devices):
                 raise VerifyError(f"program of unknown device {p.device}")
             live: set[int] = set()
+            overwritten: set[int] = set()  # read last by a fused op that may write over them
             for op in p.ops:
                 where = _At(p.device, op)  # printed only in an error
                 for b in reads(op):
                     if b not in live:
                         raise VerifyError(f"{where}: reads %{b}, which is not defined (or freed) on this device")
+                    if b in overwritten and not isinstance(op, Free):
+                        raise VerifyError(f"{where}: reads %{b} after an op that may overwrite it")
+                if isinstance(op, Fused):
+                    overwritten.update(op.overwrites)
                 if isinstance(op, Kernel):
                     for parts in op.reads:
                         for b, part in parts:
@@ -372,6 +380,8 @@ class Programs:
                         raise VerifyError(f"{where}: the last inner op's buffer is not the op's")
                     if len(op.exported) != len(op.exports):
                         raise VerifyError(f"{where}: exports a buffer no inner op but the last makes")
+                    if not set(op.overwrites) <= set(reads(op)):
+                        raise VerifyError(f"{where}: overwrites a buffer it does not read")
                 elif isinstance(op, Send):
                     _, rel, region, dtype = defined[op.buf]
                     if not region.contains(op.region):

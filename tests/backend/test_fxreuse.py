@@ -252,3 +252,23 @@ def test_a_compiled_program_on_the_cpu_reuses_large_buffers_bit_for_bit() -> Non
     impl = exe._impl
     assert isinstance(impl, CompiledExecutable) and impl.last_compiled is not None
     assert impl.last_compiled.summary["buffers_reused"] >= 1
+
+
+def test_an_op_on_a_tensor_before_and_after_a_fused_update_of_it_is_not_shared() -> None:
+    """torch's fused AdamW writes the tensors of its list arguments: ``p * 2`` before it and
+    after it are two values (the passes must see the write, which names no single tensor)."""
+
+    def fn(p: Any, g: Any, m: Any, v: Any, t: Any) -> list[Any]:
+        before = p * 2.0
+        torch._fused_adamw_(
+            [p], [g], [m], [v], [], [t], lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8,
+            amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+        )  # fmt: skip
+        return [before, p * 2.0]
+
+    base = [torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32), torch.rand(32, 32), torch.tensor(1.0)]
+    rec = record(fn, [a.clone() for a in base])
+    gm, _ = fxpasses.simplify(rec.module, rec.graph, rec.shapes, reuse=True)
+    got, want = gm(*[a.clone() for a in base]), fn(*[a.clone() for a in base])
+    _same(got, want)
+    assert not torch.equal(got[0], got[1])
