@@ -27,10 +27,10 @@ class TorchCollectives:
     when the pieces are the data's equal, consecutive chunks in group order, else packed (and
     padded to equal sizes).
 
-    With ``functional``, each collective is torch's functional collective instead (out of place,
-    then ``wait_tensor``): ATen ops with no work object, which a recorded graph can replay (the
-    compiled SPMD runtime, :mod:`edatalog.backend.running.segments`).  An all-reduce's wait is
-    deferred to the first op that reads its result (:meth:`Device.defer`)."""
+    With ``functional``, each collective is torch's functional collective instead (then
+    ``wait_tensor``): ops with no work object, which a recorded graph can replay (the compiled
+    SPMD runtime, :mod:`edatalog.backend.running.segments`).  An all-reduce's wait is deferred
+    to the first op that reads its result (:meth:`Device.defer`)."""
 
     def __init__(self, programs: ir.Programs, rank: int, device: Any, timeout: float, functional: bool = False) -> None:
         torch = torch_module()
@@ -63,8 +63,9 @@ class TorchCollectives:
             work, back = self._reducible(data)
             if self.functional:
                 # Waited for where it is first read (in a recorded graph too): the ops in between
-                # run while it travels.
-                issued = self._ops().all_reduce(work, self.functional_names[str(op.reduce)], group.group_name)
+                # run while it travels.  In place, as the eager path reduces: ``work`` is this
+                # call's to overwrite (out of place, the functional op would copy it first).
+                issued = self._ops().all_reduce_(work, self.functional_names[str(op.reduce)], group.group_name)
                 whole = op.whole
                 dev.defer(op.buf, Buffer(whole, issued, None), lambda: Buffer(whole, back(self._wait(issued)), None))
             else:
