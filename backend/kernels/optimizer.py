@@ -7,8 +7,9 @@ over the block); the kernel updates in place, reading ``p``, ``g``, ``m`` and ``
 the runtime owns the block of ``p``, ``m`` or ``v`` and nothing reads it after the update
 (``Fused.overwrites``; see :mod:`edatalog.backend.running.carry`), the kernel updates it in
 place, as torch's optimizers do; any other it copies into its result first.  Under clipping the
-gradient is scaled by the factor first, as ``clip_grad_norm_`` does (a compiled graph writes
-that over the gradient where the gradient dies there).  The kernel computes the formula of the rules in
+gradient is scaled by the factor: by the kernel as it reads it (its ``grad_scale``, which
+writes the scaled gradient back) where the gradient may be overwritten and is f32 (the kernel
+takes the scale in f32), else first, as ``clip_grad_norm_`` does.  The kernel computes the formula of the rules in
 a different order: results agree to rounding, not bit for bit.
 """
 
@@ -34,16 +35,19 @@ class AdamWKernel:
         return xp.name == "torch" and dtype in DTYPES
 
     def __call__(
-        self, p: Array, g: Array, m: Array, v: Array, t: Array, s: Array | None, over: tuple[bool, bool, bool]
+        self, p: Array, g: Array, m: Array, v: Array, t: Array, s: Array | None, over: tuple[bool, bool, bool, bool]
     ) -> tuple[Array, Array, Array]:
-        """``over``: whether the block of ``p``, ``m`` and ``v`` may be updated in place."""
+        """``over``: whether the block of ``p``, ``m``, ``v`` and ``g`` may be written over."""
         torch = torch_module()
         u = self.update
-        if s is not None:
+        scale = None
+        if s is not None and over[3] and g.dtype == torch.float32 and g.is_contiguous():
+            scale = torch.reciprocal(s).to(torch.float32)  # the kernel divides by it
+        elif s is not None:
             g = torch.mul(g, s)  # a 0-d factor keeps the gradient's type
         g = g.contiguous()
         news = []
-        for block, in_place in zip((p, m, v), over, strict=True):
+        for block, in_place in zip((p, m, v), over[:3], strict=True):
             if in_place and block.is_contiguous():
                 news.append(block)
                 continue
@@ -54,6 +58,6 @@ class AdamWKernel:
         torch._fused_adamw_(
             [p2], [g], [m2], [v2], [], [t],
             lr=u.lr, beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, eps=u.eps,
-            amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+            amsgrad=False, maximize=False, grad_scale=scale, found_inf=None,
         )  # fmt: skip
         return p2, m2, v2

@@ -405,7 +405,7 @@ def _renamed(op: ir.Op, moved: Mapping[int, int]) -> ir.Op:
         return _renamed_kernel(op, moved)
     if isinstance(op, ir.Fused):
         body = tuple(_renamed(k, moved) for k in op.body)
-        overwrites = tuple(moved.get(b, b) for b in op.overwrites)
+        overwrites = tuple(dict.fromkeys(moved.get(b, b) for b in op.overwrites))
         return dataclasses.replace(op, body=body, overwrites=overwrites)  # type: ignore[arg-type]
     if isinstance(op, ir.Combine):
         sources = tuple(moved.get(b, b) for b in op.sources)

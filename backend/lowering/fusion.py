@@ -115,12 +115,16 @@ def _fuse_device(
                 assert len(trio) == 3
                 last = trio[-1]
                 exports = tuple(op.buf for op in trio[:2])
-                # The param's and moments' blocks, where nothing reads them after the update.
+                # The param's and moments' blocks, and the gradient's made in this call (not
+                # loaded), where nothing reads them after the update.
                 overwrites = tuple(
-                    b
-                    for role in ("p", "m", "v")
-                    for b in _read_of(graph, trio, update, role)
-                    if all(r <= k for r in readers.get(b, ()))
+                    dict.fromkeys(
+                        b
+                        for role in ("p", "m", "v", "g")
+                        for b in _read_of(graph, trio, update, role)
+                        if all(r <= k for r in readers.get(b, ()))
+                        and (role != "g" or not isinstance(ops[made[b]] if b in made else None, ir.Load | None))
+                    )
                 )
                 replace[k] = ir.Fused(
                     last.buf, KIND_ADAMW, trio, last.relation, last.region, last.dtype, last.full, exports, overwrites

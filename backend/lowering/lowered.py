@@ -27,9 +27,10 @@ What ops cost (:func:`op_costs`):
   (a causal block skips whole tiles above the diagonal, and computes whole tiles on it), and
   the bytes of its inputs and output only: scores and probabilities never leave the chip;
 - a fused AdamW block costs what torch's fused kernel moves as the torch runtime calls it: the
-  gradient scaled (under clipping), then one pass reading the param, gradient and moments and
-  writing the three results; a block of the param or a moment that it does not overwrite
-  (``Fused.overwrites``) is copied into its result first.  (The rules' own cost counts each
+  gradient scaled (under clipping; inside the kernel where it may overwrite an f32 gradient),
+  then one pass reading the param, gradient and moments and writing the three results; a block
+  of the param or a moment that it does not overwrite (``Fused.overwrites``) is copied into its
+  result first.  (The rules' own cost counts each
   rule's inputs and output once, as if a rule were one kernel: eleven operators.)  Runtimes
   overwrite only the blocks a call owns, the carried state of a training step on the SPMD
   runtime: elsewhere (one process) the copies are made, and predicted as not made;
@@ -311,10 +312,13 @@ def adamw_cost(graph: Graph, op: ir.Fused, inner: Mapping[int, OpCost], dtype_of
     :func:`flash_cost`): with ``A`` the bytes of one block, the scaling of the gradient moves
     ``2A`` (under clipping), the kernel ``7A``, and each copy of a block it does not overwrite
     ``2A``."""
-    first, _, update = op.kernels
+    first, second, update = op.kernels
     block = op.region.size * dtypes.itemsize(op.dtype)
     scaled = any(not region.shape for parts in first.reads for _, region in parts)  # the factor s
-    copies = 3 - len(op.overwrites)  # what it may overwrite: the blocks of the param and moments
+    grad = _read_bufs(first) & _read_bufs(second)  # the gradient: what both moments' rules read
+    copies = 3 - len(set(op.overwrites) - grad)  # the blocks of the param and moments it may overwrite
+    # An f32 gradient it may overwrite is scaled inside the kernel (its grad_scale).
+    scaled = scaled and not (op.dtype == "f32" and grad and grad <= set(op.overwrites))
     passes = (2 if scaled else 0) + 7 + 2 * copies
     launches = Launches(elementwise=copies + (1 if scaled else 0) + 1)
     flops = sum(c.flops for c in inner.values())
@@ -328,6 +332,10 @@ def _tiled_share(node: JoinAgg, ranges: ir.Ranges) -> float:
     box = {i: (lo, hi) for i, lo, hi in ranges}
     _, points = tighten(node, box)
     return tiled_points(node, box) / points if points else 1.0
+
+
+def _read_bufs(kernel: ir.Kernel) -> set[int]:
+    return {b for parts in kernel.reads for b, region in parts if region.shape}
 
 
 def _reads(op: ir.Kernel | ir.Combine) -> tuple[tuple[tuple[int, Region], ...], ...]:

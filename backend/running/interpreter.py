@@ -535,10 +535,13 @@ class Device:
             if present is not None:
                 return None
             operands[name] = data
+        # The state's blocks where this call owns them; the gradient's wherever it may (made in
+        # this call, never a load).
         free = set(op.overwrites) & self.owned
-        over = tuple(bool(free.intersection(self._read_bufs(op, kernel, role))) for role in ("p", "m", "v"))
+        p_, m_, v_ = (bool(free.intersection(self._read_bufs(op, kernel, role))) for role in ("p", "m", "v"))
+        g_ = bool(set(op.overwrites).intersection(self._read_bufs(op, kernel, "g")))
         p, g, m, v, t = (operands[n] for n in ("p", "g", "m", "v", "t"))
-        p2, m2, v2 = kernel(p, g, m, v, t, operands["s"], (over[0], over[1], over[2]))
+        p2, m2, v2 = kernel(p, g, m, v, t, operands["s"], (p_, m_, v_, g_))
         first, second, _ = op.kernels
         self.keep(first.buf, Buffer(first.region, m2, None))
         self.keep(second.buf, Buffer(second.region, v2, None))
