@@ -9,7 +9,9 @@ update, all rules of one graph (so that one plan places all of it).
   gradient scaled by ``min(1, clip / (norm + 1e-6))``.  The factor is folded into the rules
   that read a gradient (``(1 - b1) s`` is a scalar): no scaled copy of the gradients is made,
   which would cost a pass over every param;
-- the update of every param, as torch's optimizers compute it (single-tensor, not fused):
+- the update of every param, as torch's optimizers compute it (single-tensor, not fused; the
+  torch runtime runs each param block's AdamW rules as torch's fused kernel, found by what they
+  compute: :mod:`edatalog.ir.adamw`):
 
   - :class:`AdamW`: ``p * (1 - lr * wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``
     with ``m = b1 m + (1 - b1) g`` and ``v = b2 v + (1 - b2) g^2``;

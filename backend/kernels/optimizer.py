@@ -9,8 +9,8 @@ the runtime owns the block of ``p``, ``m`` or ``v`` and nothing reads it after t
 place, as torch's optimizers do; any other it copies into its result first.  Under clipping the
 gradient is scaled by the factor: by the kernel as it reads it (its ``grad_scale``, which
 writes the scaled gradient back) where the gradient may be overwritten and is f32 (the kernel
-takes the scale in f32), else first, as ``clip_grad_norm_`` does.  The kernel computes the formula of the rules in
-a different order: results agree to rounding, not bit for bit.
+takes the scale in f32), else first, as ``clip_grad_norm_`` does.  The kernel computes the
+formula of the rules in a different order: results agree to rounding, not bit for bit.
 """
 
 from __future__ import annotations

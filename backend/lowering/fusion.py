@@ -51,7 +51,8 @@ KIND_ADAMW = "adamw"
 
 
 def fuse_programs(programs: ir.Programs, graph: Graph) -> ir.Programs:
-    """The programs with each device's attention blocks (see the module docstring) fused."""
+    """The programs with each device's attention blocks and AdamW updates (see the module
+    docstring) fused."""
     chains = attention_chains(graph)
     updates = adamw_updates(graph)
     if not chains and not updates:
