@@ -69,12 +69,7 @@ def adamw_updates(graph: Graph) -> list[AdamWUpdate]:
     producers: dict[str, list[JoinAgg]] = {}
     for node in graph.nodes:
         producers.setdefault(node.out, []).append(node)
-    found = []
-    for node in graph.nodes:
-        update = _match(graph, node, producers)
-        if update is not None:
-            found.append(update)
-    return found
+    return [update for node in graph.nodes if (update := _match(graph, node, producers)) is not None]
 
 
 def _match(graph: Graph, u: JoinAgg, producers: dict[str, list[JoinAgg]]) -> AdamWUpdate | None:
