@@ -66,10 +66,15 @@ class AdamWUpdate:
 
 def adamw_updates(graph: Graph) -> list[AdamWUpdate]:
     """Every AdamW update of ``graph`` (see the module docstring)."""
+    # Lowering looks for them in every plan it lowers: a glance at each rule's shape first (an
+    # update reads three blocks and one scalar), the evaluations only for the few that pass.
+    candidates = [n for n in graph.nodes if len(n.inputs) == 4 and sum(not a.axes for a in n.inputs) == 1]
+    if not candidates:
+        return []
     producers: dict[str, list[JoinAgg]] = {}
     for node in graph.nodes:
         producers.setdefault(node.out, []).append(node)
-    return [update for node in graph.nodes if (update := _match(graph, node, producers)) is not None]
+    return [update for node in candidates if (update := _match(graph, node, producers)) is not None]
 
 
 def _match(graph: Graph, u: JoinAgg, producers: dict[str, list[JoinAgg]]) -> AdamWUpdate | None:
