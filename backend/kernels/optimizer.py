@@ -27,8 +27,8 @@ class AdamWKernel:
     factor (0-d; ``s`` None without clipping) and returns the blocks of ``p'``, ``m'`` and
     ``v'``."""
 
-    def __init__(self, update: AdamWUpdate, xp: ArrayOps) -> None:
-        self.update, self.xp = update, xp
+    def __init__(self, update: AdamWUpdate) -> None:
+        self.update = update
 
     @staticmethod
     def supports(xp: ArrayOps, dtype: str) -> bool:

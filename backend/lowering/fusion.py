@@ -122,7 +122,7 @@ def _fuse_device(
                     dict.fromkeys(
                         b
                         for role in ("p", "m", "v", "g")
-                        for b in _read_of(graph, trio, update, role)
+                        for b in _read_of(trio, update, role)
                         if all(r <= k for r in readers.get(b, ()))
                         and (role != "g" or not isinstance(ops[made[b]] if b in made else None, ir.Load | None))
                     )
@@ -317,12 +317,10 @@ def _adamw_group(
     return found[0], found[1]
 
 
-def _read_of(graph: Graph, inner: tuple[ir.Kernel, ...], update: AdamWUpdate, role: str) -> tuple[int, ...]:
+def _read_of(inner: tuple[ir.Kernel, ...], update: AdamWUpdate, role: str) -> tuple[int, ...]:
     """The buffers an AdamW block reads for one operand (see ``AdamWUpdate.operands``)."""
-    place, relation = update.operands[role]
-    kernel = inner[place]
-    position = next(k for k, acc in enumerate(graph.node(kernel.node).inputs) if acc.relation == relation)
-    return tuple(b for b, _ in kernel.reads[position])
+    place, position = update.operands[role]
+    return tuple(b for b, _ in inner[place].reads[position])
 
 
 def _bufs(op: ir.Op) -> tuple[int, ...]:

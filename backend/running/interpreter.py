@@ -167,7 +167,7 @@ class Kernels:
         if self._updates is None:
             self._updates = {u.update: u for u in adamw_updates(self.graph)}
         update = self._updates.get(op.kernels[-1].node)
-        return None if update is None else AdamWKernel(update, xp)
+        return None if update is None else AdamWKernel(update)
 
     def backwards(self) -> list[Backward]:
         if self._backwards is None:
@@ -527,37 +527,29 @@ class Device:
         """A fused AdamW update by torch's kernel; None (the rules run instead) where a block it
         reads may lack cells."""
         operands: dict[str, Array | None] = {"s": None}
-        for name, (place, relation) in kernel.update.operands.items():
+        whole: dict[str, int] = {}  # role -> the one buffer that holds the operand whole
+        for role, (place, position) in kernel.update.operands.items():
             inner = op.kernels[place]
             node, _, needs = self.kernels.block(inner)
-            position = next(k for k, acc in enumerate(node.inputs) if acc.relation == relation)
-            data, present = self.assemble(needs[position], inner.reads[position], self.graph.relation(relation).dtype)
+            parts = inner.reads[position]
+            dtype = self.graph.relation(node.inputs[position].relation).dtype
+            data, present = self.assemble(needs[position], parts, dtype)
             if present is not None:
                 return None
-            operands[name] = data
+            operands[role] = data
+            if len(parts) == 1 and self.get(parts[0][0]).region == needs[position]:
+                whole[role] = parts[0][0]
         # The state's blocks where this call owns them; the gradient's wherever it may (made in
         # this call, never a load).
         free = set(op.overwrites) & self.owned
-        p_, m_, v_ = (bool(free.intersection(self._read_bufs(op, kernel, role))) for role in ("p", "m", "v"))
-        g_ = bool(set(op.overwrites).intersection(self._read_bufs(op, kernel, "g")))
+        p_, m_, v_ = (whole.get(role) in free for role in ("p", "m", "v"))
+        g_ = whole.get("g") in set(op.overwrites)
         p, g, m, v, t = (operands[n] for n in ("p", "g", "m", "v", "t"))
         p2, m2, v2 = kernel(p, g, m, v, t, operands["s"], (p_, m_, v_, g_))
         first, second, _ = op.kernels
         self.keep(first.buf, Buffer(first.region, m2, None))
         self.keep(second.buf, Buffer(second.region, v2, None))
         return Buffer(op.region, p2, None)
-
-    def _read_bufs(self, op: ir.Fused, kernel: AdamWKernel, role: str) -> set[int]:
-        """The buffers of one operand of a fused AdamW update, where one buffer holds it whole
-        (what the kernel may update in place); else none."""
-        place, relation = kernel.update.operands[role]
-        inner = op.kernels[place]
-        node, _, needs = self.kernels.block(inner)
-        position = next(k for k, acc in enumerate(node.inputs) if acc.relation == relation)
-        parts = inner.reads[position]
-        if len(parts) != 1 or self.get(parts[0][0]).region != needs[position]:
-            return set()
-        return {parts[0][0]}
 
     def fold(self, parts: list[Buffer], agg: str | None, dtype: str, full: bool) -> Buffer:
         """Partials of one region folded with the aggregation; absent cells contribute nothing."""

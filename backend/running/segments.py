@@ -182,8 +182,7 @@ class CompiledSpmdExecutable:
         dev = Device(self.program, self.graph, eager.kernels, eager.loader(whole), eager.xp, eager.device)
         # The held blocks are the graphs' first arguments: graphs are kept per set of them too,
         # and per set of those the call owns (a graph may update those in place).
-        carried = {c.load.buf for c in eager.carried}
-        owned = frozenset(b for b in eager.blocks if b in carried and b in eager.exclusive)
+        owned = frozenset(eager.exclusive.intersection(eager.blocks))  # exclusive: carried blocks only
         graphs = self.replays.setdefault((sig, tuple(sorted(eager.blocks)), owned), {})
         names = tuple(sorted(whole))
         state_keys = sorted(eager.blocks)

@@ -47,21 +47,19 @@ class AdamWUpdate:
     beta2: float
     eps: float
     weight_decay: float
+    reads: tuple[tuple[str, int, int], ...]  # (role, rule's place in ``nodes``, input position)
 
     @property
     def nodes(self) -> tuple[str, str, str]:
         return (self.first, self.second, self.update)
 
     @property
-    def operands(self) -> dict[str, tuple[int, str]]:
-        """Where each operand of the update is read: ``role -> (rule, relation)``, the rule by
-        its place in :attr:`nodes`: ``m``, ``g`` and ``s`` by the rule of ``m'``, ``v`` by that
-        of ``v'``, ``p`` and ``t`` by the update's (``s`` only under clipping)."""
-        out = {"p": (2, self.param), "g": (0, self.grad), "m": (0, self.first_state)}
-        out |= {"v": (1, self.second_state), "t": (2, self.step)}
-        if self.scale is not None:
-            out["s"] = (0, self.scale)
-        return out
+    def operands(self) -> dict[str, tuple[int, int]]:
+        """Where each operand of the update is read: ``role -> (rule, input)``, the rule by its
+        place in :attr:`nodes`, the input by its position in that rule: ``m``, ``g`` and ``s``
+        by the rule of ``m'``, ``v`` by that of ``v'``, ``p`` and ``t`` by the update's (``s``
+        only under clipping)."""
+        return {role: (place, position) for role, place, position in self.reads}
 
 
 def adamw_updates(graph: Graph) -> list[AdamWUpdate]:
@@ -107,9 +105,15 @@ def _match(graph: Graph, u: JoinAgg, producers: dict[str, list[JoinAgg]]) -> Ada
     dtypes = {graph.relation(r).dtype for r in [*relations, u.out, m_node.out, v_node.out]}
     if len(dtypes) != 1 or len(set(relations)) != 4:
         return None
+
+    def at(node: JoinAgg, relation: str) -> int:
+        return next(k for k, acc in enumerate(node.inputs) if acc.relation == relation)
+
+    reads = [("p", 2, kp), ("t", 2, kt), ("m", 0, at(m_node, m_state)), ("g", 0, at(m_node, grad))]
+    reads += [("v", 1, at(v_node, v_state))] + ([("s", 0, at(m_node, scale))] if scale is not None else [])
     return AdamWUpdate(
         m_node.name, v_node.name, u.name, relations[0], grad, m_state, v_state,
-        u.inputs[kt].relation, scale, lr, beta1, beta2, eps, wd,
+        u.inputs[kt].relation, scale, lr, beta1, beta2, eps, wd, tuple(reads),
     )  # fmt: skip
 
 
