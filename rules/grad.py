@@ -24,7 +24,9 @@ points cost nothing in the backward either:
 - the maximum of a softmax (an attention chain, :mod:`edatalog.ir.attention`) gets no gradient:
   ``p = exp(sc - mx)`` is only read normalized (``o += p * v / l``, ``l += p``), which ``mx``
   does not change, so its gradient is exactly 0 (what reaches it through ``p`` and through
-  ``l`` cancels) and the winners' rules are not made, as torch's fused attention backward.
+  ``l`` cancels) and the winners' rules are not made, as torch's fused attention backward;
+  the chain's gradient is written as flash attention's backward computes it, from the rows'
+  log-sum-exp that the forward keeps (``_attention_backward``).
 
 The result is a graph whose outputs are the loss and ``grad_<param>`` for each param asked for,
 planned and run as any program is.
@@ -283,18 +285,20 @@ class _Backward:
 
     def _attention_backward(self, chain: Chain) -> bool:
         """The gradient of a whole attention chain, as flash attention's backward computes it:
-        the scores, maxima, probabilities and sums made again from q and k (``bwd_<name>``: the
-        forward's are read by its own chain only, so a runtime may run the forward as one fused
-        kernel and keep none of them), then
+        the rows' log-sum-exp kept from the forward (``lse = mx + log(l)``, read by the chain's
+        fused kernel as flash attention's forward returns it), the scores and the normalized
+        probabilities made again from q and k (``bwd_<name>``: the forward's are read by its
+        own chain only, so a runtime may run the forward as one fused kernel and keep none of
+        them), then
 
-            grad_l[s]     += -(grad_o[s, f] * o[s, f] / l'[s])
-            grad_p[s, t]  += grad_o[s, f] / l'[s] * v[t, f]              where g(s, t)
+            grad_l[s]     += -(grad_o[s, f] * o[s, f])
+            grad_p[s, t]  += grad_o[s, f] * v[t, f]                      where g(s, t)
             grad_sc[s, t] += p'[s, t] * (grad_p[s, t] + grad_l[s])       where g(s, t)
 
-        and the gradients of q, k (through the scores) and v (through the output) as any rule's.
-        ``grad_p`` is one contraction: the sums' share is added where it is used, never
-        broadcast over the keys and combined.  False (the rule-by-rule gradient then) where the
-        output's guard has no exact shadow on its cells."""
+        and the gradients of q, k (through the scores) and v (``+= grad_o * p'``, through the
+        output) as any rule's.  ``grad_p`` is one contraction: the rows' share is added where it
+        is used, never broadcast over the keys and combined.  False (the rule-by-rule gradient
+        then) where the output's guard has no exact shadow on its cells."""
         fwd = self.fwd
         o = fwd.node(chain.out)
         grad_o = self.grad[o.out]
@@ -302,50 +306,56 @@ class _Backward:
         shadow, exact = o.guard.project(list(o.out_indices), o.box)
         if not exact:
             return False
-        sc, mx, p, sums = (fwd.node(n) for n in (chain.scores, chain.maxima, chain.probs, chain.sums))
-        again = {n.out: self._copy_relation(n.out) for n in (sc, mx, p, sums)}
-
-        def reading_again(node: JoinAgg, out: str) -> JoinAgg:
-            inputs = tuple(dataclasses.replace(a, relation=again.get(a.relation, a.relation)) for a in node.inputs)
-            return dataclasses.replace(node, name=out, out=out, inputs=inputs)
-
-        for n in (sc, mx, p, sums):  # made again, in the forward's order
-            self.nodes.append(reading_again(n, again[n.out]))
-        o2, sc2 = reading_again(o, o.out), reading_again(sc, sc.out)
+        sc, _, p, sums = (fwd.node(n) for n in chain.inner)
+        p_sc, p_mx = exp_of_difference(p) or (0, 1)
+        lse = self._log_sum_exp(p, p.inputs[p_mx], sums)
+        # The scores made again, and the probabilities normalized by the log-sum-exp.
+        sc_again, p_again = self._copy_relation(sc.out), self._copy_relation(p.out)
+        sc2 = dataclasses.replace(sc, name=sc_again, out=sc_again)
+        reads = list(p.inputs)
+        reads[p_sc] = dataclasses.replace(reads[p_sc], relation=sc_again)
+        reads[p_mx] = dataclasses.replace(reads[p_mx], relation=lse)
+        p2 = dataclasses.replace(p, name=p_again, out=p_again, inputs=tuple(reads))
+        self.nodes += [sc2, p2]
+        # The output over the normalized probabilities: o += p' * v (the sums divided out).
         p_pos = next(k for k, a in enumerate(o.inputs) if a.relation == p.out)
         l_pos = next(k for k, a in enumerate(o.inputs) if a.relation == sums.out)
-        # grad_l, grad_p and grad_v through the output (the first two named after the forward's).
-        grad_l = self._gradient_named(again[sums.out], sums.out)
         bld = Builder()
-        value = bld.div(bld.mul(bld.node(Load(0)), bld.node(Load(1))), bld.node(Load(2)))
+        o2 = dataclasses.replace(
+            o,
+            inputs=(Access(p2.out, o.inputs[p_pos].axes), o.inputs[chain.v]),
+            expr=bld.build(bld.mul(bld.node(Load(0)), bld.node(Load(1)))),
+        )
+        # grad_l and grad_p through the output (named after the forward's l and p), grad_v.
+        grad_l = self._gradient_named(lse, sums.out)
+        bld = Builder()
         rule = JoinAgg(
             name=f"{grad_l}#{o.name}",
             out=grad_l,
             indices=tuple(i for i in o.indices if i.name not in o.agg_indices),
-            inputs=(Access(grad_o, o.out_axes), Access(o.out, o.out_axes), o2.inputs[l_pos]),
-            expr=bld.build(bld.neg(value)),
+            inputs=(Access(grad_o, o.out_axes), Access(o.out, o.out_axes)),
+            expr=bld.build(bld.neg(bld.mul(bld.node(Load(0)), bld.node(Load(1))))),
             aggop="+=",
-            out_axes=o2.inputs[l_pos].axes,
+            out_axes=o.inputs[l_pos].axes,
             guard=shadow,
-            dtype=fwd.relation(sums.out).dtype,
+            dtype=self.relations[grad_l].dtype,  # the log-sum-exp's
             origin=o.origin,
         )
         self._add(grad_l, self._guarded(rule))
-        grad_p = self._gradient_named(again[p.out], p.out)
-        self._rule(o2, o2.inputs[p_pos], [p_pos], grad_o, None)
-        self._rule_for(o2, chain.v, grad_o)
+        grad_p = self._gradient_named(p2.out, p.out)
+        self._rule(o2, o2.inputs[0], [0], grad_o, None)
+        self._rule_for(o2, 1, grad_o)
         self._finish(grad_l)
         self._finish(grad_p)
         # grad_sc = p' * (grad_p + grad_l), over the probabilities' cells.
-        _, p_mx = exp_of_difference(p) or (0, 1)
-        grad_sc = self._gradient_named(again[sc.out], sc.out)
+        grad_sc = self._gradient_named(sc2.out, sc.out)
         bld = Builder()
         total = bld.add(bld.node(Load(1)), bld.node(Load(2)))
         rule = JoinAgg(
             name=f"{grad_sc}#{p.name}",
             out=grad_sc,
             indices=p.indices,
-            inputs=(Access(again[p.out], p.out_axes), Access(grad_p, p.out_axes), Access(grad_l, p.inputs[p_mx].axes)),
+            inputs=(Access(p2.out, p.out_axes), Access(grad_p, p.out_axes), Access(grad_l, p.inputs[p_mx].axes)),
             expr=bld.build(bld.mul(bld.node(Load(0)), total)),
             aggop="+=",
             out_axes=p.out_axes,
@@ -358,6 +368,34 @@ class _Backward:
         for position in dict.fromkeys((chain.q, chain.k)):
             self._rule_for(sc2, position, grad_sc)
         return True
+
+    def _log_sum_exp(self, p: JoinAgg, mx_in_p: Access, sums: JoinAgg) -> str:
+        """The rows' log-sum-exp, ``lse = mx + log(l)``, as a rule over the probabilities' rows
+        (named as ``p`` reads ``mx``; ``l`` has the same cells, :mod:`edatalog.ir.attention`), in
+        f32 at least: a half-float lse would scale every row of the backward's probabilities by
+        its rounding, where a max and a sum rounded alike cancel."""
+        mx = self.fwd.relation(mx_in_p.relation)
+        name = fresh_name(self._as_graph(), f"lse_{sums.out}")
+        dtype = dtypes.compute_dtype(mx.dtype)
+        self.relations[name] = dataclasses.replace(mx, name=name, kind="derived", sources=(), dtype=dtype, aggop="=")
+        bld = Builder()
+        expr = bld.build(bld.add(bld.node(Load(0)), bld.op("log", bld.node(Load(1)))))
+        row = {v for ax in mx_in_p.axes for v in ax.indices}
+        self.nodes.append(
+            JoinAgg(
+                name=name,
+                out=name,
+                indices=tuple(i for i in p.indices if i.name in row),
+                inputs=(mx_in_p, Access(sums.out, mx_in_p.axes)),
+                expr=expr,
+                aggop="=",
+                out_axes=mx_in_p.axes,
+                guard=Guard.true(),
+                dtype=dtype,
+                origin=sums.origin,
+            )
+        )
+        return name
 
     def _copy_relation(self, relation: str) -> str:
         """A derived relation of ``relation``'s shape, cells and dtype, under a fresh name."""

@@ -103,12 +103,12 @@ class Costs:
         self._first: dict[str, str] = {}
         self._key: dict[str, str | None] = {}  # per rule of a chain: its key index (None: it has none)
         for chain in attention_chains(graph):
-            inner = frozenset(graph.node(n).out for n in chain.nodes[:-1])
+            inner = frozenset(graph.node(n).out for n in chain.inner)
             for name in chain.nodes:
                 self._fused[name], self._first[name] = inner, chain.scores
-                self._key[name] = key_index(graph, chain, name)
-        # The backward of a chain is fused as well: its rules made again and the gradients of
-        # its sums, probabilities and scores stay inside the kernel.
+                self._key[name] = None if name == chain.lse else key_index(graph, chain, name)
+        # The backward of a chain is fused as well: its scores and probabilities made again and
+        # the gradients of its rows, probabilities and scores stay inside the kernel.
         for bw in attention_backwards(graph):
             inner = frozenset(graph.node(n).out for n in bw.inner)
             for name in bw.nodes:

@@ -1,12 +1,18 @@
 """The fused attention block on torch: one ``scaled_dot_product_attention`` call for the five
 rules of an attention chain (:mod:`edatalog.ir.attention`) that the fusion pass
-(:mod:`edatalog.backend.lowering.fusion`) put into one :class:`~edatalog.ir.program.Fused` op.
+(:mod:`edatalog.backend.lowering.fusion`) put into one :class:`~edatalog.ir.program.Fused` op,
+and one flash-attention backward call for the rules of its gradient.
+
+A training step's chain also makes the rows' log-sum-exp for its backward.  On a CPU, torch's
+flash attention returns it with the output, and its backward reads it instead of running the
+forward again; elsewhere (no such entry point here) the log-sum-exp is computed from the scores
+and the backward runs torch's attention forward and backward.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +20,7 @@ import numpy as np
 from edatalog.backend.kernels.arrays import Array, ArrayOps
 from edatalog.backend.kernels.operands import access_view
 from edatalog.ir import program as ir
-from edatalog.ir.attention import Chain
+from edatalog.ir.attention import Chain, exp_of_difference
 from edatalog.ir.attention_backward import Backward
 from edatalog.ir.graph import Access, JoinAgg
 
@@ -22,9 +28,19 @@ from edatalog.ir.graph import Access, JoinAgg
 class AttentionKernel:
     """One fused block on torch, prepared once: ``__call__(q, k, v)`` takes q and k laid out as
     the scores block reads them and v as the out block reads it, and returns the out block laid
-    out as its region."""
+    out as its region, and where the block exports the log-sum-exp (``lse``: its kernel, alike
+    in every program whose block has these ranges) that block too."""
 
-    def __init__(self, chain: Chain, fused: ir.Fused, sc: JoinAgg, o: JoinAgg, xp: ArrayOps, device: Any) -> None:
+    def __init__(
+        self,
+        chain: Chain,
+        fused: ir.Fused,
+        sc: JoinAgg,
+        o: JoinAgg,
+        xp: ArrayOps,
+        device: Any,
+        lse: ir.Kernel | None = None,
+    ) -> None:
         torch = _torch()
         self.chain, self.fused, self.xp, self.device = chain, fused, xp, device
         # The blocks as the rules write them: evaluators re-index narrow bands (``prepare``), which
@@ -43,8 +59,9 @@ class AttentionKernel:
         # The attention's dtype is its result's: a bf16 block runs torch's bf16 kernel (which
         # accumulates in f32), a partial one (split keys, combined later) the f32 kernel.
         self.cdt = xp.dtype(fused.dtype)
+        self.lse = lse
 
-    def __call__(self, q: Array, k: Array, v: Array) -> Array:
+    def __call__(self, q: Array, k: Array, v: Array) -> tuple[Array, Array | None]:
         torch, xp = _torch(), self.xp
         sc, o = self.sc, self.o
         sc_order, o_order = [i.name for i in sc.indices], [i.name for i in o.indices]
@@ -61,37 +78,49 @@ class AttentionKernel:
         flat = math.prod(bsz)  # as (1, heads, sequence, features): the 4-d form reaches torch's flash kernel
         qf, kf = qq.reshape(1, flat, sc.box[s], sc.box[e]), kk.reshape(1, flat, sc.box[t], sc.box[e])
         vf = vv.reshape(1, flat, o.box[o_t], o.box[f])
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        if self.mask is True:
-            res = sdpa(qf, kf, vf, is_causal=True, scale=self.chain.scale)
+        lse = None
+        if self.lse is None:
+            res = _sdpa(torch, qf, kf, vf, self.mask, self.chain.scale)
+        elif flash_on_cpu(qf):
+            mask = _additive(torch, self.mask, qf.dtype)
+            res, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qf, kf, vf, 0.0, self.mask is True, attn_mask=mask, scale=self.chain.scale
+            )
         else:
-            res = sdpa(qf, kf, vf, attn_mask=self.mask, scale=self.chain.scale)
+            res = _sdpa(torch, qf, kf, vf, self.mask, self.chain.scale)
+            lse = _log_sum_exp(torch, qf, kf, self.mask, self.chain.scale)
         layout = [*self.o_batch, self.o_s, f]
         res = res.reshape([*o_bsz, o.box[self.o_s], o.box[f]]).permute([layout.index(v) for v in self.o_head])
-        return xp.contiguous(xp.cast(res, xp.dtype(self.fused.dtype))).reshape(self.fused.region.shape)
+        out = xp.contiguous(xp.cast(res, xp.dtype(self.fused.dtype))).reshape(self.fused.region.shape)
+        if self.lse is None or lse is None:
+            return out, None
+        # (1, heads, queries) as the rows of the scores block: the log-sum-exp's cells.
+        return out, xp.contiguous(xp.cast(lse, xp.dtype(self.lse.dtype))).reshape(self.lse.region.shape)
 
 
 class AttentionBackwardKernel:
     """One block of an attention's backward (:mod:`edatalog.ir.attention_backward`) on torch,
-    prepared once: ``__call__(q, k, v, go)`` takes q and k laid out as the recomputed scores
-    block reads them, v and the output's gradient ``go`` as the ``grad_p`` block reads them, and
-    returns the blocks of the gradients of q, k and v, each laid out as its region.  Torch's
-    attention runs forward and backward (flash attention's recomputation: nothing of the
-    forward is kept); the gradients of k and v come out summed over the query heads that share
-    them, as the rules sum them."""
+    prepared once: ``__call__(q, k, v, go, o, lse)`` takes q and k laid out as the scores block
+    reads them, v and the output's gradient ``go`` as the ``grad_p`` block reads them, the
+    output ``o`` as the rows' gradient (``grad_l``) reads it and the log-sum-exp as the
+    probabilities' block reads it, and returns the blocks of the gradients of q, k and v, each
+    laid out as its region.  On a CPU, torch's flash attention backward runs from ``o`` and
+    ``lse`` alone; elsewhere torch's attention runs forward and backward (``o`` and ``lse``
+    unread).  The gradients of k and v come out summed over the query heads that share them, as
+    the rules sum them."""
 
     def __init__(
         self,
         bw: Backward,
-        sc: JoinAgg,
-        gp: JoinAgg,
+        blocks: Mapping[str, JoinAgg],
         grads: Sequence[tuple[JoinAgg, ir.Kernel]],
         xp: ArrayOps,
         device: Any,
     ) -> None:
         torch = _torch()
         self.bw, self.xp, self.device = bw, xp, device
-        self.sc, self.gp = sc, gp
+        self.sc, self.gp, self.gl, self.p = (blocks[r] for r in (bw.scores, bw.grad_probs, bw.grad_sums, bw.probs))
+        sc, gp = self.sc, self.gp
         head = [str(ax.parts[0].index) for ax in sc.out_axes]
         self.s, self.t, self.batch = head[-2], head[-1], head[:-2]
         self.e = sc.agg_indices[0]
@@ -100,45 +129,65 @@ class AttentionBackwardKernel:
         self.o_batch = [str(ax.parts[0].index) for ax in gp.out_axes[:-2]]
         self.go_pos = next(k for k, a in enumerate(gp.inputs) if a.relation == bw.grad_out)
         self.v_pos = next(k for k, a in enumerate(gp.inputs) if k != self.go_pos and self.o_t in a.indices)
+        self.o_pos = 1  # gl += -(go * o)
+        self.lse_pos = (exp_of_difference(self.p) or (0, 1))[1]  # p' = exp(sc' - lse)
+        self.lse_names = [str(ax.parts[0].index) for ax in self.p.inputs[self.lse_pos].axes]
         self.f = gp.agg_indices[0]
         self.mask = _mask(sc, self.s, self.t, torch, device)
         self.grads = grads  # (block, kernel) of each result, in the order of ``bw.results``
 
-    def __call__(self, q: Array, k: Array, v: Array, go: Array) -> list[Array]:
+    def __call__(self, q: Array, k: Array, v: Array, go: Array, o: Array, lse: Array) -> list[Array]:
         torch, xp = _torch(), self.xp
         sc, gp = self.sc, self.gp
-        sc_order, gp_order = [i.name for i in sc.indices], [i.name for i in gp.indices]
         s, t, e, f, o_s, o_t = self.s, self.t, self.e, self.f, self.o_s, self.o_t
         cdt = xp.dtype(self.grads[0][1].dtype)
-        bw = self.bw
-        chain = bw.chain
+        chain = self.bw.chain
 
-        def leaf(data: Array, acc: Access, order: list[str], box: dict[str, int], want: list[str]) -> Any:
-            view = access_view(xp.asarray(data, cdt, self.device), acc, order, box, xp=xp)
+        def leaf(data: Array, block: JoinAgg, position: int, want: list[str], dtype: Any = cdt) -> Any:
+            order = [i.name for i in block.indices]
+            view = access_view(xp.asarray(data, dtype, self.device), block.inputs[position], order, block.box, xp=xp)
             picked = view.permute([order.index(n) for n in want] + [j for j, n in enumerate(order) if n not in want])
             return picked.reshape(list(picked.shape[: len(want)])).detach()
 
         q_names, k_names = [*self.batch, s, e], [*self.batch, t, e]
         v_names, go_names = [*self.o_batch, o_t, f], [*self.o_batch, o_s, f]
-        ql = leaf(q, sc.inputs[chain.q], sc_order, sc.box, q_names).requires_grad_()
-        kl = leaf(k, sc.inputs[chain.k], sc_order, sc.box, k_names).requires_grad_()
-        vl = leaf(v, gp.inputs[self.v_pos], gp_order, gp.box, v_names).requires_grad_()
-        gol = leaf(go, gp.inputs[self.go_pos], gp_order, gp.box, go_names)
-        bsz = [sc.box[b] for b in self.batch]
+        ql, kl = leaf(q, sc, chain.q, q_names), leaf(k, sc, chain.k, k_names)
+        vl, gol = leaf(v, gp, self.v_pos, v_names), leaf(go, gp, self.go_pos, go_names)
+        bsz, o_bsz = [sc.box[b] for b in self.batch], [gp.box[b] for b in self.o_batch]
         flat = math.prod(bsz)
-        with torch.enable_grad():
-            qf = ql.expand(*bsz, sc.box[s], sc.box[e]).reshape(1, flat, sc.box[s], sc.box[e])
-            kf = kl.expand(*bsz, sc.box[t], sc.box[e]).reshape(1, flat, sc.box[t], sc.box[e])
-            o_bsz = [gp.box[b] for b in self.o_batch]
-            vf = vl.expand(*o_bsz, gp.box[o_t], gp.box[f]).reshape(1, flat, gp.box[o_t], gp.box[f])
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            if self.mask is True:
-                out = sdpa(qf, kf, vf, is_causal=True, scale=chain.scale)
-            else:
-                out = sdpa(qf, kf, vf, attn_mask=self.mask, scale=chain.scale)
-            grad_out = gol.expand(*o_bsz, gp.box[o_s], gp.box[f]).reshape(out.shape)
-            dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), grad_outputs=grad_out)
-        made = {bw.grad_q: (dq, q_names), bw.grad_k: (dk, k_names), bw.grad_v: (dv, v_names)}
+
+        def heads(x: Any, sizes: list[int], rows: int, cols: int) -> Any:
+            return x.expand(*sizes, rows, cols).reshape(1, flat, rows, cols)
+
+        qf, kf = heads(ql, bsz, sc.box[s], sc.box[e]), heads(kl, bsz, sc.box[t], sc.box[e])
+        vf, gof = heads(vl, o_bsz, gp.box[o_t], gp.box[f]), heads(gol, o_bsz, gp.box[o_s], gp.box[f])
+        if flash_on_cpu(qf):
+            of = heads(leaf(o, self.gl, self.o_pos, go_names), o_bsz, gp.box[o_s], gp.box[f])
+            wide = torch.promote_types(cdt, torch.float32)  # the type flash attention's lse has
+            lsef = leaf(lse, self.p, self.lse_pos, self.lse_names, wide).reshape(1, flat, sc.box[s])
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                gof.contiguous(),
+                qf,
+                kf,
+                vf,
+                of.contiguous(),
+                lsef.contiguous(),
+                0.0,
+                self.mask is True,
+                attn_mask=_additive(torch, self.mask, qf.dtype),
+                scale=chain.scale,
+            )
+        else:
+            with torch.enable_grad():
+                qf, kf, vf = (x.detach().requires_grad_() for x in (qf, kf, vf))
+                out = _sdpa(torch, qf, kf, vf, self.mask, chain.scale)
+                dq, dk, dv = torch.autograd.grad(out, (qf, kf, vf), grad_outputs=gof)
+        # Back to each leaf's shape: summed over the heads a leaf was broadcast to.
+        made = {
+            self.bw.grad_q: (dq.reshape(*bsz, sc.box[s], sc.box[e]).sum_to_size(ql.shape), q_names),
+            self.bw.grad_k: (dk.reshape(*bsz, sc.box[t], sc.box[e]).sum_to_size(kl.shape), k_names),
+            self.bw.grad_v: (dv.reshape(*o_bsz, gp.box[o_t], gp.box[f]).sum_to_size(vl.shape), v_names),
+        }
         results = []
         for block, kernel in self.grads:
             grad, names = made[kernel.node]
@@ -148,6 +197,40 @@ class AttentionBackwardKernel:
             res = res.permute([kept.index(h) for h in head])
             results.append(xp.contiguous(xp.cast(res, xp.dtype(kernel.dtype))).reshape(kernel.region.shape))
         return results
+
+
+def flash_on_cpu(x: Any) -> bool:
+    """Whether torch's CPU flash attention entry points (which take and return the log-sum-exp)
+    serve tensors like ``x``."""
+    return bool(x.device.type == "cpu")
+
+
+def _sdpa(torch: Any, q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if mask is True:
+        return sdpa(q, k, v, is_causal=True, scale=scale)
+    return sdpa(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _additive(torch: Any, mask: Any, dtype: Any) -> Any:
+    """A bool mask (True: admitted) as the additive one torch's flash entry points take; None and
+    True (causal, passed as a flag) stay."""
+    if mask is None or mask is True:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _log_sum_exp(torch: Any, q: Any, k: Any, mask: Any, scale: float) -> Any:
+    """The rows' log-sum-exp of the scores, in f32 at least (where no flash entry point returns
+    it: the scores are made whole)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * scale
+    if mask is True:
+        rows, cols = scores.shape[-2:]
+        mask = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.logsumexp(scores, dim=-1)
 
 
 def _torch() -> Any:

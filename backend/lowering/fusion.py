@@ -10,11 +10,16 @@ runs the five kernels in order, which is exactly the rules.  The guard ``g(s, t)
 other) becomes the attention mask; a block whose guard leaves a query without keys is not fused
 (softmax over nothing is absent in the rules, NaN in the kernel).
 
-The backward of a chain (:mod:`edatalog.ir.attention_backward`: the chain made again, the
-gradients of its sums, probabilities and scores, and those of q, k and v) is fused the same way,
-one block per device into one op of kind :data:`KIND_BACKWARD` that exports the gradients of k
-and v beside its own of q.  Torch runs it as one attention forward and backward (the
-recomputation of flash attention's backward: the scores are never kept); other runtimes run its
+A training step's chain has a sixth rule, the rows' log-sum-exp (``lse = mx + log(l)``, read
+by the backward): its kernel joins the block's fused op, which exports it beside ``o``, as flash
+attention's forward returns it.
+
+The backward of a chain (:mod:`edatalog.ir.attention_backward`: the scores and the normalized
+probabilities made again from the kept log-sum-exp, the gradients of the rows, probabilities and
+scores, and those of q, k and v) is fused the same way, one block per device into one op of kind
+:data:`KIND_BACKWARD` that exports the gradients of k and v beside its own of q.  Torch on a CPU
+runs it as flash attention's backward alone, from ``o`` and ``lse`` (the scores are made again
+inside, never kept); elsewhere as torch's attention forward and backward; other runtimes run its
 kernels.  A block is fused when each of its rules has one kernel on the device, each
 intermediate is read whole by the block alone (no key index or feature split off), and nothing
 reads the gradients before the fused op, which stands at the first of its kernels that comes
@@ -88,10 +93,11 @@ def _fuse_device(
             if k not in drop:
                 group = _group(graph, ops, k, chain, made, readers)
                 if group is not None and _has_keys(graph, ops, group, chain):
-                    inner = tuple(op for j in group if isinstance(op := ops[j], ir.Kernel | ir.Combine))
-                    last = inner[-1]
-                    assert isinstance(last, ir.Kernel)
-                    fused = ir.Fused(last.buf, KIND, inner, last.relation, last.region, last.dtype, last.full)
+                    # The output's kernel last (the fused op's buffer), the log-sum-exp exported.
+                    inner = tuple(o for j in group if j != k and isinstance(o := ops[j], ir.Kernel | ir.Combine))
+                    assert isinstance(op, ir.Kernel)
+                    exports = tuple(o.buf for o in inner if isinstance(o, ir.Kernel) and o.node == chain.lse)
+                    fused = ir.Fused(op.buf, KIND, (*inner, op), op.relation, op.region, op.dtype, op.full, exports)
                     replace[k] = fused
                     drop.update(j for j in group if j != k)
     for backward in backwards:
@@ -192,11 +198,36 @@ def _group(
     # same keys (the chain's accesses line up, so the regions compare directly).
     if Region.through(graph.node(o.node).inputs[p_pos].axes, o.range_map) != sc.region:
         return None
+    lse = None if chain.lse is None else _lse_kernel(graph, ops, k_out, l_pos, group, chain.lse, readers)
+    if chain.lse is not None and lse is None:
+        return None
     inside = {op.buf for j in group if j != k_out and isinstance(op := ops[j], ir.Kernel | ir.Combine)}
     for b in inside:
-        if any(r not in group for r in readers.get(b, [])):
+        if any(r not in group and r != lse for r in readers.get(b, [])):
             return None  # sent, or read elsewhere
-    return sorted(group)
+    return sorted(group | ({lse} if lse is not None else set()))
+
+
+def _lse_kernel(
+    graph: Graph, ops: list[ir.Op], k_out: int, l_pos: int, group: set[int], rule: str, readers: dict[int, list[int]]
+) -> int | None:
+    """The position of the one kernel of the log-sum-exp ``rule`` that reads the block's maxima
+    and sums: made by the fused op (at ``k_out``) over the block's rows, read only after it."""
+    o = ops[k_out]
+    assert isinstance(o, ir.Kernel)
+    rows = Region.through(graph.node(o.node).inputs[l_pos].axes, o.range_map)
+    found = {j for b, _ in o.reads[l_pos] for j in readers.get(b, []) if _kernel_of(ops[j], rule)}
+    if len(found) != 1:
+        return None
+    j = found.pop()
+    kernel = ops[j]
+    assert isinstance(kernel, ir.Kernel)
+    inside = {op.buf for g in group if isinstance(op := ops[g], ir.Kernel | ir.Combine)}
+    if kernel.region != rows or not all(b in inside for parts in kernel.reads for b, _ in parts):
+        return None
+    if any(r <= k_out for r in readers.get(kernel.buf, [])):
+        return None
+    return j
 
 
 def _backward_group(
@@ -285,9 +316,9 @@ def _backward_group(
     ):
         if rule is not None and kernels[rule].region != Region.through(axes, block.range_map):  # type: ignore[union-attr]
             return None
-    sums = kernels[bw.sums]
-    assert isinstance(sums, ir.Kernel)
-    if not (sums.full or _all_rows(graph, sums)):
+    rows = kernels[bw.grad_sums]
+    assert isinstance(rows, ir.Kernel)
+    if not (rows.full or _all_rows(graph, rows)):
         return None  # a query without keys: absent in the rules, NaN in the kernel
     return positions, host
 

@@ -153,8 +153,8 @@ class Kernels:
                 return None
             by_rule = {k.node: k for k in op.kernels}
             grads = [(self.block(by_rule[r])[1], by_rule[r]) for r in bw.results]
-            sc, gp = self.block(by_rule[bw.scores])[1], self.block(by_rule[bw.grad_probs])[1]
-            self.attention[where] = AttentionBackwardKernel(bw, sc, gp, grads, xp, device)
+            blocks = {r: self.block(by_rule[r])[1] for r in bw.inner}
+            self.attention[where] = AttentionBackwardKernel(bw, blocks, grads, xp, device)
         kernel = self.attention[where]
         assert isinstance(kernel, AttentionBackwardKernel)
         return kernel
@@ -187,7 +187,8 @@ class Kernels:
                 return None
             _, sc, _ = self.block(op.kernels[0])
             _, out, _ = self.block(op.kernels[-1])
-            self.attention[where] = AttentionKernel(chain, op, sc, out, xp, device)
+            lse = next((k for k in op.exported if isinstance(k, ir.Kernel) and k.node == chain.lse), None)
+            self.attention[where] = AttentionKernel(chain, op, sc, out, xp, device, lse)
         kernel = self.attention[where]
         assert isinstance(kernel, AttentionKernel)
         return kernel
@@ -483,8 +484,15 @@ class Device:
         if backward is not None:
             by_rule = {k.node: k for k in op.kernels}
             bw = backward.bw
-            sc, gp = by_rule[bw.scores], by_rule[bw.grad_probs]
-            where = ((sc, bw.chain.q), (sc, bw.chain.k), (gp, backward.v_pos), (gp, backward.go_pos))
+            sc, gp, gl, probs = (by_rule[r] for r in (bw.scores, bw.grad_probs, bw.grad_sums, bw.probs))
+            where = (
+                (sc, bw.chain.q),
+                (sc, bw.chain.k),
+                (gp, backward.v_pos),
+                (gp, backward.go_pos),
+                (gl, backward.o_pos),
+                (probs, backward.lse_pos),
+            )
             operands = []
             for kernel, position in where:
                 node, _, needs = self.kernels.block(kernel)
@@ -521,7 +529,11 @@ class Device:
             relation = node.inputs[position].relation
             data, _ = self.assemble(needs[position], kernel.reads[position], self.graph.relation(relation).dtype)
             operands.append(data)
-        return Buffer(op.region, fast(*operands), None)
+        out, lse = fast(*operands)
+        for inner in op.exported:  # the log-sum-exp, where the block makes it
+            assert lse is not None and isinstance(inner, ir.Kernel) and inner.node == chain.lse
+            self.keep(inner.buf, Buffer(inner.region, lse, None))
+        return Buffer(op.region, out, None)
 
     def _adamw(self, op: ir.Fused, kernel: AdamWKernel) -> Buffer | None:
         """A fused AdamW update by torch's kernel; None (the rules run instead) where a block it

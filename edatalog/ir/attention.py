@@ -8,10 +8,16 @@ Five rules mean exactly what ``scaled_dot_product_attention`` computes::
     l[.., s]      += p[.., s, t]
     o[.., s, .., f] += p[.., s, t] * v[.., t, .., f] / l[.., s]
 
+A sixth rule may read the maxima and sums: the rows' log-sum-exp, which a training step keeps
+for the backward (``edatalog.rules.grad``), as flash attention's forward does::
+
+    lse[.., s]     = mx[.., s] + log(l[.., s])
+
 :func:`attention_chains` finds such chains: what each body computes, which index each access
-holds, and that the scores, maxima, probabilities and sums are read by nothing else.  The
-backend fuses each device's blocks of a chain into one kernel
-(:mod:`edatalog.backend.lowering.fusion`); the solver costs the chain as that kernel.
+holds, and that the scores, maxima, probabilities and sums are read by nothing else (the
+log-sum-exp aside).  The backend fuses each device's blocks of a chain into one kernel
+(:mod:`edatalog.backend.lowering.fusion`) that makes ``o`` (and ``lse``); the solver costs the
+chain as that kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from edatalog.ir.scalar import Const, Load, Op
 
 @dataclass(frozen=True)
 class Chain:
-    """One attention chain of a graph: its five rules, and which inputs are q, k and v."""
+    """One attention chain of a graph: its five rules (six with the log-sum-exp), and which
+    inputs are q, k and v."""
 
     scores: str  # sc += q * k * c
     maxima: str  # mx max= sc
@@ -37,10 +44,16 @@ class Chain:
     k: int  # input of ``scores``
     v: int  # input of ``out``
     scale: float
+    lse: str | None = None  # lse = mx + log(l), where a rule reads the rows' log-sum-exp
+
+    @property
+    def inner(self) -> tuple[str, ...]:
+        """The rules whose blocks never leave a fused kernel: scores, maxima, probabilities, sums."""
+        return (self.scores, self.maxima, self.probs, self.sums)
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        return (self.scores, self.maxima, self.probs, self.sums, self.out)
+        return (*self.inner, self.out, *((self.lse,) if self.lse is not None else ()))
 
 
 def attention_chains(graph: Graph) -> list[Chain]:
@@ -123,17 +136,47 @@ def _match(graph: Graph, o: JoinAgg, readers: dict[str, list[JoinAgg]]) -> Chain
             return None
     if {n.name for n in readers.get(sc_acc.relation, [])} != {mx_node.name, p_node.name}:
         return None
-    if {n.name for n in readers.get(mx_acc.relation, [])} != {p_node.name}:
-        return None
     if {n.name for n in readers.get(p_acc.relation, [])} != {l_node.name, o.name}:
         return None
-    if {n.name for n in readers.get(l_acc.relation, [])} != {o.name}:
-        return None
+    # The maxima read by p alone and the sums by o alone, or both also by one log-sum-exp rule.
+    by_mx = [n for n in readers.get(mx_acc.relation, []) if n.name != p_node.name]
+    by_l = [n for n in readers.get(l_acc.relation, []) if n.name != o.name]
+    if len(readers.get(mx_acc.relation, [])) != 1 + len(by_mx) or len(readers.get(l_acc.relation, [])) != 1 + len(by_l):
+        return None  # p or o reads the same relation twice
+    lse = None
+    if by_mx or by_l:
+        if len(by_mx) != 1 or by_mx != by_l or not _is_lse(by_mx[0], mx_acc.relation, l_acc.relation, p_node):
+            return None
+        lse = by_mx[0].name
     if not _lined_up(sc_node, q_pos, k_pos, o, p_pos, v_pos, t):
         return None
     if not _same_cells(mx_node, p_node, l_node, sc_acc, mx_acc, p_acc, l_acc):
         return None
-    return Chain(sc_node.name, mx_node.name, p_node.name, l_node.name, o.name, q_pos, k_pos, v_pos, scale)
+    return Chain(sc_node.name, mx_node.name, p_node.name, l_node.name, o.name, q_pos, k_pos, v_pos, scale, lse)
+
+
+def _is_lse(node: JoinAgg, mx: str, sums: str, p: JoinAgg) -> bool:
+    """Whether ``node`` is ``lse[.., s] = mx[.., s] + log(l[.., s])``: each of its cells one
+    row of the probabilities ``p``, read whole and plain, under no guard."""
+    if node.aggop != "=" or node.lookups or not node.guard.is_true or node.agg_indices or len(node.inputs) != 2:
+        return False
+    loads = {acc.relation: k for k, acc in enumerate(node.inputs)}
+    if set(loads) != {mx, sums}:
+        return False
+    head = [ax.parts[0].index for ax in node.out_axes]
+    if any(_plain(acc) != head for acc in node.inputs) or len(head) != len(p.out_axes) - 1:
+        return False
+    nodes = node.expr.nodes
+    root = nodes[node.expr.root]
+    if not (isinstance(root, Op) and root.op == "add"):
+        return False
+    a, b = (nodes[k] for k in root.args)
+    if isinstance(a, Op):
+        a, b = b, a
+    if not (isinstance(a, Load) and a.input == loads[mx] and isinstance(b, Op) and b.op == "log"):
+        return False
+    inner = nodes[b.args[0]]
+    return isinstance(inner, Load) and inner.input == loads[sums]
 
 
 def _same_cells(

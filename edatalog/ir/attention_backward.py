@@ -2,25 +2,24 @@
 relation names).
 
 The gradient of an attention chain (:mod:`edatalog.ir.attention`) is written as flash
-attention's backward computes it (``edatalog.rules.grad``): ten rules, given the gradient ``go``
-of the chain's output ``o``::
+attention's backward computes it (``edatalog.rules.grad``): the chain keeps its rows'
+log-sum-exp ``lse = mx + log(l)`` from the forward, and eight rules, given the gradient ``go`` of
+the chain's output ``o``, make the rest::
 
-    sc'[.., s, t] += q * k * c            the chain's first four rules again, heads renamed
-    mx'[.., s]   max= sc'[.., s, t]
-    p'[.., s, t]  = exp(sc' - mx')
-    l'[.., s]    += p'[.., s, t]
-    gl[.., s]     += -(go[o's cell] * o[o's cell] / l'[.., s])     over o's cells
-    gp[.., s, t]  += go / l' * v                                   over o's points
-    gsc[.., s, t] += p' * (gp + gl)                                over p's points
-    gq[q's cell]  += gsc * k * c                                   over the scores' points
+    sc'[.., s, t] += q * k * c            the chain's scores again, heads renamed
+    p'[.., s, t]   = exp(sc' - lse)        the chain's probabilities, normalized
+    gl[.., s]     += -(go[o's cell] * o[o's cell])        over o's cells
+    gp[.., s, t]  += go * v                                over o's points
+    gsc[.., s, t] += p' * (gp + gl)                        over p's points
+    gq[q's cell]  += gsc * k * c                           over the scores' points
     gk[k's cell]  += gsc * q * c
-    gv[v's cell]  += go / l' * p'                                  over o's points
+    gv[v's cell]  += go * p'                               over o's points
 
-Together they compute what torch's attention backward computes from q, k, v and ``go``: the
-gradients of q, k and v (those of k and v summed over the query heads that share them).
-:func:`attention_backwards` finds them: each rule's head, indices, reads, body and guard as
-above, and every intermediate read by these rules only.  The backend runs each device's block of
-them as one kernel (:mod:`edatalog.backend.lowering.fusion`).
+Together they compute what torch's attention backward computes from q, k, v, ``o``, ``lse`` and
+``go``: the gradients of q, k and v (those of k and v summed over the query heads that share
+them).  :func:`attention_backwards` finds them: each rule's head, indices, reads, body and guard
+as above, and every intermediate read by these rules only.  The backend runs each device's block
+of them as one kernel (:mod:`edatalog.backend.lowering.fusion`).
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ from edatalog.ir.scalar import Load, Op
 class Backward:
     """The backward rules of one attention chain (see the module docstring), by name."""
 
-    chain: Chain  # the forward's
-    scores: str  # the chain's rules made again
-    maxima: str
-    probs: str
-    sums: str
+    chain: Chain  # the forward's, with its log-sum-exp
+    scores: str  # the chain's scores made again
+    probs: str  # the normalized probabilities made again
     grad_sums: str  # gl
     grad_probs: str  # gp
     grad_scores: str  # gsc
@@ -53,7 +50,7 @@ class Backward:
     @property
     def inner(self) -> tuple[str, ...]:
         """The rules whose blocks a fused backward makes and reads itself."""
-        return (self.scores, self.maxima, self.probs, self.sums, self.grad_sums, self.grad_probs, self.grad_scores)
+        return (self.scores, self.probs, self.grad_sums, self.grad_probs, self.grad_scores)
 
     @property
     def results(self) -> tuple[str, ...]:
@@ -68,9 +65,10 @@ class Backward:
         """The key index (``t``) of one of these rules, as it names it; None for the sums'
         gradient, which has none.  A block that splits it cannot be one flash kernel."""
         chain = self.chain
-        again = dict(zip((self.scores, self.maxima, self.probs, self.sums), chain.nodes[:4], strict=True))
-        if rule in again:
-            return key_index(graph, chain, again[rule])  # the same indices as the forward's rule
+        if rule == self.scores:
+            return key_index(graph, chain, chain.scores)  # the same indices as the forward's rule
+        if rule == self.probs:
+            return key_index(graph, chain, chain.probs)
         if rule == self.grad_sums:
             return None
         if rule in (self.grad_probs, self.grad_v):
@@ -92,42 +90,42 @@ def attention_backwards(graph: Graph) -> list[Backward]:
             readers.setdefault(acc.relation, []).append(n)
     found = []
     for chain in attention_chains(graph):
-        backward = _match(graph, chain, readers)
+        backward = _match(graph, chain, readers) if chain.lse is not None else None
         if backward is not None:
             found.append(backward)
     return found
 
 
 def _match(graph: Graph, chain: Chain, readers: dict[str, list[JoinAgg]]) -> Backward | None:
-    sc, mx, p, sums, o = (graph.node(n) for n in chain.nodes)
+    sc, mx, p, _, o = (graph.node(n) for n in chain.nodes[:5])
+    assert chain.lse is not None
+    lse = graph.node(chain.lse)
 
     def read_by(relation: str) -> set[str]:
         return {n.name for n in readers.get(relation, [])}
 
-    # The chain's scores, maxima, probabilities and sums, made again.
-    renamed: dict[str, str] = {}
-    again: list[JoinAgg] = []
-    for node in (sc, mx, p, sums):
-        copy = _again(graph, node, renamed, readers)
-        if copy is None:
-            return None
-        renamed[node.out] = copy.out
-        again.append(copy)
-    sc2, mx2, p2, l2 = again
-    if read_by(sc2.out) != {mx2.name, p2.name} or read_by(mx2.out) != {p2.name}:
+    # The scores made again, and the probabilities from them and the log-sum-exp.
+    sc2 = _again(graph, sc, {}, readers)
+    p2 = None if sc2 is None else _again(graph, p, {sc.out: sc2.out, mx.out: lse.out}, readers)
+    if sc2 is None or p2 is None or read_by(sc2.out) != {p2.name}:
         return None
     p_pos = next(k for k, a in enumerate(o.inputs) if a.relation == p.out)
-    l_pos = next(k for k, a in enumerate(o.inputs) if a.relation == sums.out)
+    l_pos = next(k for k, a in enumerate(o.inputs) if a.relation != p.out and k != chain.v)
     l_axes, p_axes, v_acc = o.inputs[l_pos].axes, o.inputs[p_pos].axes, o.inputs[chain.v]
     cells = tuple(i for i in o.indices if i.name not in o.agg_indices)
-    by_head = {}
-    for n in readers.get(l2.out, []):
-        by_head[(n.out_axes, n.indices)] = n
-    gl = by_head.get((l_axes, cells))
-    gp = by_head.get((p_axes, o.indices))
-    gv = by_head.get((v_acc.axes, o.indices))
-    if gl is None or gp is None or len(readers[l2.out]) != 2 + (gv is not None):
+    # gsc = p' * (gp + gl) over p's points, and gv = go * p' over o's points: p''s readers.
+    mx_axes = next(a.axes for a in p.inputs if a.relation == mx.out)
+    gsc = gv = None
+    for n in readers.get(p2.out, []):
+        if n.indices == p.indices and n.out_axes == p.out_axes and len(n.inputs) == 3:
+            gsc = n if gsc is None else None
+        elif n.out_axes == v_acc.axes and n.indices == o.indices:
+            gv = n if gv is None else None
+    if gsc is None or len(readers[p2.out]) != 1 + (gv is not None):
         return None
+    if not all(len(graph.producers(acc.relation)) == 1 for acc in gsc.inputs[1:]):
+        return None
+    gp, gl = (graph.producers(acc.relation)[0] for acc in gsc.inputs[1:])
     if not gl.inputs or gl.inputs[0].axes != o.out_axes:
         return None
     go = gl.inputs[0].relation
@@ -135,35 +133,21 @@ def _match(graph: Graph, chain: Chain, readers: dict[str, list[JoinAgg]]) -> Bac
     shadow, exact = o.guard.project(list(o.out_indices), o.box)
     if not (
         exact
-        and gl.inputs == (at_o, Access(o.out, o.out_axes), Access(l2.out, l_axes))
-        and _product(gl, {0: 1, 1: 1, 2: -1}, negate=True)
-        and _sum_rule(gl, shadow)
-        and _product_of(gp, {at_o: 1, v_acc: 1, Access(l2.out, l_axes): -1})
-        and _sum_rule(gp, o.guard)
-        and (
-            gv is None
-            or (
-                _product_of(gv, {at_o: 1, Access(p2.out, p_axes): 1, Access(l2.out, l_axes): -1})
-                and _sum_rule(gv, o.guard)
-            )
-        )
-    ):
-        return None
-    # gsc = p' * (gp + gl), over p's points.
-    known = {l2.name} | ({gv.name} if gv is not None else set())
-    others = read_by(p2.out) - known
-    if len(others) != 1:
-        return None
-    gsc = graph.node(others.pop())
-    mx_axes = next(a.axes for a in p.inputs if a.relation == mx.out)
-    if not (
-        gsc.indices == p.indices
-        and gsc.out_axes == p.out_axes
         and gsc.inputs == (Access(p2.out, p.out_axes), Access(gp.out, p.out_axes), Access(gl.out, mx_axes))
         and _is_scaled_sum(gsc)
         and _sum_rule(gsc, p.guard)
         and read_by(gp.out) == {gsc.name}
         and read_by(gl.out) == {gsc.name}
+        and gl.indices == cells
+        and gl.out_axes == l_axes
+        and gl.inputs == (at_o, Access(o.out, o.out_axes))
+        and _product(gl, {0: 1, 1: 1}, negate=True)
+        and _sum_rule(gl, shadow)
+        and gp.indices == o.indices
+        and gp.out_axes == p_axes
+        and _product_of(gp, {at_o: 1, v_acc: 1})
+        and _sum_rule(gp, o.guard)
+        and (gv is None or (_product_of(gv, {at_o: 1, Access(p2.out, p_axes): 1}) and _sum_rule(gv, o.guard)))
     ):
         return None
     # gq += gsc * k * c and gk += gsc * q * c, over the scores' points.
@@ -186,7 +170,7 @@ def _match(graph: Graph, chain: Chain, readers: dict[str, list[JoinAgg]]) -> Bac
         if not _only_producer(graph, n):
             return None
     q, k, v = (n.name if n is not None else None for n in (gq, gk, gv))
-    return Backward(chain, sc2.name, mx2.name, p2.name, l2.name, gl.name, gp.name, gsc.name, q, k, v, go)
+    return Backward(chain, sc2.name, p2.name, gl.name, gp.name, gsc.name, q, k, v, go)
 
 
 def _again(graph: Graph, node: JoinAgg, renamed: dict[str, str], readers: dict[str, list[JoinAgg]]) -> JoinAgg | None:

@@ -189,6 +189,23 @@ def test_chains_are_found_by_structure_not_by_names() -> None:
     assert (chain.scores, chain.sums) == ("zz", "norm")
 
 
+@pytest.mark.parametrize(("topology", "strategy"), [("cpux1", "replicate"), ("cpux2", "megatron")])
+def test_a_chain_with_its_log_sum_exp_exports_it_from_the_fused_block(topology: str, strategy: str) -> None:
+    """The rows' log-sum-exp (what a training step keeps for the backward) joins the chain: each
+    block's fused op makes it beside ``o``, as torch's flash attention returns it, and both
+    equal the reference on torch and on numpy."""
+    text = _edit(CAUSAL, "output o.", "output o, lse.") + "lse[b, h, s] = m[b, h, s] + log(l[b, h, s]).\n"
+    prog = _compile(text)
+    (chain,) = attention_chains(prog.graph)
+    assert chain.lse == "lse" and chain.nodes == ("sc", "m", "p", "l", "o", "lse")
+    plan = edatalog.plan(prog, topology=topology, strategy=strategy)
+    fused, _ = _check_plan(prog, plan, prog.random_inputs(3))
+    for ops in _fused_ops(fused):
+        assert [len(op.exports) for op in ops] == [1] * len(ops) and ops
+        for op in ops:
+            assert [k.node for k in op.exported] == ["lse"] and op.body[-1].buf == op.buf
+
+
 @pytest.mark.parametrize("name", ["mlp.edl", "softmax.edl"])
 def test_programs_without_attention_have_no_chain(name: str) -> None:
     prog = edatalog.compile(PROGRAMS / name, dims={"B": 4, "D": 16, "F": 24} if name == "mlp.edl" else {"C": 10})
@@ -240,6 +257,12 @@ NEAR_MISSES = {
         "* temp[h]",
     ),
     "a guard over the head": ATTENTION.format(guard="where t <= s + h"),
+    "maxima and sums read by a difference": _edit(CAUSAL, "output o.", "output o, z.")
+    + "z[b, h, s] = m[b, h, s] - log(l[b, h, s]).\n",
+    "maxima and sums read by a scaled log-sum-exp": _edit(CAUSAL, "output o.", "output o, z.")
+    + "z[b, h, s] = m[b, h, s] + 2.0 * log(l[b, h, s]).\n",
+    "two log-sum-exps": _edit(CAUSAL, "output o.", "output o, z, y.")
+    + "z[b, h, s] = m[b, h, s] + log(l[b, h, s]).\ny[b, h, s] = m[b, h, s] + log(l[b, h, s]).\n",
     "a maximum over the queries": _edit(
         _edit(CAUSAL, "m[b, h, s] max= sc[b, h, s, t].", "m[b, h, t] max= sc[b, h, s, t]."),
         "exp(sc[b, h, s, t] - m[b, h, s])",

@@ -1,20 +1,23 @@
 """The fused backward of attention (:mod:`edatalog.ir.attention_backward` and the backward groups
 of :mod:`edatalog.backend.lowering.fusion`).
 
-- :func:`attention_backwards` finds the ten rules ``edatalog.grad`` writes for each attention
-  chain (the chain made again, the gradients of its sums, probabilities and scores, and those
-  of q, k and v), by structure: in the LLaMA training step (one per layer, grouped-query heads)
-  and with only some of q, k, v needing a gradient; not after an edit that changes what they
-  compute (a sign, a scale, a guard).
+- :func:`attention_backwards` finds the eight rules ``edatalog.grad`` writes for each attention
+  chain (its scores and normalized probabilities made again from the log-sum-exp the forward
+  keeps, the gradients of its rows, probabilities and scores, and those of q, k and v), by
+  structure: in the LLaMA training step (one per layer, grouped-query heads) and with only some
+  of q, k, v needing a gradient; not after an edit that changes what they compute (a sign, a
+  scale, a guard).
 - The fused programs verify and round-trip through JSON; a block whose rules sit whole on one
-  device becomes one fused op (the gradients of k and v exported beside q's); on torch each
-  runs one ``scaled_dot_product_attention`` forward and backward, on numpy its inner kernels,
-  and both equal the reference (f64, every guard kind: causal, none, anti-causal, a sliding
-  window; multi-head and grouped-query; one device, the batch, the key heads or the queries
-  split; keys split, where the rules run; random plans).
+  device becomes one fused op (the gradients of k and v exported beside q's, the forward's
+  log-sum-exp beside its output); on torch each forward runs torch's CPU flash attention (which
+  returns the log-sum-exp) and each backward its flash backward alone, never the forward again;
+  elsewhere (forced here on the CPU) the log-sum-exp from the scores and torch's attention
+  forward and backward; on numpy its inner kernels; all equal the reference (f64, every guard
+  kind: causal, none, anti-causal, a sliding window; multi-head and grouped-query; one device,
+  the batch, the key heads or the queries split; keys split, where the rules run; random plans).
 
-The calls to torch's ``scaled_dot_product_attention`` are counted by a spy that passes every call
-through to torch: the numbers compared are always computed.
+Torch's attention entry points are counted by a spy that passes every call through to torch:
+the numbers compared are always computed.
 """
 
 from __future__ import annotations
@@ -84,22 +87,32 @@ def _grads(guard: str = "causal", heads: str = "gqa", v_kind: str = "param") -> 
         return edatalog.grad(edatalog.compile_string(text, name="<attention>"))
 
 
+FORWARD = "_scaled_dot_product_flash_attention_for_cpu"
+BACKWARD = f"{FORWARD}_backward"
+
+
 @dataclasses.dataclass
 class Spy:
-    calls: int = 0
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @pytest.fixture
 def sdpa(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    """Counts the calls; each one is passed to torch's own function."""
-    real: Callable[..., Any] = torch.nn.functional.scaled_dot_product_attention
+    """Counts the calls of torch's attention and of its CPU flash forward and backward; each one
+    is passed to torch's own function."""
     spy = Spy()
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        spy.calls += 1
-        return real(*args, **kwargs)
+    def counting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            spy.calls[name] = spy.calls.get(name, 0) + 1
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+        return counted
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting("sdpa", real))
+    for name in (FORWARD, BACKWARD):
+        monkeypatch.setattr(torch.ops.aten, name, counting(name, getattr(torch.ops.aten, name)))
     return spy
 
 
@@ -196,8 +209,21 @@ def test_whole_blocks_run_one_fused_backward_each(
     assert [len(d) for d in ops] == [1] * plan.ir.n_devices
     for (op,) in ops:
         assert len(op.exports) == 2 and op.internal.isdisjoint(op.exports)
-    # Each device: one forward attention, one forward and backward in the fused backward.
-    assert sdpa.calls == 2 * plan.ir.n_devices
+    # Each device: one flash forward (its log-sum-exp kept) and one flash backward alone.
+    n = plan.ir.n_devices
+    assert sdpa.calls == {FORWARD: n, BACKWARD: n}
+
+
+def test_without_cpu_flash_entry_points_the_blocks_compute_the_same(monkeypatch: pytest.MonkeyPatch, sdpa: Spy) -> None:
+    """Where torch's CPU flash entry points do not serve (a GPU), the forward computes the
+    log-sum-exp from the scores and the backward runs torch's attention forward and backward."""
+    from edatalog.backend.kernels import attention
+
+    monkeypatch.setattr(attention, "flash_on_cpu", lambda x: False)
+    prog = _grads("window", "gqa")
+    plan = edatalog.plan(prog, topology="cpux2", strategy="data")
+    _check(prog, plan)
+    assert sdpa.calls == {"sdpa": 2 * plan.ir.n_devices}
 
 
 def _cut_plan(prog: edatalog.Program, parts: dict[str, int]) -> edatalog.Plan:

@@ -124,17 +124,22 @@ def test_a_causal_softmax_with_max_keeps_its_guard_in_the_backward() -> None:
     # Masked points cost nothing in the backward either: the gradients of the scores are causal.
     assert re.search(r"grad_sc\[s,t\] \+= .* where t <= s", text), text
     # The maximum only shifts the scores: no gradient reaches it, no winners are counted.  As in
-    # flash attention's backward, the scores, maximum, probabilities and sums are made again
-    # (the forward's are read by its own chain only), the sums' gradient reads the output instead
-    # of summing over the keys again, and the scores' gradient takes the sums' share where it
-    # uses it (no broadcast of grad_l over the keys, one rule for grad_p).
+    # flash attention's backward, the rows' log-sum-exp is kept from the forward (the maximum and
+    # sums are read by it and their own chain only), the scores and normalized probabilities are
+    # made again from it, the sums' gradient reads the output instead of summing over the keys
+    # again, and the scores' gradient takes the sums' share where it uses it (no broadcast of
+    # grad_l over the keys, one rule for grad_p).
     names = {r.name for r in grads.graph.relations}
     assert "grad_m" not in names and not any("winners" in n for n in names)
-    assert {"bwd_sc", "bwd_m", "bwd_p", "bwd_l"} <= names
-    for rel in ("sc", "m", "p", "l"):
-        assert {n.name for n in grads.graph.nodes if any(a.relation == rel for a in n.inputs)} <= {"m", "p", "l", "o"}
+    assert {"bwd_sc", "bwd_p", "lse_l"} <= names and not {"bwd_m", "bwd_l"} & names
+    readers = {
+        rel: {n.name for n in grads.graph.nodes if any(a.relation == rel for a in n.inputs)}
+        for rel in ("sc", "m", "p", "l", "lse_l")
+    }
+    assert readers == {"sc": {"m", "p"}, "m": {"p", "lse_l"}, "p": {"l", "o"}, "l": {"o", "lse_l"}, "lse_l": {"bwd_p"}}
+    assert str(grads.graph.node("lse_l")).startswith("lse_l[s] = m[s] + log(l[s])"), grads.graph.node("lse_l")
     (sums,) = [n for n in grads.graph.nodes if n.out == "grad_l"]
-    assert [a.relation for a in sums.inputs] == ["grad_o", "o", "bwd_l"] and sums.agg_indices == ("e",)
+    assert [a.relation for a in sums.inputs] == ["grad_o", "o"] and sums.agg_indices == ("e",)
     assert len([n for n in grads.graph.nodes if n.out == "grad_p"]) == 1
     (scores,) = [n for n in grads.graph.nodes if n.out == "grad_sc"]
     assert "exp" not in str(scores) and {a.relation for a in scores.inputs} == {"grad_p", "grad_l", "bwd_p"}
