@@ -24,7 +24,8 @@ points cost nothing in the backward either:
 - the maximum of a softmax (an attention chain, :mod:`edatalog.ir.attention`) gets no gradient:
   ``p = exp(sc - mx)`` is only read normalized (``o += p * v / l``, ``l += p``), which ``mx``
   does not change, so its gradient is exactly 0 (what reaches it through ``p`` and through
-  ``l`` cancels) and the winners' rules are not made, as torch's fused attention backward;
+  ``l`` cancels) and the winners' rules are not made, as torch's fused attention backward
+  (so for a maximum that only shifts a log-sum-exp, :mod:`edatalog.ir.logsumexp`);
   the chain's gradient is written as flash attention's backward computes it, from the rows'
   log-sum-exp that the forward keeps (``_attention_backward``).
 
@@ -42,6 +43,7 @@ from edatalog.ir import dtypes
 from edatalog.ir.affine import Affine, Constraint, Guard
 from edatalog.ir.attention import Chain, attention_chains, exp_of_difference
 from edatalog.ir.graph import Access, AxisMap, Graph, Index, JoinAgg, Part, Relation
+from edatalog.ir.logsumexp import shift_only_maxima
 from edatalog.ir.scalar import Load, Op, ScalarExpr
 from edatalog.rules.derivative import Builder, NotDifferentiable, copy_into, vjp
 from edatalog.rules.eliminate import eliminate_defined
@@ -126,9 +128,10 @@ class _Backward:
         self.grad: dict[str, str] = {}  # relation -> its gradient relation
         self.pending: dict[str, list[JoinAgg]] = {}  # gradient relation -> its rules so far
         # A softmax's maximum only shifts the scores: p / l does not depend on it, so its
-        # gradient is exactly 0 (the terms through p and through l cancel) and is not sent.
+        # gradient is exactly 0 (the terms through p and through l cancel) and is not sent; so
+        # is a log-sum-exp's (a cross-entropy's log(s) + mx: edatalog.ir.logsumexp).
         chains = attention_chains(graph)
-        self.shift_only = {graph.node(chain.maxima).out for chain in chains}
+        self.shift_only = {graph.node(chain.maxima).out for chain in chains} | shift_only_maxima(graph)
         self.sums_of = {chain.out: graph.node(chain.sums).out for chain in chains}  # out's rule -> l
         self.chain_of = {chain.out: chain for chain in chains}  # out's rule -> its chain
         self.active = self._active() - self.shift_only

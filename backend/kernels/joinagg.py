@@ -344,7 +344,12 @@ def _scatter(space: _Space, out_vars: list[str], full_box: dict[str, int]) -> tu
     agg = list(node.agg_indices)
     rows = math.prod(full_box[v] for v in targets)
     width = math.prod(space.box[v] for v in rest)
-    target = xp.full([rows, width], 0, space.cdt, space.device)
+    # Laid out as the head where it has the looked-up indices last (a label's pick gives
+    # grad_logits[b, s, v]): the rows are then a transposed view, and the result is the head's
+    # layout, with no copy to make it so.
+    last = [p.index for ax in node.out_axes for p in ax.parts] == rest + targets
+    held = xp.full([width, rows] if last else [rows, width], 0, space.cdt, space.device)
+    target = xp.transpose(held, [1, 0]) if last else held
     points = math.prod(space.box.values())
     var = max(agg, key=lambda v: space.box[v], default=None)
     parts = [space]
@@ -356,8 +361,8 @@ def _scatter(space: _Space, out_vars: list[str], full_box: dict[str, int]) -> tu
         p = _scatter_block(part, target, targets, rest, agg, full_box)
         if p is not None:
             present = p if present is None else xp.logical_or(present, p)
-    value = target.reshape([full_box[v] for v in targets] + [space.box[v] for v in rest])
-    placed = targets + rest
+    placed = rest + targets if last else targets + rest
+    value = held.reshape([full_box[v] if v in targets else space.box[v] for v in placed])
     perm = [placed.index(v) for v in out_vars]
     shape = [full_box[v] if v in targets else space.box[v] for v in out_vars]
     value = xp.transpose(value, perm)

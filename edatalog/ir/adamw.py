@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from edatalog.ir.graph import Access, Graph, JoinAgg
-from edatalog.ir.scalar import FOLD, Const, Load, Op
 
 TOLERANCE = 1e-9  # relative: the checks evaluate in Python floats (f64)
 
@@ -160,7 +159,7 @@ def _moment(
             values = {kx: x, kg: g}
             if ks is not None:
                 values[ks] = s
-            return _evaluate(node, values)
+            return node.expr.at(values)
 
         beta = _snap(f(1.0, 0.0))
         if beta is None or not 0.0 <= beta < 1.0:
@@ -191,7 +190,7 @@ def _update_constants(
     at ``km`` and ``kv`` and the step at ``kt`` (see the module docstring)."""
 
     def f(p: float, m: float, v: float, t: float) -> float | None:
-        return _evaluate(u, {kp: p, km: m, kv: v, kt: t})
+        return u.expr.at({kp: p, km: m, kv: v, kt: t})
 
     big = 1e6  # a step so late that both bias corrections are 1 (b^t underflows)
     decayed, r0, r1, r4 = f(1.0, 0.0, 1.0, big), f(0.0, 1.0, 0.0, big), f(0.0, 1.0, 1.0, big), f(0.0, 1.0, 4.0, big)
@@ -234,25 +233,3 @@ def _snap(x: float | None) -> float | None:
         return None
     short = float(f"{x:.12g}")
     return short if math.isclose(short, x, rel_tol=1e-13, abs_tol=0.0) else x
-
-
-def _evaluate(node: JoinAgg, values: dict[int, float]) -> float | None:
-    """The rule's scalar function at one point (its inputs' values by position), in Python
-    floats; None where it is undefined there or reads something else."""
-    out: list[float] = []
-    for n in node.expr.nodes:
-        if isinstance(n, Load):
-            if n.input not in values:
-                return None
-            out.append(values[n.input])
-        elif isinstance(n, Const):
-            out.append(float(n.value))
-        elif isinstance(n, Op):
-            try:
-                out.append(float(FOLD[n.op](*(out[a] for a in n.args))))
-            except (ArithmeticError, ValueError, TypeError):
-                out.append(math.nan)
-        else:
-            return None
-    value = out[node.expr.root]
-    return value if math.isfinite(value) else None

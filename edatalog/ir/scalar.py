@@ -188,6 +188,28 @@ class ScalarExpr:
                 out.add(k)
         return out
 
+    def at(self, values: Mapping[int, float]) -> float | None:
+        """The value at one point, in Python floats, from the loads' values by input position;
+        None where it is not finite there or needs a value not given (an index's, another
+        load's).  For recognizers that check what a rule computes at chosen points."""
+        out: list[float] = []
+        for n in self.nodes:
+            if isinstance(n, Load):
+                if n.input not in values:
+                    return None
+                out.append(values[n.input])
+            elif isinstance(n, Const):
+                out.append(float(n.value))
+            elif isinstance(n, Op):
+                try:
+                    out.append(float(FOLD[n.op](*(out[a] for a in n.args))))
+                except (ArithmeticError, ValueError, TypeError):
+                    out.append(math.nan)
+            else:
+                return None
+        value = out[self.root]
+        return value if math.isfinite(value) else None
+
     @property
     def flops_per_point(self) -> int:
         return sum(OPS[n.op].flops for k in self.varying() if isinstance(n := self.nodes[k], Op))
