@@ -75,8 +75,8 @@ def test_two_ranks_train_to_the_one_process_losses(
 ) -> None:
     """--nproc 2 with --memory below what data parallelism holds (every param, gradient and
     AdamW moment on each rank: 515 KB at its predicted peak here, params 86 KB): the solver keeps
-    the zero baseline, the params and moments sharded, and each rank's measured peak stays
-    under the limit.  It trains to the one-process losses and saves the same params and state,
+    the zero baseline or a refinement of it (the params and moments sharded), and each rank's
+    measured peak stays under the limit.  It trains to the one-process losses and saves the same params and state,
     gathered from the ranks' shards; edl explain reads the plan --save-plan kept.  A plan given
     with --plan (run, not solved) that reads the state elsewhere than where the step leaves it
     has it gathered between steps and trains to the same losses too."""
@@ -90,7 +90,7 @@ def test_two_ranks_train_to_the_one_process_losses(
     two_argv = [*argv, "--nproc", "2", "--memory", "300KB", "--time-limit", "3", "--save", str(tmp_path / "two")]
     assert main([*two_argv, "--save-plan", str(plan)]) == 0
     two = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert json.loads(plan.read_text())["strategy"] == "zero"
+    assert json.loads(plan.read_text())["strategy"] in ("zero", "auto")
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-10)
     assert all(r["predicted_ms"] is not None and 0 < r["peak_bytes"] <= 300_000 for r in two), two
     for name in ("model.safetensors", "optimizer.safetensors"):
