@@ -75,9 +75,9 @@ class AttentionKernel:
         kk = _arrange(kv, sc_order, [*self.batch, t, e], [*bsz, sc.box[t], sc.box[e]])
         o_bsz = [o.box[b] for b in self.o_batch]
         vv = _arrange(vv, o_order, [*self.o_batch, o_t, f], [*o_bsz, o.box[o_t], o.box[f]])
-        flat = math.prod(bsz)  # as (1, heads, sequence, features): the 4-d form reaches torch's flash kernel
-        qf, kf = qq.reshape(1, flat, sc.box[s], sc.box[e]), kk.reshape(1, flat, sc.box[t], sc.box[e])
-        vf = vv.reshape(1, flat, o.box[o_t], o.box[f])
+        nb, nh = _batch_heads(bsz)  # the 4-d form reaches torch's flash kernel
+        qf, kf = qq.reshape(nb, nh, sc.box[s], sc.box[e]), kk.reshape(nb, nh, sc.box[t], sc.box[e])
+        vf = vv.reshape(nb, nh, o.box[o_t], o.box[f])
         lse = None
         if self.lse is None:
             res = _sdpa(torch, qf, kf, vf, self.mask, self.chain.scale)
@@ -154,17 +154,17 @@ class AttentionBackwardKernel:
         ql, kl = leaf(q, sc, chain.q, q_names), leaf(k, sc, chain.k, k_names)
         vl, gol = leaf(v, gp, self.v_pos, v_names), leaf(go, gp, self.go_pos, go_names)
         bsz, o_bsz = [sc.box[b] for b in self.batch], [gp.box[b] for b in self.o_batch]
-        flat = math.prod(bsz)
+        nb, nh = _batch_heads(bsz)
 
         def heads(x: Any, sizes: list[int], rows: int, cols: int) -> Any:
-            return x.expand(*sizes, rows, cols).reshape(1, flat, rows, cols)
+            return x.expand(*sizes, rows, cols).reshape(nb, nh, rows, cols)
 
         qf, kf = heads(ql, bsz, sc.box[s], sc.box[e]), heads(kl, bsz, sc.box[t], sc.box[e])
         vf, gof = heads(vl, o_bsz, gp.box[o_t], gp.box[f]), heads(gol, o_bsz, gp.box[o_s], gp.box[f])
         if flash_on_cpu(qf):
             of = heads(leaf(o, self.gl, self.o_pos, go_names), o_bsz, gp.box[o_s], gp.box[f])
             wide = torch.promote_types(cdt, torch.float32)  # the type flash attention's lse has
-            lsef = leaf(lse, self.p, self.lse_pos, self.lse_names, wide).reshape(1, flat, sc.box[s])
+            lsef = leaf(lse, self.p, self.lse_pos, self.lse_names, wide).reshape(nb, nh, sc.box[s])
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 gof.contiguous(),
                 qf,
@@ -197,6 +197,14 @@ class AttentionBackwardKernel:
             res = res.permute([kept.index(h) for h in head])
             results.append(xp.contiguous(xp.cast(res, xp.dtype(kernel.dtype))).reshape(kernel.region.shape))
         return results
+
+
+def _batch_heads(sizes: Sequence[int]) -> tuple[int, int]:
+    """The block's batch indices as flash attention's (batch, heads): the first, and the rest
+    together.  Rules lay attention out as ``q[b, s, h, e]`` (the query between the batch and
+    the heads, as transformers' projections do), so the (b, heads, s, e) views of q, k, v and
+    o are strided views of the rules' blocks, as torch's kernels take them, with no copy."""
+    return (sizes[0], math.prod(sizes[1:])) if sizes else (1, 1)
 
 
 def flash_on_cpu(x: Any) -> bool:
