@@ -60,6 +60,7 @@ class AttentionKernel:
         # accumulates in f32), a partial one (split keys, combined later) the f32 kernel.
         self.cdt = xp.dtype(fused.dtype)
         self.lse = lse
+        self.additive = _additive(torch, self.mask, self.cdt)
 
     def __call__(self, q: Array, k: Array, v: Array) -> tuple[Array, Array | None]:
         torch, xp = _torch(), self.xp
@@ -82,9 +83,8 @@ class AttentionKernel:
         if self.lse is None:
             res = _sdpa(torch, qf, kf, vf, self.mask, self.chain.scale)
         elif flash_on_cpu(qf):
-            mask = _additive(torch, self.mask, qf.dtype)
             res, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qf, kf, vf, 0.0, self.mask is True, attn_mask=mask, scale=self.chain.scale
+                qf, kf, vf, 0.0, self.mask is True, attn_mask=self.additive, scale=self.chain.scale
             )
         else:
             res = _sdpa(torch, qf, kf, vf, self.mask, self.chain.scale)
@@ -94,7 +94,7 @@ class AttentionKernel:
         out = xp.contiguous(xp.cast(res, xp.dtype(self.fused.dtype))).reshape(self.fused.region.shape)
         if self.lse is None or lse is None:
             return out, None
-        # (1, heads, queries) as the rows of the scores block: the log-sum-exp's cells.
+        # (batch, heads, queries): the rows of the scores block, the log-sum-exp's cells.
         return out, xp.contiguous(xp.cast(lse, xp.dtype(self.lse.dtype))).reshape(self.lse.region.shape)
 
 
@@ -135,6 +135,7 @@ class AttentionBackwardKernel:
         self.f = gp.agg_indices[0]
         self.mask = _mask(sc, self.s, self.t, torch, device)
         self.grads = grads  # (block, kernel) of each result, in the order of ``bw.results``
+        self.additive = _additive(torch, self.mask, xp.dtype(grads[0][1].dtype))
 
     def __call__(self, q: Array, k: Array, v: Array, go: Array, o: Array, lse: Array) -> list[Array]:
         torch, xp = _torch(), self.xp
@@ -174,7 +175,7 @@ class AttentionBackwardKernel:
                 lsef.contiguous(),
                 0.0,
                 self.mask is True,
-                attn_mask=_additive(torch, self.mask, qf.dtype),
+                attn_mask=self.additive,
                 scale=chain.scale,
             )
         else:

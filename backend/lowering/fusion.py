@@ -94,9 +94,9 @@ def _fuse_device(
                 group = _group(graph, ops, k, chain, made, readers)
                 if group is not None and _has_keys(graph, ops, group, chain):
                     # The output's kernel last (the fused op's buffer), the log-sum-exp exported.
-                    inner = tuple(o for j in group if j != k and isinstance(o := ops[j], ir.Kernel | ir.Combine))
+                    inner = tuple(x for j in group if j != k and isinstance(x := ops[j], ir.Kernel | ir.Combine))
                     assert isinstance(op, ir.Kernel)
-                    exports = tuple(o.buf for o in inner if isinstance(o, ir.Kernel) and o.node == chain.lse)
+                    exports = tuple(x.buf for x in inner if isinstance(x, ir.Kernel) and x.node == chain.lse)
                     fused = ir.Fused(op.buf, KIND, (*inner, op), op.relation, op.region, op.dtype, op.full, exports)
                     replace[k] = fused
                     drop.update(j for j in group if j != k)
