@@ -91,6 +91,7 @@ class Kernels:
         self.needs: dict[tuple[str, ir.Ranges], tuple[Region, ...]] = {}
         self.known: dict[tuple[str, ir.Ranges], Known | None] = {}
         self.direct: dict[tuple[str, ir.Ranges], bool] = {}
+        self.permuted: dict[tuple[str, ir.Ranges], list[int] | None] = {}
         self.onto: dict[tuple[str, ir.Ranges], bool] = {}
         self.placed: dict[tuple[object, ...], Known] = {}
         self.attention: dict[tuple[object, ...], AttentionKernel | AttentionBackwardKernel] = {}
@@ -136,6 +137,7 @@ class Kernels:
             exact = all(self.graph.relation(acc.relation).support_exact for acc in node.inputs)
             self.known[key] = known_presence(block, exact)
             self.direct[key] = _head_is_result_layout(block)
+            self.permuted[key] = _head_permutation(block)
             heads = [p.index for ax in block.out_axes for p in ax.parts if p.index is not None]
             self.onto[key] = len(heads) == len(set(heads))  # d[i, i] writes a diagonal only
         return node, self.blocks[key], self.needs[key]
@@ -466,6 +468,15 @@ class Device:
             if op.full or pres is None:
                 return Buffer(op.region, out, None)
             return Buffer(op.region, out, xp.view(xp.contiguous(xp.broadcast_to(pres, shape)), op.region.shape))
+        perm = self.kernels.permuted[key]
+        if perm is not None and (op.full or pres is None):
+            # The head is the result's indices in another order: the result permuted (no fill,
+            # and no copy where it already lies in the head's order, as a scatter-add's may).
+            value = xp.broadcast_to(value, [block.box[v] for v in out_vars])
+            if pres is not None:  # absent cells hold 0
+                value = xp.where(pres, value, xp.constant(0, value.dtype))
+            out = xp.view(xp.contiguous(xp.cast(xp.transpose(value, perm), dtype)), op.region.shape)
+            return Buffer(op.region, out, None)
         out = xp.full(op.region.shape, 0, dtype, self.device)
         if op.full:  # every cell is known to exist: nothing to mark
             write_cells(out, None, block, value, pres, out_vars, None, xp)
@@ -765,6 +776,17 @@ def _head_is_result_layout(block: JoinAgg) -> bool:
     parts = [p for ax in block.out_axes for p in ax.parts if not (p.index is None and p.extent == 1)]
     out_vars = [i.name for i in block.indices if i.name not in block.agg_indices]
     return all(p.index is not None for p in parts) and [p.index for p in parts] == out_vars
+
+
+def _head_permutation(block: JoinAgg) -> list[int] | None:
+    """Where the head is the evaluator's result indices (in join order) in another order, one
+    plain index per axis: the permutation taking the result to the head's layout; else None."""
+    parts = [ax.parts[0] for ax in block.out_axes if len(ax.parts) == 1]
+    head = [p.index for p in parts if p.index is not None]
+    out_vars = [i.name for i in block.indices if i.name not in block.agg_indices]
+    if len(head) != len(block.out_axes) or sorted(head) != sorted(out_vars) or len(set(head)) != len(head):
+        return None
+    return [out_vars.index(h) for h in head]
 
 
 class _NoMessages:
