@@ -20,11 +20,11 @@ import math
 import random
 
 from edatalog.ir.attention import exp_of_difference
-from edatalog.ir.graph import Access, Graph, JoinAgg
+from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
 from edatalog.ir.scalar import Load
 
 TOLERANCE = 1e-9  # relative, in Python floats (f64)
-SHIFTS = (0.75, -1.5, 3.0)
+SHIFTS = (0.75, -1.5, 3.0, 25.0, -25.0)  # small and large: a body may branch on the values
 
 
 def shift_only_maxima(graph: Graph) -> frozenset[str]:
@@ -37,8 +37,8 @@ def shift_only_maxima(graph: Graph) -> frozenset[str]:
     return frozenset(m.out for m in graph.nodes if _shift_only(graph, m, readers))
 
 
-def _plain(axes: tuple[object, ...]) -> list[str] | None:
-    names = [ax.parts[0].index for ax in axes if len(ax.parts) == 1]  # type: ignore[attr-defined]
+def _plain(axes: tuple[AxisMap, ...]) -> list[str] | None:
+    names = [ax.parts[0].index for ax in axes if len(ax.parts) == 1]
     plain = [n for n in names if n is not None]
     return plain if len(plain) == len(axes) else None
 
@@ -55,7 +55,7 @@ def _shift_only(graph: Graph, m: JoinAgg, readers: dict[str, list[JoinAgg]]) -> 
         return False
     read, head = _plain(m.inputs[0].axes), _plain(m.out_axes)
     w = m.agg_indices[0]
-    if read is None or head != [v for v in read if v != w]:
+    if read is None or w not in read or head != [v for v in read if v != w]:
         return False
     sums = [r for r in readers.get(m.out, []) if _shifted_sum(r, m.inputs[0].relation, m.out, read.index(w))]
     if not sums or not all(_only(graph, s) for s in sums):
@@ -92,17 +92,13 @@ def _invariant(node: JoinAgg, mx: str, sums: set[str]) -> bool:
         return False
     rng = random.Random(0)
     checked = 0
-    for _ in range(8):
-        point = {k: rng.uniform(0.5, 3.0) for k in range(len(node.inputs))}
+    for _ in range(12):
+        point = {k: _draw(rng, shifted.get(k), mx) for k in range(len(node.inputs))}
         base = node.expr.at(point)
         if base is None:
             continue
         for c in SHIFTS:
-            moved = {
-                k: (v + c if shifted.get(k) == mx else v * math.exp(-c) if k in shifted else v)
-                for k, v in point.items()
-            }
-            got = node.expr.at(moved)
+            got = node.expr.at({k: _shift(v, c, shifted.get(k), mx) for k, v in point.items()})
             if got is None or not math.isclose(got, base, rel_tol=TOLERANCE, abs_tol=TOLERANCE):
                 return False
         checked += 1
@@ -116,3 +112,11 @@ def _shift(value: float, c: float, relation: str | None, mx: str) -> float:
     if relation is None:
         return value
     return value + c if relation == mx else value * math.exp(-c)
+
+
+def _draw(rng: random.Random, relation: str | None, mx: str) -> float:
+    """A load's value at a random point: the maximum anywhere in [-40, 40], the sums over six
+    decades, other reads near 1."""
+    if relation is None:
+        return rng.uniform(0.5, 3.0)
+    return rng.uniform(-40.0, 40.0) if relation == mx else math.exp(rng.uniform(-7.0, 7.0))

@@ -4,7 +4,8 @@
   names; its gradient gets no rule (no winners, no pass over the logits), and the gradients
   still equal torch's ``cross_entropy`` (f64, ties in the logits included).
 - Near misses keep their maxima: a log-sum-exp weighing the maximum twice, a sum read without
-  its log, a sum over other values than the maximum's, a maximum that is an output.
+  its log, a sum over other values than the maximum's, a maximum that is an output, a body that
+  is invariant only where the maximum stays small.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ NEAR_MISSES = {
         "total[b] += exp(logits[b, v] - top[b]).", "total[b] += exp(2.0 * logits[b, v] - top[b])."
     ),
     "the maximum an output": _edit("output loss.", "output loss, top."),
+    "a body that branches on the maximum": _edit(
+        "(log(total[b]) + top[b] - picked[b])", "(where(top[b] > 30.0, top[b], log(total[b]) + top[b]) - picked[b])"
+    ),
 }
 
 
