@@ -15,7 +15,8 @@ torch's default on a CPU instead).
   AdamW as one step program, planned for --nproc devices of --topology (default cpuxN, or a
   calibrated machine file from ``edl calibrate``), every rank running its device's program.
 
-Every rank uses one torch thread.  Step times are measured on rank 0 (wall time of a whole
+Every rank uses one torch thread, and the ranks meet at a barrier before each step, outside
+its time (every contender alike).  Step times are measured on rank 0 (wall time of a whole
 step, data included), the first --warmup steps left out (edatalog interprets its first step
 and records its graph on the second); the table gives each contender's median, spread and
 ratio to edatalog's, the rounds taking turns (--repeat).  The losses of every step must agree
@@ -166,13 +167,19 @@ def torch_rank(contender: str, args: argparse.Namespace, work: Path) -> Run:
 
 
 def edatalog_rank(req: Any) -> Run:
-    """One rank of edatalog's planned training job (``edl train --nproc``)."""
+    """One rank of edatalog's planned training job (``edl train --nproc``'s, ``rank_job``), the
+    ranks meeting at a barrier before each step as DDP's and FSDP2's do (outside the timed step:
+    one rank's lag at a step's start is not charged to the other)."""
     import torch
     import torch.distributed as dist
 
     from edatalog import train_job
+    from edatalog.backend.running.spmd import init_group
 
-    records = train_job.rank_job(req)
+    torch.set_num_threads(1)  # ranks share this machine's cores
+    device = init_group(None)
+    dist.barrier()
+    records = train_job.run(req, on_step=lambda _: dist.barrier(), device=device)
     peak = torch.tensor([_rss()], dtype=torch.int64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     predicted = records[0].predicted_ms if records else None
