@@ -174,12 +174,8 @@ def edatalog_rank(req: Any) -> Run:
     import torch.distributed as dist
 
     from edatalog import train_job
-    from edatalog.backend.running.spmd import init_group
 
-    torch.set_num_threads(1)  # ranks share this machine's cores
-    device = init_group(None)
-    dist.barrier()
-    records = train_job.run(req, on_step=lambda _: dist.barrier(), device=device)
+    records = train_job.rank_job(req, on_step=lambda _: dist.barrier())
     peak = torch.tensor([_rss()], dtype=torch.int64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     predicted = records[0].predicted_ms if records else None

@@ -332,11 +332,12 @@ def solved_plan(
     return dataclasses.replace(req, plan=str(path)), what + (f" ({plan.picked})" if plan.picked else "")
 
 
-def rank_job(req: Request) -> list[Record]:
-    """One rank of a training job: its devices' part of every step, the same losses as every rank."""
+def rank_job(req: Request, on_step: Callable[[Record], None] | None = None) -> list[Record]:
+    """One rank of a training job: its devices' part of every step, the same losses as every
+    rank (``on_step`` as :func:`run`'s)."""
     import torch
 
     from edatalog.backend.running.spmd import init_group
 
     torch.set_num_threads(1)  # ranks share this machine's cores
-    return run(req, device=init_group(None))
+    return run(req, on_step, device=init_group(None))

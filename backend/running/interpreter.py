@@ -456,7 +456,12 @@ class Device:
         fast = self.kernels.prepared_for(key, block, data, xp, self.device, known)
         value, pres, out_vars = fast(data) if fast is not None else evaluate_node(block, data, present, xp, known)
         dtype = xp.dtype(op.dtype)
-        if self.kernels.direct[key]:  # the result is laid out as the head: keep it
+        direct = self.kernels.direct[key]  # the result is laid out as the head: keep it
+        # Else, where the head is the result's indices in another order and no cell is absent:
+        # the result permuted (no fill, and no copy where it already lies in the head's order,
+        # as a scatter-add's may).
+        perm = None if direct else self.kernels.permuted[key]
+        if direct or (perm is not None and (op.full or pres is None)):
             shape = self.kernels.shapes.get(key)
             if shape is None:  # composite heads: the same cells, row-major
                 box = block.box
@@ -464,19 +469,12 @@ class Device:
             value = xp.broadcast_to(value, shape)
             if pres is not None:  # absent cells hold 0
                 value = xp.where(pres, value, xp.constant(0, value.dtype))
+            if perm is not None:
+                value = xp.transpose(value, perm)
             out = xp.view(xp.contiguous(xp.cast(value, dtype)), op.region.shape)
             if op.full or pres is None:
                 return Buffer(op.region, out, None)
             return Buffer(op.region, out, xp.view(xp.contiguous(xp.broadcast_to(pres, shape)), op.region.shape))
-        perm = self.kernels.permuted[key]
-        if perm is not None and (op.full or pres is None):
-            # The head is the result's indices in another order: the result permuted (no fill,
-            # and no copy where it already lies in the head's order, as a scatter-add's may).
-            value = xp.broadcast_to(value, [block.box[v] for v in out_vars])
-            if pres is not None:  # absent cells hold 0
-                value = xp.where(pres, value, xp.constant(0, value.dtype))
-            out = xp.view(xp.contiguous(xp.cast(xp.transpose(value, perm), dtype)), op.region.shape)
-            return Buffer(op.region, out, None)
         out = xp.full(op.region.shape, 0, dtype, self.device)
         if op.full:  # every cell is known to exist: nothing to mark
             write_cells(out, None, block, value, pres, out_vars, None, xp)

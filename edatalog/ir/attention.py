@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from edatalog.ir.forms import product_form
+from edatalog.ir.forms import plain_indices, product_form
 from edatalog.ir.graph import Access, Graph, JoinAgg
 from edatalog.ir.scalar import Const, Load, Op
 
@@ -77,9 +77,7 @@ def _only(graph: Graph, relation: str) -> JoinAgg | None:
 
 def _plain(acc: Access) -> list[str] | None:
     """The indices of an access made of plain indices only, one per axis; else None."""
-    names = [ax.parts[0].index for ax in acc.axes if len(ax.parts) == 1]
-    plain = [n for n in names if n is not None]
-    return plain if len(plain) == len(acc.axes) else None
+    return plain_indices(acc.axes)
 
 
 def _match(graph: Graph, o: JoinAgg, readers: dict[str, list[JoinAgg]]) -> Chain | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from edatalog.ir.graph import AxisMap, JoinAgg, Lookup
@@ -212,6 +212,12 @@ def plain_index(ax: AxisMap) -> str | None:
         return None
     index = ax.parts[0].index
     return None if index is None else str(index)
+
+
+def plain_indices(axes: Sequence[AxisMap]) -> list[str] | None:
+    """The indices of axes that each hold one index as it is, in order; None where any does not."""
+    names = [plain_index(ax) for ax in axes]
+    return None if None in names else [n for n in names if n is not None]
 
 
 def routed_parts_only(node: JoinAgg, split: Collection[str]) -> bool:

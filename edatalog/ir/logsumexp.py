@@ -20,7 +20,8 @@ import math
 import random
 
 from edatalog.ir.attention import exp_of_difference
-from edatalog.ir.graph import Access, AxisMap, Graph, JoinAgg
+from edatalog.ir.forms import plain_indices
+from edatalog.ir.graph import Access, Graph, JoinAgg
 from edatalog.ir.scalar import Load
 
 TOLERANCE = 1e-9  # relative, in Python floats (f64)
@@ -37,12 +38,6 @@ def shift_only_maxima(graph: Graph) -> frozenset[str]:
     return frozenset(m.out for m in graph.nodes if _shift_only(graph, m, readers))
 
 
-def _plain(axes: tuple[AxisMap, ...]) -> list[str] | None:
-    names = [ax.parts[0].index for ax in axes if len(ax.parts) == 1]
-    plain = [n for n in names if n is not None]
-    return plain if len(plain) == len(axes) else None
-
-
 def _simple(node: JoinAgg) -> bool:
     return not node.lookups and node.guard.is_true
 
@@ -53,7 +48,7 @@ def _shift_only(graph: Graph, m: JoinAgg, readers: dict[str, list[JoinAgg]]) -> 
         return False
     if not isinstance(m.expr.nodes[m.expr.root], Load) or not _only(graph, m):
         return False
-    read, head = _plain(m.inputs[0].axes), _plain(m.out_axes)
+    read, head = plain_indices(m.inputs[0].axes), plain_indices(m.out_axes)
     w = m.agg_indices[0]
     if read is None or w not in read or head != [v for v in read if v != w]:
         return False
@@ -76,11 +71,11 @@ def _shifted_sum(node: JoinAgg, x: str, mx: str, w_at: int) -> bool:
     if node.aggop != "+=" or len(node.agg_indices) != 1 or len(node.inputs) != 2 or pair is None or not _simple(node):
         return False
     xa, ma = node.inputs[pair[0]], node.inputs[pair[1]]
-    read, row = _plain(xa.axes), _plain(ma.axes)
+    read, row = plain_indices(xa.axes), plain_indices(ma.axes)
     if xa.relation != x or ma.relation != mx or read is None or w_at >= len(read):
         return False
     w = read[w_at]
-    return node.agg_indices == (w,) and row == [v for v in read if v != w] and _plain(node.out_axes) == row
+    return node.agg_indices == (w,) and row == [v for v in read if v != w] and plain_indices(node.out_axes) == row
 
 
 def _invariant(node: JoinAgg, mx: str, sums: set[str]) -> bool:
