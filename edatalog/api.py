@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import warnings
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -337,13 +338,10 @@ def _check_mapping(values: object) -> None:
 
 
 def _is_torch_tensor(value: object) -> bool:
-    """Whether ``value`` is a torch tensor (or a subclass, such as a ``Parameter``), decided by
-    the modules of its type's classes so that torch is imported only when the user already has."""
-    if not any(c.__module__.split(".")[0] == "torch" for c in type(value).__mro__):
-        return False
-    import torch
-
-    return isinstance(value, torch.Tensor)
+    """Whether ``value`` is a torch tensor (or a subclass, such as a ``Parameter``), without
+    importing torch: a tensor exists only if torch was imported already."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _from_torch(tensor: Any, rel: Relation, span: Span | None) -> np.ndarray:
@@ -383,6 +381,8 @@ def _torch_dtype_name(tensor: Any) -> str:
 def _in_range(value: Any, extent: int) -> bool:
     """Whether every value is in 0 .. extent - 1 (numpy or torch, on its device)."""
     if _is_torch_tensor(value):
+        if value.numel() == 1:  # a decode step's token and position: one read, no kernels
+            return 0 <= int(value) < extent
         return not bool(((value < 0) | (value >= extent)).any())
     arr = np.asarray(value)
     return not bool(((arr < 0) | (arr >= extent)).any())

@@ -149,7 +149,7 @@ class StaticOps(TorchOps):
         return isinstance(source, torch_module().Tensor) and made is not source
 
 
-Signature = tuple[tuple[str, tuple[int, ...], Any, str], ...]  # per input: name, shape, dtype, device
+Signature = tuple[tuple[str, tuple[int, ...], Any, Any], ...]  # per input: name, shape, dtype, torch device
 
 KEPT = 32  # compiled graphs kept for the process
 _KEPT: OrderedDict[tuple[Any, ...], Replay] = OrderedDict()
@@ -195,6 +195,7 @@ class CompiledExecutable:
         self.last_compiled: Replay | None = None
         self._replayed = False  # whether the last call ran a graph
         self._peaks: dict[int, int] = {}
+        self._gpus = frozenset(d for d in self.eager.devices if d.type == "cuda")
 
     # -- the Executable protocol --------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class CompiledExecutable:
         allocates nothing); elsewhere the buffers of its program (every cell and presence mask), as the
         interpreter counts them: a graph replaying the programs holds the same buffers."""
         if self._replayed:
-            return self._peaks
+            return dict(self._peaks)  # the cached program peaks: never handed out to be changed
         return self.eager.last_peak
 
     def load(self, params: Mapping[str, Any]) -> None:
@@ -252,7 +253,8 @@ class CompiledExecutable:
         return out
 
     def _call(self, inputs: Mapping[str, Any], record: bool) -> Outputs:
-        whole = {k: at_offset_zero(TorchOps().asarray(v)) for k, v in inputs.items()}
+        tensor = torch_module().Tensor
+        whole = {k: at_offset_zero(v if isinstance(v, tensor) else TorchOps().asarray(v)) for k, v in inputs.items()}
         if self.captures:  # a capture reads its inputs on its GPU
             whole = {k: v.to(self.eager.device) for k, v in whole.items()}
         self._replayed = False
@@ -286,7 +288,7 @@ class CompiledExecutable:
             _KEPT.move_to_end(key)
             self.replays[sig] = replay
         torch = torch_module()
-        gpus = {d for d in self.eager.devices if d.type == "cuda"}
+        gpus = self._gpus
         for gpu in gpus:
             torch.cuda.reset_peak_memory_stats(gpu)
         args = [*self._state, *(whole[n] for n in replay.names)]
@@ -297,14 +299,16 @@ class CompiledExecutable:
         if not _held(replay, flat):
             return self.eager(whole)
         self._replayed = True
-        # A replay allocates nothing: its peak is taken as the capture's warm-up's.
-        captured = run.peak if isinstance(run, CudaGraphed) and run.captured else None
-        self._peaks = {
-            d: (captured if captured is not None else int(torch.cuda.max_memory_allocated(dev)))
-            if dev in gpus
-            else peak
-            for (d, peak), dev in zip(self._program_peaks.items(), self.eager.devices, strict=True)
-        }
+        if gpus:  # a replay allocates nothing: its peak is taken as the capture's warm-up's
+            captured = run.peak if isinstance(run, CudaGraphed) and run.captured else None
+            self._peaks = {
+                d: (captured if captured is not None else int(torch.cuda.max_memory_allocated(dev)))
+                if dev in gpus
+                else peak
+                for (d, peak), dev in zip(self._program_peaks.items(), self.eager.devices, strict=True)
+            }
+        else:
+            self._peaks = self._program_peaks
         return self._carried(self._outputs(flat))
 
     def _graphed(self, sig: Signature, replay: Replay, args: Sequence[Any]) -> CudaGraphed:
@@ -441,7 +445,7 @@ def inductor(gm: Any, args: Sequence[Any], summary: dict[str, int]) -> Callable[
 
 
 def _signature(whole: Mapping[str, Any]) -> Signature:
-    return tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in sorted(whole.items()))
+    return tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(whole.items()))
 
 
 def at_offset_zero(t: Any) -> Any:

@@ -56,6 +56,25 @@ def name_of(node: Any) -> str | None:
     return None if aten is None else aten[0]
 
 
+def nodes_in(tree: Any) -> list[Any]:
+    """The graph nodes in a node's arguments (``(node.args, node.kwargs)``), lists and dicts
+    opened, in order."""
+    found: list[Any] = []
+
+    def visit(x: Any) -> None:
+        if hasattr(x, "op") and hasattr(x, "users"):
+            found.append(x)
+        elif isinstance(x, list | tuple):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+
+    visit(tree)
+    return found
+
+
 def is_view(node: Any) -> bool:
     aten = aten_of(node)
     return aten is not None and aten[0] in VIEW_NAMES

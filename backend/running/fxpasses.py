@@ -30,6 +30,9 @@ them:
   it may write) becomes the out-of-place op on the view itself (``mul(v, c)``);
 - :func:`copies_only_read`: such a copy that pointwise ops then only read (a fused op reads
   it where a multiplication used to update it) is the view itself;
+- :func:`edatalog.backend.running.fxplacing.results_in_place` and
+  :func:`~edatalog.backend.running.fxplacing.implied_broadcasts`: a pointwise result computed
+  where it is then copied, and an operand broadcast by the op rather than by a view;
 - :func:`linear_calls`: ``mm(a, t(w))`` is ``linear(a, w)``, one call (ATen's ``linear`` is
   that very ``t`` and ``mm``);
 - dead-code elimination: views nobody reads any more, and anything else without an effect;
@@ -49,12 +52,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
-from edatalog.backend.running.fxnodes import POINTWISE, functional_variant, list_writes
+from edatalog.backend.running.fxnodes import POINTWISE, functional_variant, list_writes, nodes_in
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
 from edatalog.backend.running.fxnodes import is_view as _is_view
 from edatalog.backend.running.fxnodes import name_of as _name
 from edatalog.backend.running.fxnodes import writes as _writes
+from edatalog.backend.running.fxplacing import implied_broadcasts, results_in_place
 from edatalog.backend.running.fxreuse import OUT_BINDINGS, REUSED, reuse_buffers
 from edatalog.backend.running.tracer import Geometry
 
@@ -133,7 +137,7 @@ def fold_constants(graph: Any, module: Any) -> int:
             continue
         if aten is None and node.target is not operator.getitem:
             continue
-        inputs = _nodes_in((node.args, node.kwargs))
+        inputs = nodes_in((node.args, node.kwargs))
         if not all(a in values for a in inputs):
             continue
         args = _substitute(node.args, values)
@@ -178,23 +182,6 @@ def _mutated(nodes: Iterable[Any]) -> set[Any]:
     for root in list(out):
         out |= set(views_of.get(root, []))
     return out
-
-
-def _nodes_in(tree: Any) -> list[Any]:
-    found: list[Any] = []
-
-    def visit(x: Any) -> None:
-        if hasattr(x, "op") and hasattr(x, "users"):
-            found.append(x)
-        elif isinstance(x, list | tuple):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-
-    visit(tree)
-    return found
 
 
 def _substitute(tree: Any, values: dict[Any, Any]) -> Any:
@@ -285,7 +272,7 @@ def share_values(graph: Any, module: Any) -> int:
         if first is None:
             seen[key] = node
             continue
-        inputs = [base.get(a, a) for a in _nodes_in((node.args, node.kwargs))]
+        inputs = [base.get(a, a) for a in nodes_in((node.args, node.kwargs))]
         quiet = all(_unwritten(writes.get(b, ()), order[first], order[node]) for b in inputs)
         if quiet and not writes.get(base.get(first, first)) and not writes.get(base.get(node, node)):
             node.replace_all_uses_with(first)
@@ -546,6 +533,8 @@ def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry], reuse: bool =
     assemblies = share_assemblies(graph, shapes)
     values = share_values(graph, module)
     graph.eliminate_dead_code()
+    placed = results_in_place(graph, shapes)
+    broadcasts = implied_broadcasts(graph, shapes)
     linear = linear_calls(graph, shapes)
     graph.eliminate_dead_code()
     reused = reuse_buffers(graph, shapes) if reuse else 0
@@ -560,6 +549,8 @@ def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry], reuse: bool =
         "copies_removed": fresh,
         "assemblies_shared": assemblies,
         "values_shared": values,
+        "results_placed": placed,
+        "broadcasts_implied": broadcasts,
         "linear": linear,
         "buffers_reused": reused,
         "fast_calls": calls,

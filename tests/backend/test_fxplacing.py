@@ -1,0 +1,146 @@
+"""Results computed in place and broadcasts left to the op (backend/running/fxplacing.py), run
+as part of the traced graph's simplification: results bit for bit, the calls gone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from edatalog.backend.running import fxpasses
+from edatalog.backend.running.tracer import record
+
+
+def _simplified(fn: Any, args: list[Any]) -> tuple[Any, dict[str, int]]:
+    rec = record(fn, args)
+    return fxpasses.simplify(rec.module, rec.graph, rec.shapes)
+
+
+def _calls(gm: Any, name: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op in {"call_function", "call_method"} and name in str(n.target))
+
+
+def _same(got: list[Any], want: list[Any]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _rotary(q: Any, c: Any, s: Any) -> list[Any]:
+    """The interpreter's way with a rotary embedding: each half computed fresh, updated in
+    place, then copied into its place in the relation's buffer."""
+    a, b = q[..., :16], q[..., 16:]
+    lo = torch.mul(a, c)
+    torch.addcmul(lo, b, s, value=-1, out=lo)
+    hi = torch.mul(b, c)
+    torch.addcmul(hi, a, s, out=hi)
+    out = torch.empty(4, 2, 32)
+    out[..., :16].copy_(lo)
+    out[..., 16:].copy_(hi)
+    return [out * 2.0]
+
+
+def test_halves_are_computed_in_their_places_bit_for_bit() -> None:
+    args = [torch.randn(4, 2, 32), torch.randn(16), torch.randn(16)]
+    gm, summary = _simplified(_rotary, args)
+    assert summary["results_placed"] == 2
+    assert _calls(gm, "copy_") == 0
+    for call in (args, [torch.randn(4, 2, 32), torch.randn(16), torch.randn(16)]):
+        _same(gm(*call), _rotary(*call))
+
+
+def test_a_read_of_the_place_between_keeps_the_copy() -> None:
+    """Something reads the cells the copy will fill before it does: the op must not write them
+    earlier (the read would see the result instead of the ones)."""
+
+    def fn(x: Any, y: Any) -> list[Any]:
+        out = torch.empty(2, 8)
+        out.fill_(1.0)
+        t = torch.mul(x, y)
+        seen = out[:, :4] + 0.5
+        out[:, :4].copy_(t)
+        return [out * 1.0, seen]
+
+    args = [torch.randn(2, 4), torch.randn(2, 4)]
+    gm, summary = _simplified(fn, args)
+    assert summary["results_placed"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def test_a_read_of_other_cells_between_does_not() -> None:
+    def fn(x: Any, y: Any) -> list[Any]:
+        out = torch.empty(2, 8)
+        out[:, 4:].copy_(y * 3.0)
+        t = torch.mul(x, y)
+        seen = out[:, 4:] + 0.5  # the other half: untouched by t
+        out[:, :4].copy_(t)
+        return [out * 1.0, seen]
+
+    args = [torch.randn(2, 4), torch.randn(2, 4)]
+    gm, summary = _simplified(fn, args)
+    assert summary["results_placed"] == 2
+    _same(gm(*args), fn(*args))
+
+
+def test_a_result_read_after_its_copy_keeps_it() -> None:
+    def fn(x: Any, y: Any) -> list[Any]:
+        out = torch.empty(2, 8)
+        t = torch.mul(x, y)
+        out[:, :4].copy_(t)
+        out[:, 4:].copy_(y)
+        return [out * 1.0, t + 1.0]
+
+    args = [torch.randn(2, 4), torch.randn(2, 4)]
+    gm, summary = _simplified(fn, args)
+    assert summary["results_placed"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def test_a_broadcasting_view_is_left_to_the_op() -> None:
+    def fn(x: Any, w: Any, c: Any) -> list[Any]:
+        return [x * w.expand(1, 256), torch.mul(x, c.view(1, 1, 16).expand(1, 16, 16).reshape(1, 256))]
+
+    args = [torch.randn(1, 256), torch.randn(256), torch.randn(16)]
+    gm, summary = _simplified(fn, args)
+    assert summary["broadcasts_implied"] >= 1
+    _same(gm(*args), fn(*args))
+
+
+def test_a_broadcast_that_sizes_the_result_stays() -> None:
+    def fn(x: Any, w: Any) -> list[Any]:
+        return [torch.mul(x, w.expand(3, 256))]  # x[1, 1]: the view makes the result 3 rows
+
+    args = [torch.randn(1, 1), torch.randn(256)]
+    gm, summary = _simplified(fn, args)
+    assert summary["broadcasts_implied"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def test_a_zero_dim_operand_in_another_dtype_stays_broadcast() -> None:
+    """A 0-d tensor takes a lower part in type promotion than a 1-cell one: f32 times a 0-d f64
+    is f32, times a [1, 1] f64 it is f64."""
+
+    def fn(x: Any, s: Any) -> list[Any]:
+        return [torch.mul(x, s.expand(1, 1))]
+
+    args = [torch.randn(1, 4), torch.tensor(2.5, dtype=torch.float64)]
+    gm, summary = _simplified(fn, args)
+    assert summary["broadcasts_implied"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def test_a_broadcast_that_sizes_an_out_tensor_stays() -> None:
+    """``add(a, b, out=o)`` sizes its result by ``a`` and ``b`` alone: with ``a`` unbroadcast,
+    ``o[1, 8]`` would be resized to ``[8]`` and the cells written elsewhere."""
+
+    def fn(x: Any, y: Any) -> list[Any]:
+        out = torch.empty(2, 8)
+        torch.add(x.expand(1, 8), y, out=out[1:])
+        out[:1].fill_(0.0)
+        return [out * 1.0]
+
+    args = [torch.randn(8), torch.randn(8)]
+    gm, summary = _simplified(fn, args)
+    assert summary["broadcasts_implied"] == 0
+    _same(gm(*args), fn(*args))
