@@ -31,8 +31,10 @@ them:
 - :func:`copies_only_read`: such a copy that pointwise ops then only read (a fused op reads
   it where a multiplication used to update it) is the view itself;
 - :func:`edatalog.backend.running.fxplacing.results_in_place` and
-  :func:`~edatalog.backend.running.fxplacing.implied_broadcasts`: a pointwise result computed
-  where it is then copied, and an operand broadcast by the op rather than by a view;
+  :func:`~edatalog.backend.running.fxplacing.implied_broadcasts` and
+  :func:`~edatalog.backend.running.fxplacing.kept_dims`: a pointwise result computed where it
+  is then copied, an operand broadcast by the op rather than by a view, a reduction keeping the
+  dims its readers view it with;
 - :func:`linear_calls`: ``mm(a, t(w))`` is ``linear(a, w)``, one call (ATen's ``linear`` is
   that very ``t`` and ``mm``);
 - dead-code elimination: views nobody reads any more, and anything else without an effect;
@@ -58,7 +60,7 @@ from edatalog.backend.running.fxnodes import aten_of as _aten
 from edatalog.backend.running.fxnodes import is_view as _is_view
 from edatalog.backend.running.fxnodes import name_of as _name
 from edatalog.backend.running.fxnodes import writes as _writes
-from edatalog.backend.running.fxplacing import implied_broadcasts, results_in_place
+from edatalog.backend.running.fxplacing import implied_broadcasts, kept_dims, results_in_place
 from edatalog.backend.running.fxreuse import OUT_BINDINGS, REUSED, reuse_buffers
 from edatalog.backend.running.tracer import Geometry
 
@@ -535,6 +537,7 @@ def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry], reuse: bool =
     graph.eliminate_dead_code()
     placed = results_in_place(graph, shapes)
     broadcasts = implied_broadcasts(graph, shapes)
+    kept = kept_dims(graph, shapes)
     linear = linear_calls(graph, shapes)
     graph.eliminate_dead_code()
     reused = reuse_buffers(graph, shapes) if reuse else 0
@@ -551,6 +554,7 @@ def simplify(module: Any, graph: Any, shapes: dict[Any, Geometry], reuse: bool =
         "values_shared": values,
         "results_placed": placed,
         "broadcasts_implied": broadcasts,
+        "dims_kept": kept,
         "linear": linear,
         "buffers_reused": reused,
         "fast_calls": calls,

@@ -34,6 +34,7 @@ from edatalog.backend.running.compiled import (
     Compile,
     StaticOps,
     at_offset_zero,
+    direct_call,
     inductor,
     program_peaks,
 )
@@ -206,7 +207,7 @@ class CompiledSpmdExecutable:
                 reuse = self.mode is not Compile.INDUCTOR and self.device.type == "cpu"
                 gm, summary = simplify(recording.module, recording.graph, recording.shapes, reuse=reuse)
                 run: Any = inductor(gm, args, summary) if self.mode is Compile.INDUCTOR else gm
-                graphs[k] = _Replay(run, summary["nodes"])
+                graphs[k] = _Replay(direct_call(run), summary["nodes"])
                 outs = list(recording.outputs)
                 LOG.info(
                     "rank %d: segment %d compiled (%d ops) in %.2f s",

@@ -144,3 +144,15 @@ def test_a_broadcast_that_sizes_an_out_tensor_stays() -> None:
     gm, summary = _simplified(fn, args)
     assert summary["broadcasts_implied"] == 0
     _same(gm(*args), fn(*args))
+
+
+def test_a_reduction_keeps_the_dims_its_readers_put_back() -> None:
+    def fn(x: Any) -> list[Any]:
+        ss = torch.sum(x * x, [1])
+        mx = torch.amax(x, [1])
+        return [x * torch.rsqrt(ss.view(4, 1) / 256.0), x - mx.view(4, 1), mx * 2.0]
+
+    args = [torch.randn(4, 256)]
+    gm, summary = _simplified(fn, args)
+    assert summary["dims_kept"] == 1  # amax is also read as it is: it keeps its form
+    _same(gm(*args), fn(*args))
