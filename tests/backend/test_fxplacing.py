@@ -156,3 +156,21 @@ def test_a_reduction_keeps_the_dims_its_readers_put_back() -> None:
     gm, summary = _simplified(fn, args)
     assert summary["dims_kept"] == 1  # amax is also read as it is: it keeps its form
     _same(gm(*args), fn(*args))
+
+
+def test_overlapping_places_keep_the_last_copy_last() -> None:
+    """Two results copied into overlapping places: the one copied last must still win where
+    they overlap, whichever op runs first."""
+
+    def fn(a: Any, b: Any) -> list[Any]:
+        first = torch.mul(a, b)
+        second = torch.add(a, b)
+        out = torch.empty(2, 6)
+        out[:, 2:6].copy_(second)
+        out[:, 0:4].copy_(first)  # overwrites columns 2 and 3
+        return [out * 1.0]
+
+    args = [torch.randn(2, 4), torch.randn(2, 4)]
+    gm, summary = _simplified(fn, args)
+    assert summary["results_placed"] == 1  # second in place; first, whose op runs before it, keeps its copy
+    _same(gm(*args), fn(*args))
