@@ -54,9 +54,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
-from edatalog.backend.running.fxnodes import POINTWISE, functional_variant, list_writes, nodes_in
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
+from edatalog.backend.running.fxnodes import exact_in_any_layout, functional_variant, list_writes, nodes_in
 from edatalog.backend.running.fxnodes import is_view as _is_view
 from edatalog.backend.running.fxnodes import name_of as _name
 from edatalog.backend.running.fxnodes import writes as _writes
@@ -413,8 +413,8 @@ def copies_into_fresh(graph: Any, shapes: dict[Any, Geometry]) -> int:
             aten = _aten(update)
             if aten is None or aten[1] != "out" or update.kwargs.get("out") is not node:
                 continue
-            if aten[0] not in POINTWISE or not update.args or update.args[0] is not node:
-                continue
+            if not exact_in_any_layout(update) or not update.args or update.args[0] is not node:
+                continue  # the op reads the view's layout instead of the buffer's: bits must not move
             if any(a is node for a in update.args[1:]):
                 continue
             # The view must still hold what it held at the copy: nothing writes between the two.
@@ -443,7 +443,8 @@ def copies_only_read(graph: Any, shapes: dict[Any, Geometry]) -> int:
     by pointwise ops (``e = empty(s); e.copy_(v); addcmul(a, e, c)``: the interpreter's
     compacted copy of a strided input, whose in-place update a fused op no longer needs) by
     the view itself, when nothing writes into the view's memory while they read; returns how
-    many buffers went.  Pointwise ops give the same bits whatever their operands' strides."""
+    many buffers went.  Only for readers that give the same bits whatever their operands'
+    strides (:data:`edatalog.backend.running.fxnodes.LAYOUT_EXACT`)."""
     nodes = list(graph.nodes)
     order = {node: k for k, node in enumerate(nodes)}
     base, writes = _bases_and_writes(nodes, order)
@@ -482,9 +483,9 @@ def _copied_view(node: Any, order: dict[Any, Any], shapes: dict[Any, Geometry]) 
 
 def _reads_whole(reader: Any, buffer: Any, memory: Any, base: dict[Any, Any]) -> bool:
     """Whether ``reader`` is a pointwise ATen op that reads ``buffer`` as an operand and writes
-    nothing of ``memory`` (``base``: each view's or write's memory)."""
-    aten = _aten(reader)
-    if aten is None or aten[0] not in POINTWISE or _is_view(reader):
+    nothing of ``memory`` (``base``: each view's or write's memory), and gives the same bits
+    reading the view's layout instead of the buffer's."""
+    if not exact_in_any_layout(reader) or _is_view(reader):
         return False
     target = _writes(reader)
     if target is buffer or (target is not None and base.get(target, target) is memory):

@@ -14,11 +14,13 @@ shared:
   back as ones (``as_strided(sum(x, [1]), (1, 1), (1, 0))``, a row's sum of squares before it
   divides the row) keeps them itself (``sum(x, [1], keepdim=True)``).
 
-All keep every result bit for bit: a pointwise op gives the same bits whatever the strides of
-its operands and result (:mod:`edatalog.backend.running.fxnodes`), a broadcast made by the op
-is the stride-0 view the recorded graph made itself, and a reduction that keeps its dims runs
-the same kernel.  On a decode step of a small LLaMA they take 38 of 427 calls away, at about a
-microsecond each.
+All keep every result bit for bit: an op is computed into a strided place only if it gives the
+same bits whatever the layout (:data:`edatalog.backend.running.fxnodes.LAYOUT_EXACT`: torch's
+CPU kernels run a vectorized loop over contiguous rows and a scalar one elsewhere, and for some
+ops the two differ in the last bit), an operand is left for the op to broadcast only where the
+result keeps its layout, and a reduction keeps its dims only over a contiguous source, where
+its result is laid out as the readers' view.  On a decode step of a small LLaMA they take 38 of
+427 calls away, at about a microsecond each.
 """
 
 from __future__ import annotations
@@ -28,9 +30,18 @@ from typing import Any
 
 import numpy as np
 
-from edatalog.backend.running.fxnodes import POINTWISE, aten_of, is_view, name_of, nodes_in, writes
+from edatalog.backend.running.fxnodes import (
+    POINTWISE,
+    aliases,
+    aten_of,
+    exact_in_any_layout,
+    is_view,
+    name_of,
+    nodes_in,
+    writes,
+)
 from edatalog.backend.running.fxreuse import REUSED, out_variant
-from edatalog.backend.running.tracer import Geometry
+from edatalog.backend.running.tracer import DEVICE, Geometry
 
 # Views up to this many cells are compared cell by cell to tell whether they overlap; larger
 # ones are taken to overlap (a rewrite is then left undone, never made wrong).
@@ -98,14 +109,18 @@ def _touching(nodes: list[Any], base: dict[Any, Any]) -> dict[Any, list[int]]:
 
 
 def _bases(nodes: list[Any]) -> dict[Any, Any]:
-    """Each view's, or written result's, base: the node that owns its memory."""
+    """Each node whose result may share memory with an argument's (a view, a write, a
+    ``getitem`` of a split, a call outside ATen: :func:`~edatalog.backend.running.fxnodes.aliases`),
+    with the node owning that memory: its first argument's."""
     base: dict[Any, Any] = {}
     for node in nodes:
         written = writes(node)
         if written is not None:
             base[node] = base.get(written, written)
-        elif is_view(node) and hasattr(node.args[0], "op"):
-            base[node] = base.get(node.args[0], node.args[0])
+        elif aliases(node):
+            first = next(iter(nodes_in((node.args, node.kwargs))), None)
+            if first is not None:
+                base[node] = base.get(first, first)
     return base
 
 
@@ -114,20 +129,21 @@ def _placed(
 ) -> tuple[Any, list[Any]] | None:
     """For ``copy`` (``view.copy_(made)``) that :func:`results_in_place` may rewrite: the fresh
     buffer that ``view`` views and the in-place updates of ``made``; else None."""
-    aten = aten_of(made) if hasattr(made, "op") else None
-    if aten is None or aten[0] not in POINTWISE or writes(made) is not None or made.target._schema.is_mutable:
+    if not hasattr(made, "op") or not exact_in_any_layout(made) or writes(made) is not None:
         return None
-    if out_variant(made.target) is None:
+    if made.target._schema.is_mutable or out_variant(made.target) is None:
         return None
     if not is_view(view) or not hasattr(view.args[0], "op") or name_of(view.args[0]) != "empty":
         return None
     buffer = view.args[0]
     if made not in shapes or view not in shapes or shapes[made][::3] != shapes[view][::3]:
         return None  # not the same sizes and dtype
+    device = made.meta.get(DEVICE)
+    if device is None or device != buffer.meta.get(DEVICE):
+        return None  # a copy between devices moves the block: no op writes across
     updates = [u for u in made.users if u is not copy]
     for update in updates:
-        u = aten_of(update)
-        if u is None or u[0] not in POINTWISE or writes(update) is not made or update.users:
+        if not exact_in_any_layout(update) or writes(update) is not made or update.users:
             return None
         if order[update] > order[copy]:
             return None
@@ -138,17 +154,20 @@ def _untouched(
     between: list[Any], view: Any, buffer: Any, updates: list[Any], base: dict[Any, Any], shapes: dict[Any, Geometry]
 ) -> bool:
     """Whether no node of ``between`` (the ops touching ``buffer`` between the op and its copy,
-    an op already rewritten as its new call) but ``updates`` reads or writes cells of
-    ``buffer`` that ``view`` covers.  A copy already removed touches nothing: its write is its
-    op's, which is there."""
-    skip = set(updates)
+    an op already rewritten as its new call) reads or writes cells of ``buffer`` that ``view``
+    covers, the op's updates included (what they read besides the result).  A copy already
+    removed touches nothing: its write is its op's, which is there.  A call outside ATen, or an
+    argument that is not a plain view of the buffer (a ``getitem`` of a split of it), may touch
+    any cell."""
     for node in between:
-        if node in skip or node._erased:
+        if node._erased:
             continue
+        if aten_of(node) is None:
+            return False
         for arg in nodes_in((node.args, node.kwargs)):
             if base.get(arg, arg) is not buffer:
                 continue
-            if arg is buffer or not _disjoint(shapes.get(arg), shapes[view]):
+            if arg is buffer or not is_view(arg) or not _disjoint(shapes.get(arg), shapes[view]):
                 return False
     return True
 
@@ -156,7 +175,9 @@ def _untouched(
 def _disjoint(a: Geometry | None, b: Geometry) -> bool:
     """Whether two views of one storage share no cell (cells counted exactly for small views;
     larger ones are taken to share)."""
-    if a is None or int(np.prod(a[0])) > _COMPARED_CELLS or int(np.prod(b[0])) > _COMPARED_CELLS:
+    if a is None or a[3] != b[3]:  # cells of another size: offsets in other units
+        return False
+    if int(np.prod(a[0])) > _COMPARED_CELLS or int(np.prod(b[0])) > _COMPARED_CELLS:
         return False
     return not np.intersect1d(_cells(a), _cells(b)).size
 
@@ -210,67 +231,36 @@ def _broadcasts(source: Geometry, view: Geometry) -> bool:
 
 def _reads_broadcast(user: Any, view: Any, source: Any, shapes: dict[Any, Geometry]) -> bool:
     """Whether ``user`` is a pointwise op that only reads ``view`` as an operand and whose
-    result keeps its sizes when it reads ``source`` instead."""
+    result keeps its sizes, dtype and layout when it reads ``source`` instead.  Later views of
+    the result address its cells by the recorded strides, and torch lays a fresh result out
+    after its operands' strides (dims of one cell included), so that is kept only where it is
+    sure: the result goes to an ``out=`` tensor, or every operand is laid out contiguously and
+    so is the result."""
     aten = aten_of(user)
     if aten is None or aten[0] not in POINTWISE or is_view(user) or user not in shapes:
         return False
     if writes(user) is view or any(v is view for v in user.kwargs.values()):
         return False
-    operands = [a for a in user.args if hasattr(a, "op")]
-    if not shapes[source][0] and any(shapes.get(a, (0, 0, 0, None))[3] != shapes[user][3] for a in operands):
-        return False  # a 0-d operand does not take part in type promotion as a 1-cell one does
+    operands = [source if a is view else a for a in user.args if hasattr(a, "op")]
     if any(a not in shapes for a in operands):
         return False
-    # An ``out=`` tensor does not take part: an op resizes it to its operands' broadcast.
-    sizes = [shapes[source][0] if a is view else shapes[a][0] for a in operands]
-    try:
-        joined = tuple(np.broadcast_shapes(*sizes))
+    if not shapes[source][0] and any(shapes[a][3] != shapes[user][3] for a in operands):
+        return False  # a 0-d operand does not take part in type promotion as a 1-cell one does
+    try:  # an ``out=`` tensor does not take part: an op resizes it to its operands' broadcast
+        joined = tuple(np.broadcast_shapes(*(shapes[a][0] for a in operands)))
     except ValueError:
         return False
-    return joined == tuple(shapes[user][0])
-
-
-# Reductions by dims whose schema takes ``keepdim`` third: (op, overload).
-_KEEPS_DIMS = frozenset({("sum", "dim_IntList"), ("amax", "default"), ("amin", "default"), ("mean", "dim")})
-
-
-def kept_dims(graph: Any, shapes: dict[Any, Geometry]) -> int:
-    """Let each reduction whose readers only view it with its reduced dims as ones keep those
-    dims (see the module docstring); returns how many views went."""
-    done = 0
-    for node in list(graph.nodes):
-        if aten_of(node) not in _KEEPS_DIMS or node not in shapes or len(node.args) < 2:
-            continue
-        source, dims = node.args[0], node.args[1]
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        if keepdim or source not in shapes or not dims or not node.users:
-            continue
-        sizes = shapes[source][0]
-        reduced = {d % len(sizes) for d in dims}
-        kept = tuple(1 if k in reduced else n for k, n in enumerate(sizes))
-        views = list(node.users)
-        if not all(_keeps(v, node, kept, shapes) for v in views):
-            continue
-        with graph.inserting_before(node):
-            made = graph.call_function(node.target, (source, dims, True, *node.args[3:]), dict(node.kwargs))
-            made.meta = dict(node.meta)
-        shapes[made] = (kept, _contiguous(kept), 0, shapes[node][3])
-        for view in views:
-            view.replace_all_uses_with(made)
-            graph.erase_node(view)
-            done += 1
-        graph.erase_node(node)
-    return done
-
-
-def _keeps(view: Any, reduction: Any, kept: tuple[int, ...], shapes: dict[Any, Geometry]) -> bool:
-    """Whether ``view`` shows the result of ``reduction`` as its keepdim form would be."""
-    if not is_view(view) or view.args[0] is not reduction or view not in shapes:
+    if joined != tuple(shapes[user][0]):
         return False
-    sizes, strides, offset, dtype = shapes[view]
-    if sizes != kept or offset != shapes[reduction][2] or dtype != shapes[reduction][3]:
-        return False
-    return all(n == 1 or s == t for n, s, t in zip(sizes, strides, _contiguous(kept), strict=True))
+    if user.kwargs.get("out") is not None:
+        return True
+    return all(_dense(shapes[a]) for a in [*operands, user])
+
+
+def _dense(g: Geometry) -> bool:
+    """Whether a geometry is laid out as a fresh contiguous tensor of its sizes would be
+    (strides along one cell aside)."""
+    return all(n == 1 or s == t for n, s, t in zip(g[0], g[1], _contiguous(g[0]), strict=True))
 
 
 def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -279,3 +269,49 @@ def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+# Reductions by dims whose schema takes ``keepdim`` third: (op, overload).
+_KEEPS_DIMS = frozenset({("sum", "dim_IntList"), ("amax", "default"), ("amin", "default"), ("mean", "dim")})
+
+
+def kept_dims(graph: Any, shapes: dict[Any, Geometry]) -> int:
+    """Let each reduction whose readers only view it with its reduced dims as ones keep those
+    dims (see the module docstring); returns how many views went.  Only over a contiguous
+    source: torch lays a reduction's result out after its source's strides."""
+    done = 0
+    for node in list(graph.nodes):
+        if aten_of(node) not in _KEEPS_DIMS or node not in shapes or len(node.args) != 2 or "keepdim" in node.kwargs:
+            continue
+        source, dims = node.args
+        if source not in shapes or not dims or not node.users or not shapes[source][0]:
+            continue
+        if not _dense(shapes[source]) or not _dense(shapes[node]):
+            continue
+        sizes = shapes[source][0]
+        reduced = {d % len(sizes) for d in dims}
+        kept = tuple(1 if k in reduced else n for k, n in enumerate(sizes))
+        geometry = (kept, _contiguous(kept), shapes[node][2], shapes[node][3])
+        views = list(node.users)
+        if not all(_keeps(v, node, geometry, shapes) for v in views):
+            continue
+        with graph.inserting_before(node):
+            made = graph.call_function(node.target, (source, dims, True), dict(node.kwargs))
+            made.meta = dict(node.meta)
+        shapes[made] = geometry
+        for view in views:
+            view.replace_all_uses_with(made)
+            graph.erase_node(view)
+            done += 1
+        graph.erase_node(node)
+    return done
+
+
+def _keeps(view: Any, reduction: Any, kept: Geometry, shapes: dict[Any, Geometry]) -> bool:
+    """Whether ``view`` shows the result of ``reduction`` as its keepdim form (``kept``) is."""
+    if not is_view(view) or view.args[0] is not reduction or view not in shapes:
+        return False
+    g = shapes[view]
+    if g[0] != kept[0] or g[2] != kept[2] or g[3] != kept[3]:
+        return False
+    return all(n == 1 or s == t for n, s, t in zip(g[0], g[1], kept[1], strict=True))

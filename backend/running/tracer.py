@@ -31,6 +31,7 @@ from typing import Any
 from edatalog.backend.kernels.arrays import torch_module
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int, Any]  # sizes, strides, storage offset, dtype
+DEVICE = "edl_device"  # node meta: the torch device of the tensor the node stands for
 
 # ATen calls a replayed graph cannot honour: they read values back to the host, or their
 # outputs' shapes depend on values.
@@ -99,11 +100,15 @@ def record(fn: Callable[..., Any], args: Sequence[Any]) -> Recording:
     def geometry(t: Any) -> Geometry:
         return (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
+    def note(node: Any, t: Any) -> None:
+        shapes[node] = geometry(t)
+        node.meta[DEVICE] = t.device
+
     for k, a in enumerate(args):
         node = graph.placeholder(f"arg{k}")
         if isinstance(a, torch.Tensor):
             bind(a, node)
-            shapes[node] = geometry(a)
+            note(node, a)
 
     def node_of(t: Any) -> Any:
         node = made.get(id(t))
@@ -113,7 +118,7 @@ def record(fn: Callable[..., Any], args: Sequence[Any]) -> Recording:
             module.register_buffer(name, t, persistent=False)
             node = graph.get_attr(name)
             bind(t, node)
-            shapes[node] = geometry(t)
+            note(node, t)
         return node
 
     def as_nodes(tree: Any) -> Any:
@@ -138,7 +143,7 @@ def record(fn: Callable[..., Any], args: Sequence[Any]) -> Recording:
             out = func(*args, **kwargs)
             node = graph.call_function(func, as_nodes(args), as_nodes(kwargs))
             if isinstance(out, torch.Tensor):
-                shapes[node] = geometry(out)
+                note(node, out)
                 # An in-place or out= op returns its argument: still its node.  A wait on a
                 # collective returns its argument too, but what reads the result must follow it.
                 if id(out) not in made or name == _WAIT:
@@ -148,7 +153,7 @@ def record(fn: Callable[..., Any], args: Sequence[Any]) -> Recording:
                     if isinstance(o, torch.Tensor):
                         item = graph.call_function(operator.getitem, (node, k))
                         bind(o, item)
-                        shapes[item] = geometry(o)
+                        note(item, o)
             return out
 
     # torch wraps a mode's dispatch to keep dynamo out of it, importing dynamo (1.8 s) on the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from edatalog.backend.running import fxpasses
@@ -173,4 +174,142 @@ def test_overlapping_places_keep_the_last_copy_last() -> None:
     args = [torch.randn(2, 4), torch.randn(2, 4)]
     gm, summary = _simplified(fn, args)
     assert summary["results_placed"] == 1  # second in place; first, whose op runs before it, keeps its copy
+    _same(gm(*args), fn(*args))
+
+
+def test_an_update_that_reads_the_place_keeps_the_copy() -> None:
+    def fn(x: Any, y: Any, s: Any) -> list[Any]:
+        out = torch.empty(2, 8)
+        out.fill_(1.0)
+        t = torch.mul(x, y)
+        torch.addcmul(t, out[:, :4], s, out=t)  # reads the ones the copy then overwrites
+        out[:, :4].copy_(t)
+        return [out * 1.0]
+
+    args = [torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)]
+    gm, summary = _simplified(fn, args)
+    assert summary["results_placed"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def _through_split(x: Any, y: Any) -> list[Any]:
+    out = torch.empty(2, 8)
+    out.fill_(1.0)
+    left, _ = torch.split(out, 4, dim=1)  # getitem of a split: no view op, the same memory
+    t = torch.mul(x, y)
+    seen = left + 0.5
+    out[:, :4].copy_(t)
+    return [out * 1.0, seen]
+
+
+def _through_detach(x: Any, y: Any) -> list[Any]:
+    out = torch.empty(2, 4)
+    out.fill_(1.0)
+    alias = out.detach()
+    t = torch.mul(x, y)
+    seen = alias * 3.0
+    out[0].copy_(t)
+    return [out * 1.0, seen]
+
+
+def _through_bytes(x: Any, y: Any) -> list[Any]:
+    out = torch.empty(8)
+    out.fill_(1.0)
+    cell = torch.ops.aten.slice.Tensor(torch.ops.aten.view.dtype(out, torch.uint8), 0, 4, 8)  # float cell 1
+    t = torch.mul(x, y)
+    seen = cell + 0
+    out[0:2].copy_(t)
+    return [out * 1.0, seen]
+
+
+def _op_reads_its_place(x: Any) -> list[Any]:
+    out = torch.empty(2, 8)
+    out.copy_(x)
+    left = torch.split(out, [4, 4], dim=1)[0]
+    t = torch.mul(left, 2.0)  # columns 0..3, to be written over columns 1..4
+    out[:, 1:5].copy_(t)
+    return [out * 1.0]
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        (_through_split, [(2, 4), (2, 4)]),
+        (_through_detach, [(4,), (4,)]),
+        (_through_bytes, [(2,), (2,)]),
+        (_op_reads_its_place, [(2, 8)]),
+    ],
+)
+def test_reads_through_other_aliases_keep_the_copy(fn: Any, shapes: list[tuple[int, ...]]) -> None:
+    args = [torch.randn(*s) for s in shapes]
+    gm, summary = _simplified(fn, args)
+    assert summary["results_placed"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def test_an_op_whose_bits_follow_the_layout_is_not_moved() -> None:
+    """``sigmoid`` runs a vectorized loop over a fresh contiguous result and a scalar one over
+    short strided rows: the last bits may differ, so it is not computed into its place."""
+
+    def fn(x: Any) -> list[Any]:
+        out = torch.empty(64, 24)
+        out[:, :13].copy_(torch.sigmoid(x))
+        out[:, 13:].fill_(0.0)
+        return [out * 1.0]
+
+    args = [torch.rand(64, 13) * 4]
+    gm, summary = _simplified(fn, args)
+    assert summary["results_placed"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def test_a_broadcast_beside_a_permuted_operand_stays() -> None:
+    """torch lays a fresh result out after its operands' strides: without the view the product
+    of a permuted tensor would take the tensor's layout, and the views of it recorded after
+    would read other cells."""
+
+    def fn(w: Any, flat: Any) -> list[Any]:
+        x = flat.as_strided((3, 2, 1, 3), (1, 3, 1, 6))
+        r = torch.mul(w.view(1, 1, 3).expand(3, 2, 1, 3), x)
+        return [r[:, 0] * 1.0]
+
+    args = [torch.randn(3), torch.randn(18)]
+    gm, summary = _simplified(fn, args)
+    assert summary["broadcasts_implied"] == 0
+    _same(gm(*args), fn(*args))
+
+
+def test_reductions_of_permuted_or_scalar_sources_keep_their_form() -> None:
+    def permuted(flat: Any) -> list[Any]:
+        x = flat.permute(2, 0, 1)
+        return [x - torch.sum(x, [1]).view(3, 1, 5)]
+
+    def scalar(s: Any, x: Any) -> list[Any]:
+        return [x * torch.sum(s, [0]).view(1)]
+
+    for fn, args in ((permuted, [torch.randn(4, 5, 3)]), (scalar, [torch.tensor(2.0), torch.randn(3)])):
+        gm, summary = _simplified(fn, args)
+        assert summary["dims_kept"] == 0
+        _same(gm(*args), fn(*args))
+
+
+@pytest.mark.parametrize(("op", "removed"), [(torch.mul, 1), (torch.sigmoid, 0)])
+def test_a_copy_made_to_be_updated_goes_only_for_ops_exact_in_any_layout(op: Any, removed: int) -> None:
+    """fxpasses.copies_into_fresh: ``e = empty; e.copy_(v); op(e, out=e)`` becomes ``op(v)``,
+    which reads the view's strides instead of the copy's: kept for ops whose bits follow the
+    layout."""
+
+    def fn(x: Any) -> list[Any]:
+        v = x[:, :13]
+        e = torch.empty(64, 13)
+        e.copy_(v)
+        if op is torch.mul:
+            torch.mul(e, 3.0, out=e)
+        else:
+            torch.sigmoid(e, out=e)
+        return [e * 1.0]
+
+    args = [torch.rand(64, 24) * 4]
+    gm, summary = _simplified(fn, args)
+    assert summary["copies_removed"] == removed
     _same(gm(*args), fn(*args))
