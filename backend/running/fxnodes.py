@@ -43,7 +43,7 @@ POINTWISE = TENSORS_POINTWISE | UNARY_POINTWISE
 # Others may not: torch's CPU kernels take a vectorized loop over contiguous rows and a scalar
 # one otherwise, and for ``sigmoid`` (f32), ``rsqrt`` (bf16, f16) and ``add``/``sub`` with an
 # ``alpha`` (bf16, f16) the two differed in the last bit (an AVX2 and an AVX-512 CPU, torch
-# 2.13); these, and ``exp``, agreed on both in f32, bf16 and f16, over rows of 13 and 24 cells.
+# 2.13); the ops below agreed on both, in f32, bf16 and f16, over rows of 13 and 24 cells.
 LAYOUT_EXACT = frozenset(
     {"mul", "div", "add", "sub", "addcmul", "addcdiv", "maximum", "minimum", "where", "neg", "abs", "exp"}
 )
