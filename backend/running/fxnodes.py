@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from edatalog.backend.running.tracer import Geometry
+
 # ATen view ops: their result aliases their first argument's memory.
 VIEW_NAMES = frozenset(
     {
@@ -100,6 +102,28 @@ def aliases(node: Any) -> bool:
     if aten_of(node) is None:
         return True
     return any(r.alias_info is not None for r in node.target._schema.returns)
+
+
+def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a fresh contiguous tensor of ``sizes``."""
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def same_layout(a: Geometry, b: Geometry) -> bool:
+    """Whether two geometries address the same cells the same way: equal sizes, offsets and
+    dtypes, and equal strides wherever a size is not 1 (a stride along one cell is never used)."""
+    if a[0] != b[0] or a[2] != b[2] or a[3] != b[3]:
+        return False
+    return all(n == 1 or s == t for n, s, t in zip(a[0], a[1], b[1], strict=True))
+
+
+def is_contiguous(g: Geometry) -> bool:
+    """Whether ``g`` is laid out as a fresh contiguous tensor of its sizes (from its offset)."""
+    return same_layout(g, (g[0], contiguous_strides(g[0]), g[2], g[3]))
 
 
 def is_view(node: Any) -> bool:

@@ -56,7 +56,7 @@ from typing import Any
 from edatalog.backend.kernels.arrays import torch_module
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
-from edatalog.backend.running.fxnodes import exact_in_any_layout, functional_variant, list_writes, nodes_in
+from edatalog.backend.running.fxnodes import exact_in_any_layout, functional_variant, list_writes, nodes_in, same_layout
 from edatalog.backend.running.fxnodes import is_view as _is_view
 from edatalog.backend.running.fxnodes import name_of as _name
 from edatalog.backend.running.fxnodes import writes as _writes
@@ -92,7 +92,7 @@ def fold_views(graph: Any, shapes: dict[Any, Geometry]) -> int:
         base[node] = root
         if node not in shapes or root not in shapes or shapes[node][3] != shapes[root][3]:
             continue
-        same = _same_layout(shapes[node], shapes[root])
+        same = same_layout(shapes[node], shapes[root])
         if root is source and _name(node) in _FAST_VIEWS and not same:
             continue  # a single view of a base, called fast as it is
         size, stride, offset, _ = shapes[node]
@@ -109,14 +109,6 @@ def fold_views(graph: Any, shapes: dict[Any, Geometry]) -> int:
             shapes[replacement] = shapes[node]
         changed += 1
     return changed
-
-
-def _same_layout(a: Geometry, b: Geometry) -> bool:
-    """Whether two geometries address the same cells the same way: equal sizes, offsets and
-    dtypes, and equal strides wherever a size is not 1 (a stride along one cell is never used)."""
-    if a[0] != b[0] or a[2] != b[2] or a[3] != b[3]:
-        return False
-    return all(n == 1 or s == t for n, s, t in zip(a[0], a[1], b[1], strict=True))
 
 
 _NO_FOLD = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})  # values are garbage until written

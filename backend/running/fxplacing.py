@@ -34,10 +34,13 @@ from edatalog.backend.running.fxnodes import (
     POINTWISE,
     aliases,
     aten_of,
+    contiguous_strides,
     exact_in_any_layout,
+    is_contiguous,
     is_view,
     name_of,
     nodes_in,
+    same_layout,
     writes,
 )
 from edatalog.backend.running.fxreuse import REUSED, out_variant
@@ -254,21 +257,7 @@ def _reads_broadcast(user: Any, view: Any, source: Any, shapes: dict[Any, Geomet
         return False
     if user.kwargs.get("out") is not None:
         return True
-    return all(_dense(shapes[a]) for a in [*operands, user])
-
-
-def _dense(g: Geometry) -> bool:
-    """Whether a geometry is laid out as a fresh contiguous tensor of its sizes would be
-    (strides along one cell aside)."""
-    return all(n == 1 or s == t for n, s, t in zip(g[0], g[1], _contiguous(g[0]), strict=True))
-
-
-def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(sizes):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
+    return all(is_contiguous(shapes[a]) for a in [*operands, user])
 
 
 # Reductions by dims whose schema takes ``keepdim`` third: (op, overload).
@@ -286,12 +275,12 @@ def kept_dims(graph: Any, shapes: dict[Any, Geometry]) -> int:
         source, dims = node.args
         if source not in shapes or not dims or not node.users or not shapes[source][0]:
             continue
-        if not _dense(shapes[source]) or not _dense(shapes[node]):
+        if not is_contiguous(shapes[source]) or not is_contiguous(shapes[node]):
             continue
         sizes = shapes[source][0]
         reduced = {d % len(sizes) for d in dims}
         kept = tuple(1 if k in reduced else n for k, n in enumerate(sizes))
-        geometry = (kept, _contiguous(kept), shapes[node][2], shapes[node][3])
+        geometry = (kept, contiguous_strides(kept), shapes[node][2], shapes[node][3])
         views = list(node.users)
         if not all(_keeps(v, node, geometry, shapes) for v in views):
             continue
@@ -309,9 +298,4 @@ def kept_dims(graph: Any, shapes: dict[Any, Geometry]) -> int:
 
 def _keeps(view: Any, reduction: Any, kept: Geometry, shapes: dict[Any, Geometry]) -> bool:
     """Whether ``view`` shows the result of ``reduction`` as its keepdim form (``kept``) is."""
-    if not is_view(view) or view.args[0] is not reduction or view not in shapes:
-        return False
-    g = shapes[view]
-    if g[0] != kept[0] or g[2] != kept[2] or g[3] != kept[3]:
-        return False
-    return all(n == 1 or s == t for n, s, t in zip(g[0], g[1], kept[1], strict=True))
+    return is_view(view) and view.args[0] is reduction and view in shapes and same_layout(shapes[view], kept)

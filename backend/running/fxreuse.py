@@ -40,7 +40,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from edatalog.backend.running.fxnodes import POINTWISE, aten_of, is_view, name_of, writes
+from edatalog.backend.running.fxnodes import POINTWISE, aten_of, is_contiguous, is_view, name_of, writes
 from edatalog.backend.running.tracer import Geometry
 
 MIN_BYTES = 256 * 1024  # smaller buffers come from the allocator's free lists: a view would cost more than it saves
@@ -109,15 +109,6 @@ def _aliased_args(node: Any) -> list[Any]:
     return []
 
 
-def _contiguous(geometry: Geometry) -> bool:
-    sizes, strides, offset, _ = geometry
-    expected, step = [], 1
-    for size in reversed(sizes):
-        expected.append(step)
-        step *= max(size, 1)
-    return offset == 0 and all(s == e or n == 1 for s, e, n in zip(strides, reversed(expected), sizes, strict=True))
-
-
 def _nbytes(geometry: Geometry) -> int:
     sizes, _, _, dtype = geometry
     return math.prod(sizes) * dtype.itemsize
@@ -146,7 +137,7 @@ def reuse_buffers(graph: Any, shapes: dict[Any, Geometry], min_bytes: int = MIN_
 
     def candidate(node: Any) -> bool:
         g = shapes.get(node)
-        return _fresh(node) and g is not None and _contiguous(g) and _nbytes(g) >= min_bytes
+        return _fresh(node) and g is not None and g[2] == 0 and is_contiguous(g) and _nbytes(g) >= min_bytes
 
     ending: dict[int, list[tuple[Any, tuple[int, Any]]]] = defaultdict(list)  # position -> memory freed there
     pool: dict[tuple[int, Any], list[Any]] = defaultdict(list)  # (bytes, dtype) -> memory no buffer uses
