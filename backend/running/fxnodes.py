@@ -92,16 +92,26 @@ def exact_in_any_layout(node: Any) -> bool:
     return name in LAYOUT_EXACT and node.kwargs.get("alpha", 1) == 1
 
 
-def aliases(node: Any) -> bool:
-    """Whether ``node``'s result may share memory with its arguments: a view, an ATen op whose
-    schema says its result aliases (``split``, ``unbind``, ``detach``, an ``out=`` op), or a call
-    outside ATen (``getitem`` of a list of views, a functional collective's wait), which is
-    taken to."""
-    if node.op not in {"call_function", "call_method"}:
-        return False
-    if aten_of(node) is None:
-        return True
-    return any(r.alias_info is not None for r in node.target._schema.returns)
+def aliased_args(node: Any) -> list[Any]:
+    """The graph nodes whose memory ``node``'s result may alias."""
+    written = writes(node)
+    if written is not None:
+        return [written]
+    if is_view(node):  # by name: ``_unsafe_view``'s schema claims a fresh result
+        first = node.args[0] if node.args else None
+        return [first] if hasattr(first, "op") else []
+    aten = aten_of(node)
+    if aten is not None:
+        schema = node.target._schema
+        if all(r.alias_info is None for r in schema.returns):
+            return []
+        aliasing = {a.name for a in schema.arguments if a.alias_info is not None}
+        picked = [v for a, v in zip(schema.arguments, node.args, strict=False) if a.name in aliasing]
+        picked += [v for k, v in node.kwargs.items() if k in aliasing]
+        return [x for x in picked if hasattr(x, "op")]
+    if node.op in ("call_function", "call_method"):  # outside ATen: assume it may alias anything it reads
+        return list(node.all_input_nodes)
+    return []
 
 
 def contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:

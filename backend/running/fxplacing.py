@@ -32,7 +32,7 @@ import numpy as np
 
 from edatalog.backend.running.fxnodes import (
     POINTWISE,
-    aliases,
+    aliased_args,
     aten_of,
     contiguous_strides,
     exact_in_any_layout,
@@ -60,8 +60,8 @@ def results_in_place(graph: Any, shapes: dict[Any, Geometry]) -> int:
     now writes them earlier."""
     nodes = list(graph.nodes)
     order: dict[Any, float] = {node: k for k, node in enumerate(nodes)}  # a node moved: between two
-    base = _bases(nodes)
-    touching = _touching(nodes, base)
+    owners = _owners(nodes)
+    touching = _touching(nodes, owners)
     placed_as: dict[Any, Any] = {}  # an op already rewritten: the call that now writes in place
     done = 0
     for copy in nodes:
@@ -75,7 +75,7 @@ def results_in_place(graph: Any, shapes: dict[Any, Geometry]) -> int:
         positions = touching.get(buffer, [])
         start, stop = bisect.bisect_left(positions, order[made]), bisect.bisect_left(positions, order[copy])
         between = [placed_as.get(nodes[k], nodes[k]) for k in positions[start:stop]]
-        if not _untouched(between, view, buffer, updates, base, shapes):
+        if not _untouched(between, view, buffer, owners, shapes):
             continue
         for node in (buffer, view):  # the buffer and its view are made before the op that fills it
             if order[node] > order[made]:
@@ -85,10 +85,10 @@ def results_in_place(graph: Any, shapes: dict[Any, Geometry]) -> int:
             into = graph.call_function(out_variant(made.target), made.args, {**made.kwargs, "out": view})
             into.meta = {**made.meta, REUSED: True}  # called through torch's binding where it takes ``out=``
         shapes[into] = shapes[view]
-        base[into] = buffer
+        owners[into] = frozenset({buffer})
         for update in updates:
             update.replace_input_with(made, view)
-            base[update] = buffer
+            owners[update] = frozenset({buffer})
         for k in (int(order[made]), *(int(order[u]) for u in updates)):  # they now touch the buffer
             bisect.insort(positions, k)
         touching[buffer] = positions
@@ -99,32 +99,28 @@ def results_in_place(graph: Any, shapes: dict[Any, Geometry]) -> int:
     return done
 
 
-def _touching(nodes: list[Any], base: dict[Any, Any]) -> dict[Any, list[int]]:
+def _touching(nodes: list[Any], owners: dict[Any, frozenset[Any]]) -> dict[Any, list[int]]:
     """For each node owning memory, the positions (in ``nodes``) of the ops that read or write
     it through any of their arguments, in order; views themselves touch nothing."""
     out: dict[Any, list[int]] = {}
     for k, node in enumerate(nodes):
         if is_view(node):
             continue
-        for owner in {base.get(a, a) for a in nodes_in((node.args, node.kwargs))}:
+        for owner in {o for a in nodes_in((node.args, node.kwargs)) for o in owners.get(a, (a,))}:
             out.setdefault(owner, []).append(k)
     return out
 
 
-def _bases(nodes: list[Any]) -> dict[Any, Any]:
-    """Each node whose result may share memory with an argument's (a view, a write, a
-    ``getitem`` of a split, a call outside ATen: :func:`~edatalog.backend.running.fxnodes.aliases`),
-    with the node owning that memory: its first argument's."""
-    base: dict[Any, Any] = {}
+def _owners(nodes: list[Any]) -> dict[Any, frozenset[Any]]:
+    """For each node whose result may share memory with its arguments' (a view, a write, a
+    ``getitem`` of a split, a call outside ATen: :func:`~edatalog.backend.running.fxnodes.aliased_args`),
+    the nodes owning that memory."""
+    owners: dict[Any, frozenset[Any]] = {}
     for node in nodes:
-        written = writes(node)
-        if written is not None:
-            base[node] = base.get(written, written)
-        elif aliases(node):
-            first = next(iter(nodes_in((node.args, node.kwargs))), None)
-            if first is not None:
-                base[node] = base.get(first, first)
-    return base
+        aliased = aliased_args(node)
+        if aliased:
+            owners[node] = frozenset(o for a in aliased for o in owners.get(a, (a,)))
+    return owners
 
 
 def _placed(
@@ -154,7 +150,7 @@ def _placed(
 
 
 def _untouched(
-    between: list[Any], view: Any, buffer: Any, updates: list[Any], base: dict[Any, Any], shapes: dict[Any, Geometry]
+    between: list[Any], view: Any, buffer: Any, owners: dict[Any, frozenset[Any]], shapes: dict[Any, Geometry]
 ) -> bool:
     """Whether no node of ``between`` (the ops touching ``buffer`` between the op and its copy,
     an op already rewritten as its new call) reads or writes cells of ``buffer`` that ``view``
@@ -168,7 +164,7 @@ def _untouched(
         if aten_of(node) is None:
             return False
         for arg in nodes_in((node.args, node.kwargs)):
-            if base.get(arg, arg) is not buffer:
+            if buffer not in owners.get(arg, (arg,)):
                 continue
             if arg is buffer or not is_view(arg) or not _disjoint(shapes.get(arg), shapes[view]):
                 return False

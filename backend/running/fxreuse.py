@@ -40,7 +40,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from edatalog.backend.running.fxnodes import POINTWISE, aten_of, is_contiguous, is_view, name_of, writes
+from edatalog.backend.running.fxnodes import POINTWISE, aliased_args, aten_of, is_contiguous, is_view, name_of, writes
 from edatalog.backend.running.tracer import Geometry
 
 MIN_BYTES = 256 * 1024  # smaller buffers come from the allocator's free lists: a view would cost more than it saves
@@ -87,28 +87,6 @@ def _fresh(node: Any) -> bool:
     return len(schema.returns) == 1 and schema.returns[0].alias_info is None and str(schema.returns[0].type) == "Tensor"
 
 
-def _aliased_args(node: Any) -> list[Any]:
-    """The graph nodes whose memory ``node``'s result may alias."""
-    written = writes(node)
-    if written is not None:
-        return [written]
-    if is_view(node):  # by name: ``_unsafe_view``'s schema claims a fresh result
-        first = node.args[0] if node.args else None
-        return [first] if hasattr(first, "op") else []
-    aten = aten_of(node)
-    if aten is not None:
-        schema = node.target._schema
-        if all(r.alias_info is None for r in schema.returns):
-            return []
-        aliasing = {a.name for a in schema.arguments if a.alias_info is not None}
-        picked = [v for a, v in zip(schema.arguments, node.args, strict=False) if a.name in aliasing]
-        picked += [v for k, v in node.kwargs.items() if k in aliasing]
-        return [x for x in picked if hasattr(x, "op")]
-    if node.op in ("call_function", "call_method"):  # outside ATen: assume it may alias anything it reads
-        return list(node.all_input_nodes)
-    return []
-
-
 def _nbytes(geometry: Geometry) -> int:
     sizes, _, _, dtype = geometry
     return math.prod(sizes) * dtype.itemsize
@@ -125,7 +103,7 @@ def reuse_buffers(graph: Any, shapes: dict[Any, Geometry], min_bytes: int = MIN_
         if _fresh(node):
             roots[node] = frozenset({node})
         else:
-            roots[node] = frozenset().union(*(roots.get(a, frozenset()) for a in _aliased_args(node)))
+            roots[node] = frozenset().union(*(roots.get(a, frozenset()) for a in aliased_args(node)))
     last: dict[Any, int] = defaultdict(int)
     for node in nodes:
         for r in roots[node]:

@@ -222,6 +222,16 @@ def _through_bytes(x: Any, y: Any) -> list[Any]:
     return [out * 1.0, seen]
 
 
+def _through_unsafe_view(x: Any, y: Any) -> list[Any]:
+    out = torch.empty(2, 4)
+    out.fill_(1.0)
+    flat = torch.ops.aten._unsafe_view(out, [8])  # a view whose schema claims a fresh result
+    t = torch.mul(x, y)
+    seen = flat + 0.5
+    out[0].copy_(t)
+    return [out * 1.0, seen]
+
+
 def _op_reads_its_place(x: Any) -> list[Any]:
     out = torch.empty(2, 8)
     out.copy_(x)
@@ -237,6 +247,7 @@ def _op_reads_its_place(x: Any) -> list[Any]:
         (_through_split, [(2, 4), (2, 4)]),
         (_through_detach, [(4,), (4,)]),
         (_through_bytes, [(2,), (2,)]),
+        (_through_unsafe_view, [(4,), (4,)]),
         (_op_reads_its_place, [(2, 8)]),
     ],
 )
