@@ -13,6 +13,11 @@ decoder block (default D=1024, H=16, F=2816, S=512, B=1) run by:
                 by torch.compile's inductor; its compile time is printed, not timed) and, on a
                 GPU, "cudagraph" (the graph captured once as a CUDA graph and replayed)
 
+On a CPU, f32 cases whose block has a GEMM large enough for oneDNN (as edatalog's torch runtime
+decides: benchmarks/onednn_gemms.py) also time "transformers+onednn": the same layer with
+ATen's f32 GEMMs routed to oneDNN by the same rule, since a baseline gets every trick edatalog
+gets; "transformers" is the layer as it ships (MKL's sgemm).
+
 Cases: f32 with as many key/value heads as query heads (MHA), f32 with a quarter as many (GQA:
 KVH=4 of H=16), and bf16 MHA.  Both contenders take the same weights (made once from --seed),
 the same input in the case's dtype (transformers also gets its rotary cos and sin made outside
@@ -57,6 +62,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import llama_weights as lw  # noqa: E402
+import onednn_gemms  # noqa: E402
 
 MODES = ("none", "graph", "inductor", "cudagraph")
 CASES = {"f32-mha": ("f32", False), "f32-gqa": ("f32", True), "bf16-mha": ("bf16", False)}  # dtype, grouped
@@ -136,12 +142,21 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
 
     prog = edatalog.compile(lw.PROGRAM, dims=dims.edl_dims(), dtype=dtype)
     contenders: dict[str, Callable[[], Any]] = {"transformers": hf}
+    routing = None
+    if dtype == "f32" and dev.type == "cpu" and onednn_gemms.any_routed(dims.B * dims.S, dims.D, dims.F):
+        # The baseline given edatalog's f32 GEMMs too, where the block has any that large.
+        routing = onednn_gemms.route()
+        contenders = {
+            "transformers": _switched(routing, False, hf),
+            "transformers+onednn": _switched(routing, True, hf),
+        }
     executables = {}
     for mode in args.modes.split(","):
         exe = edatalog.executable(prog, backend="torch", device=args.device, compile=mode)
         exe.load(dict(weights))
         executables[mode] = exe
-        contenders[f"edatalog/{mode}"] = _caller(exe, xd)
+        call = _caller(exe, xd)
+        contenders[f"edatalog/{mode}"] = call if routing is None else _switched(routing, False, call)
     rows: dict[str, Row] = {}
     for who, call in contenders.items():
         call()  # the first call of a compiled executable runs the interpreter; the second compiles
@@ -184,6 +199,16 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
     return list(rows.values()), shares
 
 
+def _switched(routing: onednn_gemms.Routing, enabled: bool, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with ATen's f32 GEMMs routed to oneDNN (``enabled``) or left to ATen's kernel."""
+
+    def switched() -> Any:
+        routing.enabled = enabled
+        return call()
+
+    return switched
+
+
 def _caller(exe: Any, x: Any) -> Callable[[], Any]:
     def call() -> Any:
         return exe({"x": x})["y"]  # the input in the case's dtype, as transformers gets it
@@ -221,12 +246,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kernels: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}")
         dims = lw.BlockDims().with_text(args.dims) if args.dims else lw.BlockDims()
         print(f"block: {dims}; {args.warmup} warm-up calls, {args.repeat} rounds\n")
-        print(f"{'case':<9}  {'contender':<18}  {'measured ms':>11}  {'/ transformers':>14}  {'max error':>9}")
-        print("-" * 70)
+        head = f"{'case':<9}  {'contender':<19}  {'measured ms':>11}  {'/ transformers':>14}  {'/ +onednn':>9}"
+        print(f"{head}  {'max error':>9}")
+        print("-" * 81)
         base = {r.case: r.ms for r in results if r.contender == "transformers"}
+        fair = {r.case: r.ms for r in results if r.contender == "transformers+onednn"}
         for r in results:
             ratio = r.ms / base[r.case] if r.case in base and r.ok else float("nan")
-            print(f"{r.case:<9}  {r.contender:<18}  {r.ms:>11.2f}  {ratio:>14.2f}  {r.error:>9.1e}")
+            to_fair = f"{r.ms / fair[r.case]:.2f}" if r.case in fair and r.ok else ""
+            print(f"{r.case:<9}  {r.contender:<19}  {r.ms:>11.2f}  {ratio:>14.2f}  {to_fair:>9}  {r.error:>9.1e}")
         if any(profiles.values()):
             print("\nedatalog's time by kernel class (one recorded call of the interpreter, ms):")
         for case, shares in profiles.items():

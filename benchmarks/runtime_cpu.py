@@ -27,6 +27,11 @@ attention, explicit causal mask, the same rotary embeddings) on every rank: the 
 over all ranks and elements, relative to the largest |reference|, at most --tol.  A contender that
 fails is not timed, and the script exits 1.
 
+The ranks' torch programs, the baselines' included, run their large f32 GEMMs on oneDNN, as
+edatalog's runtime runs its own (--baseline-gemms onednn, the default: a baseline gets every trick
+edatalog gets; benchmarks/onednn_gemms.py); --baseline-gemms aten leaves torch's kernels (MKL's
+sgemm, 2.0-2.3x slower on this project's AMD EPYC) as they ship.
+
 Timing: --warmup calls of each contender, then --repeat rounds; each round calls every contender
 once, in turn (so that drift in the machine's load hits all of them alike).  Before each call all
 ranks meet at a barrier; a call's time is the slowest rank's.  The table shows, per contender, the
@@ -64,6 +69,7 @@ if str(HERE) not in sys.path:  # also when loaded by path (tests/edatalog/test_d
     sys.path.insert(0, str(HERE))
 
 import llama_weights  # noqa: E402
+import onednn_gemms  # noqa: E402
 from llama_weights import PROGRAM, BlockDims  # noqa: E402
 
 ROOT = HERE.parent
@@ -131,6 +137,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--timeout", type=float, default=900.0, help="seconds before a stuck rank is given up on (default 900)"
+    )
+    p.add_argument(
+        "--baseline-gemms",
+        choices=("onednn", "aten"),
+        default="onednn",
+        help="the f32 GEMMs of every torch program in the ranks, baselines included: 'onednn' (default) "
+        "routes ATen's large ones to oneDNN as edatalog's runtime runs its own (benchmarks/onednn_gemms.py); "
+        "'aten' leaves torch's kernels (MKL) as they ship",
     )
     p.add_argument("--json", action="store_true", help="print every number as JSON instead of a table")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the launcher
@@ -490,6 +504,8 @@ def run_rank(args: argparse.Namespace, rank: int, world: int) -> int:
     import torch.distributed as dist
 
     started, load_start = time.time(), _load()
+    if args.baseline_gemms == "onednn":
+        onednn_gemms.route()
     dims: BlockDims = args.block
     consts = llama_weights.program_consts(dims)
     weights = llama_weights.make_weights(dims, args.seed)
@@ -545,6 +561,7 @@ def run_rank(args: argparse.Namespace, rank: int, world: int) -> int:
             "repeat": args.repeat,
             "tol": args.tol,
             "topology": args.topology,
+            "baseline_gemms": args.baseline_gemms,
             "results": [r.to_dict() for r in results],
             "skipped": skipped,
             "seconds": time.time() - started,
@@ -617,7 +634,8 @@ def table(report: dict[str, Any]) -> str:
         "versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
         f"block: {' '.join(f'{k}={v}' for k, v in dims.items())}, f32; "
         f"{report['ranks']} ranks x {report['threads']} thread(s), gloo; "
-        f"{report['warmup']} warm-up calls, {report['repeat']} rounds",
+        f"{report['warmup']} warm-up calls, {report['repeat']} rounds; ATen's large f32 GEMMs: "
+        + ("oneDNN, as edatalog's" if report.get("baseline_gemms") == "onednn" else "as torch ships them"),
         "",
     ]
     header = ["contender", "measured ms", "min", "max", "predicted ms", "per rank (median ms)", "check"]

@@ -5,7 +5,9 @@ same batches for every contender: --batch sequences of --seq tokens per step (ea
 and FSDP2 takes its half), the mean cross-entropy over every position, AdamW (betas 0.9/0.95,
 weight decay 0.1, eps 1e-8, lr 1e-3) after global-norm clipping at 1.0, f32.  DDP and FSDP2 use
 torch's fused AdamW kernel (``fused=True``), as edatalog's step does (``--single-tensor-adamw``:
-torch's default on a CPU instead).
+torch's default on a CPU instead), and their large f32 GEMMs on oneDNN, as edatalog's runtime
+runs its own (``--baseline-gemms onednn``, the default: benchmarks/onednn_gemms.py; ``aten``:
+MKL's sgemm, as torch ships it).
 
 - ``ddp``: ``DistributedDataParallel`` around the model, gradients all-reduced in buckets while
   the backward runs;
@@ -49,7 +51,13 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # also when loaded by path (tests/edatalog/test_docs.py)
+    sys.path.insert(0, str(HERE))
+
+import onednn_gemms  # noqa: E402
+
+ROOT = HERE.parent
 PROGRAM = ROOT / "programs" / "llama.edl"
 CONTENDERS = ("ddp", "fsdp2", "edatalog")
 LR, BETAS, WEIGHT_DECAY, CLIP = 1e-3, (0.9, 0.95), 0.1, 1.0
@@ -125,6 +133,8 @@ def torch_rank(contender: str, args: argparse.Namespace, work: Path) -> Run:
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(1)
+    if args.baseline_gemms == "onednn":
+        onednn_gemms.route()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = LlamaForCausalLM.from_pretrained(work / "model", torch_dtype=torch.float32)
@@ -276,7 +286,8 @@ def table(report: dict[str, Any]) -> str:
         f"S={c['seq']}, {c['batch']} sequences/step, f32, AdamW + clip; edatalog's plan: {c['strategy']} on "
         f"{c['topology'] or 'cpux' + str(c['nproc'])}"
         + (f" within {c['memory']} per device" if c.get("memory") else "")
-        + f", made in {report['solve_seconds']:.1f} s ({report.get('plan_strategy', '?')})",
+        + f", made in {report['solve_seconds']:.1f} s ({report.get('plan_strategy', '?')}); "
+        + f"DDP's and FSDP2's large f32 GEMMs: {'oneDNN' if c.get('baseline_gemms') == 'onednn' else 'ATen (MKL)'}",
     )
     return "\n".join(text)
 
@@ -306,6 +317,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         dest="fused",
         action="store_false",
         help="DDP and FSDP2 step with torch's default AdamW on a CPU (a loop over params) instead of its fused kernel",
+    )
+    p.add_argument(
+        "--baseline-gemms",
+        choices=("onednn", "aten"),
+        default="onednn",
+        help="DDP's and FSDP2's large f32 GEMMs, forward and backward: 'onednn' (default) as edatalog's runtime "
+        "runs its own (benchmarks/onednn_gemms.py); 'aten' as torch ships them (MKL)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)

@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from edatalog.backend.calibrating import probe as calibrate_probe
+from edatalog.backend.kernels.arrays import TorchOps
 from edatalog.backend.running.compiled import Compile, compile_mode
 from edatalog.errors import EdlError
 from edatalog.ir.cost import KernelClass, Launches
@@ -322,10 +323,11 @@ def _matmul_rate(
         for _ in range(count)
     ]
     turn = itertools.cycle(pairs)
+    matmul = TorchOps().matmul  # the runtime's GEMM, library choice included (oneDNN for f32 on a CPU)
 
     def call() -> None:
         a, w = next(turn)
-        torch.matmul(a, w)
+        matmul(a, w)
 
     return 2.0 * b * m * k * n / _seconds_per_call(call, sync, sizes)
 

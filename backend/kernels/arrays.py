@@ -362,6 +362,48 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
+# An f32 GEMM on a CPU of at least this many multiply-adds (rows x shared x columns) runs as
+# oneDNN's linear rather than ATen's ``mm``/``linear`` (MKL's sgemm): see :func:`_onednn_linear`.
+ONEDNN_F32_MIN_MACS = 1 << 22
+
+
+@functools.cache
+def _onednn_linear() -> Any:
+    """oneDNN's f32 linear (``torch.ops.mkldnn._linear_pointwise``), where this torch has it;
+    else None.  ATen's f32 ``mm`` on a CPU is MKL's sgemm, and on this project's AMD EPYC (AVX-512)
+    MKL took 2.0-2.3x oneDNN's time for a LLaMA block's GEMMs (512 x 1024 x 2816: 13.6 against
+    6.3 ms, two threads; 25.1 against 11.7, one), and for every shape of at least 4M multiply-adds
+    measured, rows from 1 to 2048; below that, oneDNN's ~10 µs of set-up per call loses (8 x 256
+    x 256: 1.4x MKL's time).  The same arithmetic in another order: results differ from MKL's in
+    the last bits, as two BLAS libraries' do.  bf16 GEMMs already reach oneDNN through ``mm``."""
+    t = torch_module()
+    try:
+        if not t.backends.mkldnn.is_available():
+            return None
+        return t.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def opaque_onednn_linear() -> Any:
+    """:func:`_onednn_linear` as a custom op of its own (``edatalog::onednn_linear(a, w)``), for
+    graphs that inductor compiles: inductor lowers ``mkldnn._linear_pointwise`` only for weights
+    that are constants of a frozen graph, and calls a custom op as the opaque kernel it is."""
+    t = torch_module()
+    linear = _onednn_linear()
+
+    @t.library.custom_op("edatalog::onednn_linear", mutates_args=(), schema="(Tensor a, Tensor w) -> Tensor")
+    def onednn_linear(a: Any, w: Any) -> Any:
+        return linear(a, w, None, "none", [], "")
+
+    @onednn_linear.register_fake
+    def _(a: Any, w: Any) -> Any:
+        return a.new_empty((*a.shape[:-1], w.shape[0]))
+
+    return t.ops.edatalog.onednn_linear.default
+
+
 class TorchOps(ArrayOps):
     """torch tensors on any device.  New arrays go where the inputs are; ``device`` is where those
     with no input to follow go (None: torch's default)."""
@@ -498,6 +540,16 @@ class TorchOps(ArrayOps):
         a, b = a.to(dtype), b.to(dtype)
         if not dtype.is_floating_point and a.device.type != "cpu":  # CUDA has no integer matmul
             return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2, dtype=dtype)
+        if (
+            dtype == t.float32
+            and a.ndim == 2
+            and b.ndim == 2
+            and a.device.type == "cpu"
+            and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_F32_MIN_MACS
+            and not (t.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no autograd formula
+            and _onednn_linear() is not None
+        ):
+            return _onednn_linear()(a, b.mT, None, "none", [], "")
         if dtype.is_floating_point and a.ndim == 2 and b.ndim == 2 and b.mT.is_contiguous():
             # x @ W.T with W laid out (out, in), as a Linear layer's weight: torch's linear takes
             # a faster way than matmul's for it (oneDNN on CPU; bf16 3.1 against 3.6-4.5 ms).

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from edatalog.backend.kernels.arrays import TorchOps, torch_module
+from edatalog.backend.kernels.arrays import TorchOps, opaque_onednn_linear, torch_module
 from edatalog.backend.lowering.lowered import Lowered
 from edatalog.backend.running.cudagraphs import CudaGraphed, capturable
 from edatalog.backend.running.fxpasses import simplify
@@ -450,9 +450,28 @@ def inductor(gm: Any, args: Sequence[Any], summary: dict[str, int]) -> Callable[
         "compiling %d ops with inductor (a first compile takes tens of seconds; inductor caches it)", summary["nodes"]
     )
     began = time.perf_counter()
+    opaque_gemms(gm)
     compiled: Callable[..., Any] = compile_fx(gm, list(args))  # type: ignore[assignment]
     NOTICES.info("compiled with inductor in %.1f s", time.perf_counter() - began)
     return compiled
+
+
+def opaque_gemms(gm: Any) -> int:
+    """oneDNN's linear calls of ``gm`` (:mod:`edatalog.backend.kernels.arrays`) as the custom op
+    inductor calls as it is (:func:`~edatalog.backend.kernels.arrays.opaque_onednn_linear`);
+    returns how many."""
+    target = torch_module().ops.mkldnn._linear_pointwise.default
+    found = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is target and n.args[2:4] == (None, "none") and not n.kwargs
+    ]
+    for node in found:
+        a, w = node.args[:2]
+        node.target, node.args, node.kwargs = opaque_onednn_linear(), (a, w), {}
+    if found:
+        gm.recompile()
+    return len(found)
 
 
 def _signature(whole: Mapping[str, Any]) -> Signature:

@@ -92,8 +92,17 @@ def exact_in_any_layout(node: Any) -> bool:
     return name in LAYOUT_EXACT and node.kwargs.get("alpha", 1) == 1
 
 
+# Ops outside ATen whose result is always memory of its own (oneDNN's linear, which the torch
+# kernels call for large f32 GEMMs on a CPU): other namespaces are not trusted to say so (a
+# functional collective's wait returns its argument under a schema that claims a fresh result).
+FRESH_OUTSIDE_ATEN = frozenset({"mkldnn::_linear_pointwise", "edatalog::onednn_linear"})
+
+
 def aliased_args(node: Any) -> list[Any]:
     """The graph nodes whose memory ``node``'s result may alias."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is not None and schema.name in FRESH_OUTSIDE_ATEN:
+        return []
     written = writes(node)
     if written is not None:
         return [written]

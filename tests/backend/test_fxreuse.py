@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import edatalog
-from edatalog.backend.running import fxpasses, fxreuse
+from edatalog.backend.kernels.arrays import _onednn_linear
+from edatalog.backend.running import fxnodes, fxpasses, fxreuse
 from edatalog.backend.running.compiled import CompiledExecutable
 from edatalog.backend.running.tracer import record
 
@@ -77,6 +78,25 @@ def test_a_call_outside_aten_may_alias_what_it_reads() -> None:
     x, y = torch.randn(16, 16), torch.randn(16, 16)
     gm, _ = _simplified(fn, [x, y])
     _same(gm(x, y), fn(x, y))
+
+
+@pytest.mark.skipif(_onednn_linear() is None, reason="this torch has no oneDNN")
+def test_onednn_linear_makes_memory_of_its_own() -> None:
+    """oneDNN's linear (the torch kernels' large f32 GEMMs on a CPU) is trusted to return a
+    fresh tensor: its operands' buffers may be written once it has read them."""
+
+    def fn(x: Any, w: Any) -> list[Any]:
+        a = x * 2.0
+        y = torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")  # a dies here
+        return [torch.exp(y)]  # may take a's memory
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    rec = record(fn, [x, w])
+    linear = next(n for n in rec.graph.nodes if "linear_pointwise" in str(n.target))
+    assert fxnodes.aliased_args(linear) == []
+    gm, reused = _simplified(fn, [x, w])
+    assert reused >= 1
+    _same(gm(x, w), fn(x, w))
 
 
 def test_a_reshape_that_copies_keeps_its_copy_alive() -> None:

@@ -26,7 +26,7 @@ from hypothesis import given
 
 import edatalog
 from edatalog.backend.kernels import joinagg
-from edatalog.backend.kernels.arrays import NUMPY, TORCH, TorchOps, _cpu_has_bf16
+from edatalog.backend.kernels.arrays import NUMPY, ONEDNN_F32_MIN_MACS, TORCH, TorchOps, _cpu_has_bf16, _onednn_linear
 from edatalog.backend.kernels.contract import contract
 from edatalog.backend.kernels.joinagg import evaluate_node
 from edatalog.backend.kernels.reference import Value, evaluate, write_cells
@@ -413,3 +413,76 @@ def test_half_precision_gemms_run_natively_where_the_library_accumulates_in_f32(
     want = inputs["x"].astype(np.float32) @ inputs["w"].astype(np.float32)
     assert got.dtype == (torch.bfloat16 if _cpu_has_bf16() else torch.float32)  # widened: rounded by the caller
     np.testing.assert_allclose(got.float().numpy(), want, rtol=2.0**-8, atol=1e-6)
+
+
+_DispatchMode: Any = torch.utils._python_dispatch.TorchDispatchMode
+
+
+class _OpsSeen(_DispatchMode):  # type: ignore[misc]
+    """Records the name of every op torch dispatches while it is active."""
+
+    names: list[str]
+
+    def __enter__(self) -> _OpsSeen:
+        self.names = []
+        super().__enter__()
+        return self
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(_onednn_linear() is None, reason="this torch has no oneDNN")
+def test_large_f32_gemms_on_a_cpu_run_as_onednn_linear() -> None:
+    """An f32 matmul of at least ``ONEDNN_F32_MIN_MACS`` multiply-adds on a CPU is oneDNN's
+    linear, whatever the operands' strides; a smaller one, another dtype, or one autograd
+    records stays ATen's.  Each gives the f64 product to f32's accuracy."""
+    rng = np.random.default_rng(0)
+    rows = ONEDNN_F32_MIN_MACS // (256 * 256)
+
+    def ops(a: Any, b: Any) -> list[str]:
+        with _OpsSeen() as seen:
+            got = TORCH.matmul(a, b)
+        want = a.detach().double().numpy() @ b.detach().double().numpy()
+        np.testing.assert_allclose(got.detach().double().numpy(), want, rtol=1e-5, atol=1e-4)
+        return seen.names
+
+    big = torch.from_numpy(rng.standard_normal((rows, 256), dtype=np.float32))
+    w = torch.from_numpy(rng.standard_normal((256, 256), dtype=np.float32))
+    assert any("mkldnn._linear_pointwise" in n for n in ops(big, w))
+    assert any("mkldnn._linear_pointwise" in n for n in ops(big.T.contiguous().T, w.T.contiguous()))
+    assert not any("mkldnn" in n for n in ops(big[: rows - 1], w))  # one row short of the threshold
+    assert not any("mkldnn" in n for n in ops(big.double(), w.double()))
+    assert not any("mkldnn" in n for n in ops(big, w.requires_grad_()))
+
+
+LARGE_GEMM = """
+dim M = 96, K = 256, N = 384.
+input x[M, K] : f32.
+param w[N, K] : f32.
+output y, z.
+y[m, n] += x[m, k] * w[n, k].
+z[m, n] += y[m, k] * w[k, n].
+"""
+
+
+@pytest.mark.parametrize("compile_mode", ["none", "graph", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_large_gemms_of_a_program_match_the_reference(compile_mode: str) -> None:
+    """A program whose f32 GEMMs take oneDNN's path (9M multiply-adds) gives the numpy
+    reference's relations, interpreted, as a recorded graph, and compiled by inductor (which
+    calls them as an opaque custom op: it lowers oneDNN's linear only for frozen weights)."""
+    prog = _compile(LARGE_GEMM)
+    inputs = prog.random_inputs(1)
+    exe = edatalog.executable(prog, backend="torch", device="cpu", compile=compile_mode)
+    exe.load({"w": torch.from_numpy(inputs["w"])})
+    for _ in range(2):  # a compiled executable records (and compiles) on its second call
+        exe({"x": torch.from_numpy(inputs["x"])})
+    with _OpsSeen() as seen:
+        got = exe({"x": torch.from_numpy(inputs["x"])})
+    if _onednn_linear() is not None:
+        called = "edatalog.onednn_linear" if compile_mode == "inductor" else "mkldnn._linear_pointwise"
+        assert sum(called in n for n in seen.names) == 2, seen.names
+    want = evaluate(prog.graph, inputs)
+    for name in ("y", "z"):
+        np.testing.assert_allclose(_host(got[name]), want[name].data, rtol=1e-4, atol=1e-3)

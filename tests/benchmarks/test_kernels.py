@@ -28,3 +28,15 @@ def test_every_case_matches_transformers() -> None:
     for case, shares in report["profile"].items():
         assert {"contraction", "fused attention"} <= set(shares), case
         assert all(v >= 0 for v in shares.values()), case
+
+
+def test_the_baseline_takes_onednn_where_edatalog_does() -> None:
+    """At dims with a GEMM of oneDNN's size (64 x 256 x 256), the f32 case also times transformers'
+    layer with its GEMMs routed as edatalog's are; both still reproduce the reference."""
+    cmd = [sys.executable, str(SCRIPT), "--dims", "S=64,D=256,H=4,F=256", "--cases", "f32-mha"]
+    cmd += ["--warmup", "0", "--repeat", "1", "--modes", "graph", "--json"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = {r["contender"]: r for r in json.loads(done.stdout)["results"]}
+    assert set(rows) == {"transformers", "transformers+onednn", "edatalog/graph"}
+    assert all(r["ok"] and r["error"] <= 1e-4 for r in rows.values()), rows
