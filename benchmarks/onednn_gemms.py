@@ -2,7 +2,7 @@
 
 edatalog's torch runtime runs an f32 GEMM of at least ``ONEDNN_F32_MIN_MACS`` multiply-adds on
 a CPU as oneDNN's linear, not as ATen's ``mm`` (MKL's sgemm), which took 2.0-2.3x oneDNN's time
-on this project's AMD EPYC (:func:`edatalog.backend.kernels.arrays._onednn_linear`).  A baseline
+on this project's AMD EPYC (:func:`edatalog.backend.kernels.arrays.onednn_linear_op`).  A baseline
 gets every trick edatalog gets: :func:`route` re-registers ATen's CPU ``mm`` and ``addmm`` so
 that, while :attr:`Routing.enabled`, every torch program in the process (transformers' layers,
 DTensor's local GEMMs, DDP's and FSDP2's forward and backward, a hand-written tensor-parallel
@@ -46,7 +46,7 @@ def route() -> Routing:
         return _ROUTING
     import torch
 
-    from edatalog.backend.kernels.arrays import ONEDNN_F32_MIN_MACS
+    from edatalog.backend.kernels.arrays import ONEDNN_F32_MIN_MACS, overlaps
 
     linear = torch.ops.mkldnn._linear_pointwise.default
     mm_out, addmm_out = torch.ops.aten.mm.out, torch.ops.aten.addmm.out
@@ -57,6 +57,7 @@ def route() -> Routing:
             and a.dtype == torch.float32
             and b.dtype == torch.float32
             and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_F32_MIN_MACS
+            and not overlaps(b)
         )
 
     def mm(a: Any, b: Any) -> Any:
@@ -65,7 +66,9 @@ def route() -> Routing:
         return mm_out(a, b, out=a.new_empty((a.shape[0], b.shape[1]), dtype=torch.promote_types(a.dtype, b.dtype)))
 
     def addmm(bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
-        if pays(a, b) and beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == b.shape[1]:
+        # oneDNN reads a bias as one contiguous f32 row: any other goes to ATen.
+        row = bias.dim() == 1 and bias.shape[0] == b.shape[1] and bias.is_contiguous() and bias.dtype == torch.float32
+        if pays(a, b) and beta == 1 and alpha == 1 and row:
             return linear(a, b.mT, bias, "none", [], "")
         out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.promote_types(a.dtype, b.dtype))
         return addmm_out(bias, a, b, beta=beta, alpha=alpha, out=out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -363,12 +364,12 @@ def _cpu_has_bf16() -> bool:
 
 
 # An f32 GEMM on a CPU of at least this many multiply-adds (rows x shared x columns) runs as
-# oneDNN's linear rather than ATen's ``mm``/``linear`` (MKL's sgemm): see :func:`_onednn_linear`.
+# oneDNN's linear rather than ATen's ``mm``/``linear`` (MKL's sgemm): see :func:`onednn_linear_op`.
 ONEDNN_F32_MIN_MACS = 1 << 22
 
 
 @functools.cache
-def _onednn_linear() -> Any:
+def onednn_linear_op() -> Any:
     """oneDNN's f32 linear (``torch.ops.mkldnn._linear_pointwise``), where this torch has it;
     else None.  ATen's f32 ``mm`` on a CPU is MKL's sgemm, and on this project's AMD EPYC (AVX-512)
     MKL took 2.0-2.3x oneDNN's time for a LLaMA block's GEMMs (512 x 1024 x 2816: 13.6 against
@@ -385,13 +386,22 @@ def _onednn_linear() -> Any:
         return None
 
 
+def overlaps(a: Array) -> bool:
+    """Whether two cells of torch tensor ``a`` share memory without a zero stride making them
+    copies of one (an ``as_strided`` sliding window: oneDNN refuses such operands, ATen takes
+    them): its dims of more than one cell and a stride, by stride, each step past the last
+    cell of the one before."""
+    dims = sorted((st, n) for n, st in zip(a.shape, a.stride(), strict=True) if n > 1 and st != 0)
+    return any(st < prev_st * prev_n for (prev_st, prev_n), (st, _) in itertools.pairwise(dims))
+
+
 @functools.cache
 def opaque_onednn_linear() -> Any:
-    """:func:`_onednn_linear` as a custom op of its own (``edatalog::onednn_linear(a, w)``), for
+    """:func:`onednn_linear_op` as a custom op of its own (``edatalog::onednn_linear(a, w)``), for
     graphs that inductor compiles: inductor lowers ``mkldnn._linear_pointwise`` only for weights
     that are constants of a frozen graph, and calls a custom op as the opaque kernel it is."""
     t = torch_module()
-    linear = _onednn_linear()
+    linear = onednn_linear_op()
 
     @t.library.custom_op("edatalog::onednn_linear", mutates_args=(), schema="(Tensor a, Tensor w) -> Tensor")
     def onednn_linear(a: Any, w: Any) -> Any:
@@ -547,9 +557,11 @@ class TorchOps(ArrayOps):
             and a.device.type == "cpu"
             and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_F32_MIN_MACS
             and not (t.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no autograd formula
-            and _onednn_linear() is not None
+            and onednn_linear_op() is not None
+            and t.backends.mkldnn.enabled  # a user's torch.backends.mkldnn.flags(enabled=False) holds
+            and not overlaps(b)  # oneDNN takes no weight whose rows share memory (a sliding window)
         ):
-            return _onednn_linear()(a, b.mT, None, "none", [], "")
+            return onednn_linear_op()(a, b.mT, None, "none", [], "")
         if dtype.is_floating_point and a.ndim == 2 and b.ndim == 2 and b.mT.is_contiguous():
             # x @ W.T with W laid out (out, in), as a Linear layer's weight: torch's linear takes
             # a faster way than matmul's for it (oneDNN on CPU; bf16 3.1 against 3.6-4.5 ms).

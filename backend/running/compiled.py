@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from edatalog.backend.kernels.arrays import TorchOps, opaque_onednn_linear, torch_module
+from edatalog.backend.kernels.arrays import TorchOps, onednn_linear_op, opaque_onednn_linear, torch_module
 from edatalog.backend.lowering.lowered import Lowered
 from edatalog.backend.running.cudagraphs import CudaGraphed, capturable
 from edatalog.backend.running.fxpasses import simplify
@@ -460,7 +460,9 @@ def opaque_gemms(gm: Any) -> int:
     """oneDNN's linear calls of ``gm`` (:mod:`edatalog.backend.kernels.arrays`) as the custom op
     inductor calls as it is (:func:`~edatalog.backend.kernels.arrays.opaque_onednn_linear`);
     returns how many."""
-    target = torch_module().ops.mkldnn._linear_pointwise.default
+    target = onednn_linear_op()
+    if target is None:
+        return 0
     found = [
         n
         for n in gm.graph.nodes

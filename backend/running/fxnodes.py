@@ -98,10 +98,15 @@ def exact_in_any_layout(node: Any) -> bool:
 FRESH_OUTSIDE_ATEN = frozenset({"mkldnn::_linear_pointwise", "edatalog::onednn_linear"})
 
 
+def fresh_outside_aten(node: Any) -> bool:
+    """Whether ``node`` calls one of :data:`FRESH_OUTSIDE_ATEN`."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.name in FRESH_OUTSIDE_ATEN
+
+
 def aliased_args(node: Any) -> list[Any]:
     """The graph nodes whose memory ``node``'s result may alias."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is not None and schema.name in FRESH_OUTSIDE_ATEN:
+    if fresh_outside_aten(node):
         return []
     written = writes(node)
     if written is not None:

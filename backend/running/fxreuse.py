@@ -40,7 +40,16 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from edatalog.backend.running.fxnodes import POINTWISE, aliased_args, aten_of, is_contiguous, is_view, name_of, writes
+from edatalog.backend.running.fxnodes import (
+    POINTWISE,
+    aliased_args,
+    aten_of,
+    fresh_outside_aten,
+    is_contiguous,
+    is_view,
+    name_of,
+    writes,
+)
 from edatalog.backend.running.tracer import Geometry
 
 MIN_BYTES = 256 * 1024  # smaller buffers come from the allocator's free lists: a view would cost more than it saves
@@ -79,7 +88,11 @@ def out_variant(overload: Any) -> Any | None:
 
 
 def _fresh(node: Any) -> bool:
-    """Whether ``node`` is an ATen call whose one tensor result is memory of its own."""
+    """Whether ``node`` is an ATen call whose one tensor result is memory of its own, or one
+    of the few ops outside ATen known to make theirs (``FRESH_OUTSIDE_ATEN``: with no ``out=``
+    they always allocate, but what dies after them can be given their memory)."""
+    if fresh_outside_aten(node):
+        return True
     aten = aten_of(node)
     if aten is None or writes(node) is not None or is_view(node):
         return False

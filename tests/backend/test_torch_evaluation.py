@@ -26,7 +26,15 @@ from hypothesis import given
 
 import edatalog
 from edatalog.backend.kernels import joinagg
-from edatalog.backend.kernels.arrays import NUMPY, ONEDNN_F32_MIN_MACS, TORCH, TorchOps, _cpu_has_bf16, _onednn_linear
+from edatalog.backend.kernels.arrays import (
+    NUMPY,
+    ONEDNN_F32_MIN_MACS,
+    TORCH,
+    TorchOps,
+    _cpu_has_bf16,
+    onednn_linear_op,
+    overlaps,
+)
 from edatalog.backend.kernels.contract import contract
 from edatalog.backend.kernels.joinagg import evaluate_node
 from edatalog.backend.kernels.reference import Value, evaluate, write_cells
@@ -433,7 +441,7 @@ class _OpsSeen(_DispatchMode):  # type: ignore[misc]
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.skipif(_onednn_linear() is None, reason="this torch has no oneDNN")
+@pytest.mark.skipif(onednn_linear_op() is None, reason="this torch has no oneDNN")
 def test_large_f32_gemms_on_a_cpu_run_as_onednn_linear() -> None:
     """An f32 matmul of at least ``ONEDNN_F32_MIN_MACS`` multiply-adds on a CPU is oneDNN's
     linear, whatever the operands' strides; a smaller one, another dtype, or one autograd
@@ -454,6 +462,11 @@ def test_large_f32_gemms_on_a_cpu_run_as_onednn_linear() -> None:
     assert any("mkldnn._linear_pointwise" in n for n in ops(big.T.contiguous().T, w.T.contiguous()))
     assert not any("mkldnn" in n for n in ops(big[: rows - 1], w))  # one row short of the threshold
     assert not any("mkldnn" in n for n in ops(big.double(), w.double()))
+    window = torch.from_numpy(rng.standard_normal(2 * 256, dtype=np.float32)).as_strided((256, 256), (1, 1))
+    assert overlaps(window) and not overlaps(w) and not overlaps(w.T) and not overlaps(big[:1].expand(rows, 256))
+    assert not any("mkldnn" in n for n in ops(big, window))  # oneDNN refuses a weight whose rows overlap
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not any("mkldnn" in n for n in ops(big, w))
     assert not any("mkldnn" in n for n in ops(big, w.requires_grad_()))
 
 
@@ -465,6 +478,23 @@ output y, z.
 y[m, n] += x[m, k] * w[n, k].
 z[m, n] += y[m, k] * w[k, n].
 """
+
+
+def test_a_gemm_over_a_sliding_window_matches_the_reference() -> None:
+    """``y[m, l] += w[m, k] * x[l + k]`` of 8M multiply-adds: its right operand is a view of
+    ``x`` whose rows overlap, which oneDNN refuses; it stays ATen's, interpreted and recorded."""
+    prog = _compile(
+        "dim M = 256, K = 128, L = 256, T = L + K - 1.\ninput x[T] : f32.\nparam w[M, K] : f32.\n"
+        "y[m, l:L] += w[m, k] * x[l + k].\n"
+    )
+    inputs = prog.random_inputs(0)
+    want = evaluate(prog.graph, inputs)["y"].data
+    for mode in ("none", "graph"):
+        exe = edatalog.executable(prog, backend="torch", device="cpu", compile=mode)
+        exe.load({"w": torch.from_numpy(inputs["w"])})
+        for _ in range(3):
+            got = exe({"x": torch.from_numpy(inputs["x"])})
+        np.testing.assert_allclose(_host(got["y"]), want, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("compile_mode", ["none", "graph", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -480,7 +510,7 @@ def test_large_gemms_of_a_program_match_the_reference(compile_mode: str) -> None
         exe({"x": torch.from_numpy(inputs["x"])})
     with _OpsSeen() as seen:
         got = exe({"x": torch.from_numpy(inputs["x"])})
-    if _onednn_linear() is not None:
+    if onednn_linear_op() is not None:
         called = "edatalog.onednn_linear" if compile_mode == "inductor" else "mkldnn._linear_pointwise"
         assert sum(called in n for n in seen.names) == 2, seen.names
     want = evaluate(prog.graph, inputs)

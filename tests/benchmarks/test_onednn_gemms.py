@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edatalog.backend.kernels.arrays import _onednn_linear
+from edatalog.backend.kernels.arrays import onednn_linear_op
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +41,12 @@ assert onednn_calls(lambda: got[0].sum().backward()) == 2  # both gradients are 
 assert (xf.grad.double() - torch.ones(64, 256, dtype=torch.float64) @ w).abs().max() <= 1e-3
 assert onednn_calls(lambda: torch.mm(xf[:63].detach(), wf.detach())) == 0  # one row short
 assert onednn_calls(lambda: torch.mm(x, w)) == 0  # f64
+xd, wd = xf.detach(), wf.detach()
+strided = torch.randn(512)[::2]  # oneDNN would read a bias as contiguous: ATen's addmm takes it
+assert onednn_calls(lambda: torch.addmm(strided, xd, wd)) == 0
+assert torch.allclose(torch.addmm(strided, xd, wd), xd @ wd + strided, rtol=1e-4, atol=1e-3)
+window = torch.randn(512).as_strided((256, 256), (1, 1))  # rows that overlap: oneDNN refuses them
+assert onednn_calls(lambda: torch.mm(xd, window)) == 0
 routing.enabled = False
 assert onednn_calls(lambda: torch.mm(xf.detach(), wf.detach())) == 0
 assert torch.equal(torch.mm(xf.detach(), wf.detach()), torch.mm(xf.detach(), wf.detach()))
@@ -48,7 +54,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(_onednn_linear() is None, reason="this torch has no oneDNN")
+@pytest.mark.skipif(onednn_linear_op() is None, reason="this torch has no oneDNN")
 def test_routed_gemms_run_on_onednn_by_edatalogs_rule() -> None:
     done = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout[-2000:] + done.stderr[-4000:]
