@@ -6,6 +6,7 @@ writes.  Shared by the graph passes (:mod:`edatalog.backend.running.fxpasses`,
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 from edatalog.backend.running.tracer import Geometry
@@ -148,6 +149,17 @@ def same_layout(a: Geometry, b: Geometry) -> bool:
 def is_contiguous(g: Geometry) -> bool:
     """Whether ``g`` is laid out as a fresh contiguous tensor of its sizes (from its offset)."""
     return same_layout(g, (g[0], contiguous_strides(g[0]), g[2], g[3]))
+
+
+def in_row_major_order(g: Geometry) -> bool:
+    """Whether ``g``'s dims of more than one cell step through memory strictly outermost first,
+    none broadcast (a contiguous tensor, or a slice of one).  A pointwise op whose first say
+    on the result's layout is such an operand makes a fresh contiguous result, as it would from
+    a contiguous copy of it: torch lays a fresh result out in its operands' stride order, and
+    a transposed operand gives a transposed result, which a later reduction or GEMM reads in
+    another order (other bits)."""
+    strides = [st for n, st in zip(g[0], g[1], strict=True) if n > 1]
+    return all(st > 0 for st in strides) and all(a > b for a, b in itertools.pairwise(strides))
 
 
 def is_view(node: Any) -> bool:

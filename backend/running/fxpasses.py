@@ -27,7 +27,9 @@ them:
   one relation cut into blocks) is put together once;
 - :func:`copies_into_fresh`: a fresh buffer filled with a copy of a view and then updated in
   place (``e = empty(s); e.copy_(v); mul(e, c, out=e)``, the interpreter's way to own an array
-  it may write) becomes the out-of-place op on the view itself (``mul(v, c)``);
+  it may write) becomes the out-of-place op on the view itself (``mul(v, c)``), where the view
+  steps through memory in row-major order (a transposed one would make a transposed result,
+  which a later reduction or GEMM reads in another order);
 - :func:`copies_only_read`: such a copy that pointwise ops then only read (a fused op reads
   it where a multiplication used to update it) is the view itself;
 - :func:`edatalog.backend.running.fxplacing.results_in_place` and
@@ -56,7 +58,14 @@ from typing import Any
 from edatalog.backend.kernels.arrays import torch_module
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
-from edatalog.backend.running.fxnodes import exact_in_any_layout, functional_variant, list_writes, nodes_in, same_layout
+from edatalog.backend.running.fxnodes import (
+    exact_in_any_layout,
+    functional_variant,
+    in_row_major_order,
+    list_writes,
+    nodes_in,
+    same_layout,
+)
 from edatalog.backend.running.fxnodes import is_view as _is_view
 from edatalog.backend.running.fxnodes import name_of as _name
 from edatalog.backend.running.fxnodes import writes as _writes
@@ -470,6 +479,8 @@ def _copied_view(node: Any, order: dict[Any, Any], shapes: dict[Any, Geometry]) 
     source = copy.args[1]
     if source not in shapes or node not in shapes or shapes[source][::3] != shapes[node][::3]:
         return None  # not the same sizes and dtype
+    if not in_row_major_order(shapes[source]):
+        return None  # ops on the view would make results laid out otherwise than the copy's
     return copy, source, rest
 
 

@@ -447,6 +447,32 @@ def test_a_copy_stays_where_its_view_is_written_or_it_is_read_otherwise() -> Non
             assert torch.equal(got, w)
 
 
+def test_a_copy_of_a_transposed_view_stays() -> None:
+    """Ops on a transposed view make transposed results, which a row sum or a GEMM reads in
+    another order than the copy's (other bits): the copy of such a view stays, in both passes."""
+
+    def updated(x: Any) -> list[Any]:
+        owned = torch.empty((x.shape[1], x.shape[0]))
+        owned.copy_(x.t())
+        torch.mul(owned, 3.0, out=owned)
+        return [owned.sum(-1), owned @ torch.ones(x.shape[0], 7)]
+
+    def read(x: Any) -> list[Any]:
+        owned = torch.empty((x.shape[1], x.shape[0]))
+        owned.copy_(x.t())
+        made = torch.mul(owned, 3.0)
+        return [made.sum(-1), made @ torch.ones(x.shape[0], 7)]
+
+    for fn, rewrite in ((updated, fxpasses.copies_into_fresh), (read, fxpasses.copies_only_read)):
+        x = torch.randn(1000, 64)
+        module, graph, shapes, want = _graph(fn, x)
+        fxpasses.fold_views(graph, shapes)
+        assert rewrite(graph, shapes) == 0, fn.__name__
+        gm = torch.fx.GraphModule(module, graph)
+        for got, w in zip(gm(x), want, strict=True):
+            assert torch.equal(got, w), fn.__name__
+
+
 def test_simplify_keeps_the_results_of_a_traced_block_bit_for_bit() -> None:
     prog = _llama()
     exe, ref, inputs = _pair(prog)
