@@ -442,6 +442,7 @@ class _OpsSeen(_DispatchMode):  # type: ignore[misc]
 
 
 @pytest.mark.skipif(onednn_linear_op() is None, reason="this torch has no oneDNN")
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch's, from mkldnn.flags
 def test_large_f32_gemms_on_a_cpu_run_as_onednn_linear() -> None:
     """An f32 matmul of at least ``ONEDNN_F32_MIN_MACS`` multiply-adds on a CPU is oneDNN's
     linear, whatever the operands' strides; a smaller one, another dtype, or one autograd
