@@ -115,8 +115,9 @@ def _rank(flops: float, copy: float, floor: float, links: dict[str, Any], overhe
 
 
 def test_the_machine_is_the_slowest_ranks() -> None:
-    """From made-up measurements: device rates are the slowest rank's; the link's latency is half
-    a small ping-pong, its bandwidth the exchange's bytes over its time less that latency."""
+    """From made-up measurements: device rates are the slowest rank's; the link's latency is the
+    slowest rank's small message after computing, at least half a small ping-pong; its bandwidth
+    the exchange's bytes over its time less the ping-pong's latency."""
     sizes = cal.QUICK
     latency, exchange = 1e-4, 2e-3
     links = {
@@ -125,13 +126,17 @@ def test_the_machine_is_the_slowest_ranks() -> None:
         "collective_bytes": 1 << 16,
         "all_reduce": 1e-3,
         "small_all_reduce": 3e-4,
+        "small_message": 5e-5,  # less than the idle ping-pong's: the latency stays the ping-pong's
         "reduce_scatter": 5e-4,
         "overlap": {"compute": 3e-3, "both": 4e-3},
     }
     slow = dict(links, exchange=2 * exchange, small_all_reduce=5e-4, overlap={"compute": 3.5e-3, "both": 5e-3})
+    slower = dict(slow, small_message=3e-4)
     opts = cal.Options(nproc=2, quick=True).resolved()
     result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links, 4e-5), 1: _rank(1e10, 2e10, 3e-6, slow)})
     topo = result.topology
+    busy = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links, 4e-5), 1: _rank(1e10, 2e10, 3e-6, slower)})
+    assert busy.topology.intra.latency == 3e-4 and busy.measured["p2p"]["latency"] == latency
     assert topo.devices[0].flops == 1e10 and topo.devices[0].bandwidth == 1e10 and topo.kernel_floor == 3e-6
     assert topo.call_overhead == 4e-5  # the slowest rank's too
     assert topo.intra.name == "gloo" and topo.intra.latency == latency
@@ -283,7 +288,9 @@ def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     m = result.measured
     assert m["backend"] == "gloo" and m["threads"] == 1
     assert sorted(m["p2p"]["one_way"], key=int) == [str(b) for b in cal.QUICK.p2p_bytes]
-    assert m["p2p"]["latency"] == topo.intra.latency
+    # The link's latency is a message as programs meet them, right after computing: no less than
+    # the idle ping-pong's (kept in [measured.p2p]).
+    assert topo.intra.latency == max(m["p2p"]["latency"], m["small_message"]["seconds"])
     assert m["exchange"]["bandwidth"] == topo.intra.bandwidth
     assert 0 <= topo.intra.interference <= 1 and m["overlap"]["interference"] == topo.intra.interference
     for op in ("all_reduce", "reduce_scatter"):
