@@ -46,19 +46,13 @@ def route() -> Routing:
         return _ROUTING
     import torch
 
-    from edatalog.backend.kernels.arrays import ONEDNN_F32_MIN_MACS, overlaps
+    from edatalog.backend.kernels.arrays import onednn_takes
 
     linear = torch.ops.mkldnn._linear_pointwise.default
     mm_out, addmm_out = torch.ops.aten.mm.out, torch.ops.aten.addmm.out
 
     def pays(a: Any, b: Any) -> bool:
-        return bool(
-            routing.enabled
-            and a.dtype == torch.float32
-            and b.dtype == torch.float32
-            and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_F32_MIN_MACS
-            and not overlaps(b)
-        )
+        return routing.enabled and onednn_takes(a, b)
 
     def mm(a: Any, b: Any) -> Any:
         if pays(a, b):

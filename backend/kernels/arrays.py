@@ -395,6 +395,26 @@ def overlaps(a: Array) -> bool:
     return any(st < prev_st * prev_n for (prev_st, prev_n), (st, _) in itertools.pairwise(dims))
 
 
+def onednn_takes(a: Array, b: Array) -> bool:
+    """Whether the product ``a @ b`` of two torch matrices runs as oneDNN's linear: both f32, on
+    a CPU, at least :data:`ONEDNN_F32_MIN_MACS` multiply-adds, where this torch has oneDNN and a
+    user has not turned it off (``torch.backends.mkldnn.flags(enabled=False)``), and ``b`` has
+    no rows that share memory (a sliding window, which oneDNN refuses).  The one rule, for the
+    runtime's GEMMs and for the benchmarks' baselines (``benchmarks/onednn_gemms.py``)."""
+    t = torch_module()
+    return bool(
+        a.dtype == t.float32
+        and b.dtype == t.float32
+        and a.ndim == 2
+        and b.ndim == 2
+        and a.device.type == "cpu"
+        and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_F32_MIN_MACS
+        and onednn_linear_op() is not None
+        and t.backends.mkldnn.enabled
+        and not overlaps(b)
+    )
+
+
 @functools.cache
 def opaque_onednn_linear() -> Any:
     """:func:`onednn_linear_op` as a custom op of its own (``edatalog::onednn_linear(a, w)``), for
@@ -550,18 +570,8 @@ class TorchOps(ArrayOps):
         a, b = a.to(dtype), b.to(dtype)
         if not dtype.is_floating_point and a.device.type != "cpu":  # CUDA has no integer matmul
             return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2, dtype=dtype)
-        if (
-            dtype == t.float32
-            and a.ndim == 2
-            and b.ndim == 2
-            and a.device.type == "cpu"
-            and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_F32_MIN_MACS
-            and not (t.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no autograd formula
-            and onednn_linear_op() is not None
-            and t.backends.mkldnn.enabled  # a user's torch.backends.mkldnn.flags(enabled=False) holds
-            and not overlaps(b)  # oneDNN takes no weight whose rows share memory (a sliding window)
-        ):
-            return onednn_linear_op()(a, b.mT, None, "none", [], "")
+        if onednn_takes(a, b) and not (t.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+            return onednn_linear_op()(a, b.mT, None, "none", [], "")  # no autograd formula: not under it
         if dtype.is_floating_point and a.ndim == 2 and b.ndim == 2 and b.mT.is_contiguous():
             # x @ W.T with W laid out (out, in), as a Linear layer's weight: torch's linear takes
             # a faster way than matmul's for it (oneDNN on CPU; bf16 3.1 against 3.6-4.5 ms).
