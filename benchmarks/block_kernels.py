@@ -16,7 +16,11 @@ decoder block (default D=1024, H=16, F=2816, S=512, B=1) run by:
 On a CPU, f32 cases whose block has a GEMM large enough for oneDNN (as edatalog's torch runtime
 decides: benchmarks/onednn_gemms.py) also time "transformers+onednn": the same layer with
 ATen's f32 GEMMs routed to oneDNN by the same rule, since a baseline gets every trick edatalog
-gets; "transformers" is the layer as it ships (MKL's sgemm).
+gets; "transformers" is the layer as it ships (MKL's sgemm).  Likewise bf16 cases whose
+attention edatalog runs as blocks of GEMMs (edatalog.backend.kernels.attention.gemm_attention,
+from 256 query rows on a CPU) also time "transformers+gemm-attn": the layer with that same
+function as its attention (registered with transformers' AttentionInterface).  The "/ fair"
+column divides by that baseline.
 
 Cases: f32 with as many key/value heads as query heads (MHA), f32 with a quarter as many (GQA:
 KVH=4 of H=16), and bf16 MHA.  Both contenders take the same weights (made once from --seed),
@@ -67,6 +71,7 @@ import onednn_gemms  # noqa: E402
 MODES = ("none", "graph", "inductor", "cudagraph")
 CASES = {"f32-mha": ("f32", False), "f32-gqa": ("f32", True), "bf16-mha": ("bf16", False)}  # dtype, grouped
 TOLERANCE = {"f32": 1e-4, "bf16": 3e-2}
+FAIR_BASELINES = ("transformers+onednn", "transformers+gemm-attn")  # transformers given edatalog's kernels
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -135,14 +140,13 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
     layer = lw.hf_layer(dims, consts, weights, attn_implementation="sdpa").to(tdtype)
     xd, cosd, sind = x.to(tdtype), cos.to(tdtype), sin.to(tdtype)
 
-    def hf() -> Any:
-        with torch.no_grad():
-            out = layer(xd, position_embeddings=(cosd, sind))
-        return out[0] if isinstance(out, tuple) else out
-
+    hf = _layer_caller(layer, xd, cosd, sind)
     prog = edatalog.compile(lw.PROGRAM, dims=dims.edl_dims(), dtype=dtype)
     contenders: dict[str, Callable[[], Any]] = {"transformers": hf}
     routing = None
+    if gemm_attention_served(xd, dims):
+        fair = lw.hf_layer(dims, consts, weights, attn_implementation=register_gemm_attention()).to(tdtype)
+        contenders["transformers+gemm-attn"] = _layer_caller(fair, xd, cosd, sind)
     if dtype == "f32" and dev.type == "cpu" and onednn_gemms.any_routed(dims.B * dims.S, dims.D, dims.F):
         # The baseline given edatalog's f32 GEMMs too, where the block has any that large.
         routing = onednn_gemms.route()
@@ -199,6 +203,56 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
     return list(rows.values()), shares
 
 
+def _layer_caller(layer: Any, x: Any, cos: Any, sin: Any) -> Callable[[], Any]:
+    import torch
+
+    def call() -> Any:
+        with torch.no_grad():
+            out = layer(x, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+    return call
+
+
+def gemm_attention_served(x: Any, dims: Any) -> bool:
+    """Whether edatalog's torch runtime runs this block's attention as blocks of GEMMs."""
+    import torch
+
+    from edatalog.backend.kernels.attention import gemm_attention_takes
+
+    probe = torch.empty(dims.B, dims.H, dims.S, 1, dtype=x.dtype, device=x.device)
+    return gemm_attention_takes(probe, probe, True)
+
+
+GEMM_ATTENTION = "edatalog_gemm"
+
+
+def register_gemm_attention() -> str:
+    """Register edatalog's GEMM attention with transformers under :data:`GEMM_ATTENTION`, as an
+    ``attn_implementation`` a layer's config can name; where it does not take an attention (a
+    mask, too few rows) the layer runs transformers' sdpa one, as edatalog runs torch's."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    from edatalog.backend.kernels.attention import gemm_attention, gemm_attention_takes
+
+    def forward(
+        module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None, **kwargs: Any
+    ) -> tuple[Any, None]:
+        causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+        if not gemm_attention_takes(query, key, True if causal else attention_mask):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = gemm_attention(torch, query, key, value, causal, scale)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(GEMM_ATTENTION, forward)
+    return GEMM_ATTENTION
+
+
 def _switched(routing: onednn_gemms.Routing, enabled: bool, call: Callable[[], Any]) -> Callable[[], Any]:
     """``call`` with ATen's f32 GEMMs routed to oneDNN (``enabled``) or left to ATen's kernel."""
 
@@ -246,15 +300,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kernels: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}")
         dims = lw.BlockDims().with_text(args.dims) if args.dims else lw.BlockDims()
         print(f"block: {dims}; {args.warmup} warm-up calls, {args.repeat} rounds\n")
-        head = f"{'case':<9}  {'contender':<19}  {'measured ms':>11}  {'/ transformers':>14}  {'/ +onednn':>9}"
+        head = f"{'case':<9}  {'contender':<22}  {'measured ms':>11}  {'/ transformers':>14}  {'/ fair':>9}"
         print(f"{head}  {'max error':>9}")
-        print("-" * 81)
+        print("-" * 84)
         base = {r.case: r.ms for r in results if r.contender == "transformers"}
-        fair = {r.case: r.ms for r in results if r.contender == "transformers+onednn"}
+        fair = {r.case: r.ms for r in results if r.contender in FAIR_BASELINES}
         for r in results:
             ratio = r.ms / base[r.case] if r.case in base and r.ok else float("nan")
             to_fair = f"{r.ms / fair[r.case]:.2f}" if r.case in fair and r.ok else ""
-            print(f"{r.case:<9}  {r.contender:<19}  {r.ms:>11.2f}  {ratio:>14.2f}  {to_fair:>9}  {r.error:>9.1e}")
+            print(f"{r.case:<9}  {r.contender:<22}  {r.ms:>11.2f}  {ratio:>14.2f}  {to_fair:>9}  {r.error:>9.1e}")
         if any(profiles.values()):
             print("\nedatalog's time by kernel class (one recorded call of the interpreter, ms):")
         for case, shares in profiles.items():

@@ -1,13 +1,18 @@
 """``benchmarks/block_kernels.py`` at tiny dims, one round: both contenders reproduce the f32
 transformers layer in every case (f32 MHA and GQA to 1e-4, bf16 to 3e-2), and edatalog's time
-is split by kernel class, fused attention included."""
+is split by kernel class, fused attention included; where edatalog takes oneDNN's GEMMs or its
+GEMM attention, the baseline is also timed with them."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "block_kernels.py"
@@ -40,3 +45,49 @@ def test_the_baseline_takes_onednn_where_edatalog_does() -> None:
     rows = {r["contender"]: r for r in json.loads(done.stdout)["results"]}
     assert set(rows) == {"transformers", "transformers+onednn", "edatalog/graph"}
     assert all(r["ok"] and r["error"] <= 1e-4 for r in rows.values()), rows
+
+
+def test_the_bf16_baseline_takes_gemm_attention_where_edatalog_does() -> None:
+    """At 256 positions the bf16 case also times transformers' layer with edatalog's GEMM
+    attention; both still reproduce the reference."""
+    cmd = [sys.executable, str(SCRIPT), "--dims", "S=256,D=64,H=4,F=96", "--cases", "bf16-mha"]
+    cmd += ["--warmup", "0", "--repeat", "1", "--modes", "graph", "--json"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = {r["contender"]: r for r in json.loads(done.stdout)["results"]}
+    assert set(rows) == {"transformers", "transformers+gemm-attn", "edatalog/graph"}
+    assert all(r["ok"] and r["error"] <= 3e-2 for r in rows.values()), rows
+
+
+def test_the_registered_attention_is_edatalogs_and_equals_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' layer under the registered attention calls edatalog's function, once per
+    call, with grouped key/value heads repeated, and agrees with its sdpa layer."""
+    import torch
+
+    from edatalog.backend.kernels import attention
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # scripts, not a package: mypy does not follow them
+    block_kernels = importlib.import_module("block_kernels")
+    lw = importlib.import_module("llama_weights")
+
+    shapes: list[tuple[int, ...]] = []
+    real = attention.gemm_attention
+
+    def counted(torch_: Any, q: Any, k: Any, *rest: Any) -> Any:
+        shapes.append(tuple(k.shape))
+        return real(torch_, q, k, *rest)
+
+    monkeypatch.setattr(attention, "gemm_attention", counted)
+    dims = lw.BlockDims().with_text("S=256,D=64,H=4,KVH=2,F=96")
+    consts = lw.program_consts(dims)
+    weights = lw.make_weights(dims, 0)
+    x = lw.make_input(dims, 0).to(torch.bfloat16)
+    cos, sin = (t.to(torch.bfloat16) for t in lw.rope(dims, consts))
+    assert block_kernels.gemm_attention_served(x, dims)
+    name = block_kernels.register_gemm_attention()
+    outs = []
+    for impl in (name, "sdpa"):
+        layer = lw.hf_layer(dims, consts, weights, attn_implementation=impl).to(torch.bfloat16)
+        outs.append(block_kernels._layer_caller(layer, x, cos, sin)().float())
+    assert shapes == [(1, 4, 256, 16)]
+    assert float((outs[0] - outs[1]).abs().max()) <= 2e-2 * float(outs[1].abs().max())
