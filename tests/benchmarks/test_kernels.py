@@ -35,14 +35,19 @@ def test_every_case_matches_transformers() -> None:
         assert all(v >= 0 for v in shares.values()), case
 
 
-def test_the_baseline_takes_onednn_where_edatalog_does() -> None:
-    """At dims with a GEMM of oneDNN's size (64 x 256 x 256), the f32 case also times transformers'
-    layer with its GEMMs routed as edatalog's are; both still reproduce the reference."""
-    cmd = [sys.executable, str(SCRIPT), "--dims", "S=64,D=256,H=4,F=256", "--cases", "f32-mha"]
+def _one_round(dims: str, case: str) -> dict[str, Any]:
+    """The rows of one untimed-warm-up round of ``case`` at ``dims`` in the graph mode."""
+    cmd = [sys.executable, str(SCRIPT), "--dims", dims, "--cases", case]
     cmd += ["--warmup", "0", "--repeat", "1", "--modes", "graph", "--json"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    rows = {r["contender"]: r for r in json.loads(done.stdout)["results"]}
+    return {r["contender"]: r for r in json.loads(done.stdout)["results"]}
+
+
+def test_the_baseline_takes_onednn_where_edatalog_does() -> None:
+    """At dims with a GEMM of oneDNN's size (64 x 256 x 256), the f32 case also times transformers'
+    layer with its GEMMs routed as edatalog's are; both still reproduce the reference."""
+    rows = _one_round("S=64,D=256,H=4,F=256", "f32-mha")
     assert set(rows) == {"transformers", "transformers+onednn", "edatalog/graph"}
     assert all(r["ok"] and r["error"] <= 1e-4 for r in rows.values()), rows
 
@@ -50,11 +55,7 @@ def test_the_baseline_takes_onednn_where_edatalog_does() -> None:
 def test_the_bf16_baseline_takes_gemm_attention_where_edatalog_does() -> None:
     """At 256 positions the bf16 case also times transformers' layer with edatalog's GEMM
     attention; both still reproduce the reference."""
-    cmd = [sys.executable, str(SCRIPT), "--dims", "S=256,D=64,H=4,F=96", "--cases", "bf16-mha"]
-    cmd += ["--warmup", "0", "--repeat", "1", "--modes", "graph", "--json"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    rows = {r["contender"]: r for r in json.loads(done.stdout)["results"]}
+    rows = _one_round("S=256,D=64,H=4,F=96", "bf16-mha")
     assert set(rows) == {"transformers", "transformers+gemm-attn", "edatalog/graph"}
     assert all(r["ok"] and r["error"] <= 3e-2 for r in rows.values()), rows
 
