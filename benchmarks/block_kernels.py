@@ -229,20 +229,37 @@ GEMM_ATTENTION = "edatalog_gemm"
 
 def register_gemm_attention() -> str:
     """Register edatalog's GEMM attention with transformers under :data:`GEMM_ATTENTION`, as an
-    ``attn_implementation`` a layer's config can name; where it does not take an attention (a
-    mask, too few rows) the layer runs transformers' sdpa one, as edatalog runs torch's."""
+    ``attn_implementation`` a config can name, with sdpa's masks (so that a whole model gets its
+    padding masks); where it does not take an attention (a mask, too few rows) or the call asks
+    for what it lacks (a position bias, dropout, softcapping, the weights) the layer runs
+    transformers' sdpa attention, as edatalog runs torch's."""
     import torch
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
 
     from edatalog.backend.kernels.attention import gemm_attention, gemm_attention_takes
 
     def forward(
-        module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None, **kwargs: Any
+        module: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        attention_mask: Any,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        position_bias: Any = None,
+        **kwargs: Any,
     ) -> tuple[Any, None]:
-        causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
-        if not gemm_attention_takes(query, key, True if causal else attention_mask):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = bool(causal and attention_mask is None and query.shape[2] > 1)
+        plain = position_bias is None and not dropout and kwargs.get("softcap") is None
+        plain = plain and not kwargs.get("output_attentions")
+        if not plain or not gemm_attention_takes(query, key, True if causal else attention_mask):
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias, **kwargs
+            )
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -250,6 +267,7 @@ def register_gemm_attention() -> str:
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(GEMM_ATTENTION, forward)
+    AttentionMaskInterface.register(GEMM_ATTENTION, sdpa_mask)
     return GEMM_ATTENTION
 
 

@@ -249,19 +249,21 @@ def gemm_attention_takes(q: Any, k: Any, mask: Any) -> bool:
 
 
 def gemm_attention(torch: Any, q: Any, k: Any, v: Any, causal: bool, scale: float) -> Any:
-    """Attention as blocks of query rows, each two batched GEMMs around an f32 softmax, with the
-    precision of torch's flash kernel: scores in f32 (q and k widened once, so the scores are
-    not rounded to bf16 as a bf16 GEMM's result would be), probabilities rounded to v's dtype
-    for the second GEMM, which accumulates in f32.  A causal block reads only the keys up to
-    its last row.  Returns (batch, heads, rows, v's width) in q's dtype."""
+    """Attention as blocks of query rows, each two batched GEMMs around an f32 softmax: scores
+    in f32 (q and k widened once, so the scores are not rounded to bf16 as a bf16 GEMM's result
+    would be, as in torch's flash kernel), probabilities rounded to v's dtype for the second
+    GEMM, which accumulates in f32.  A causal block (``causal``: key t admitted for query s where
+    t <= s, counted from the first of each) reads only the keys up to its last row.  Returns
+    (batch, heads, rows, v's width) in v's dtype, laid out in memory as (batch, rows, heads,
+    width) as torch's kernel lays it out, so that the rules' layout needs no copy."""
     nb, nh, rows, _ = q.shape
     keys = k.shape[-2]
-    qw = q.to(torch.float32).mul_(scale)
+    qw = q.to(torch.float32, copy=True).mul_(scale)  # a copy: q itself is never written
     kw = k.to(torch.float32).transpose(-1, -2)
     step = GEMM_ATTENTION_ROWS
     upper = torch.ones(step, step, dtype=torch.bool, device=q.device).triu(1)
     below = torch.zeros(step, step, device=q.device).masked_fill(upper, float("-inf"))
-    blocks = []
+    blocks = []  # (batch, rows of the block, heads, width)
     for i in range(0, rows, step):
         j = min(i + step, rows)
         seen = j if causal else keys
@@ -273,9 +275,9 @@ def gemm_attention(torch: Any, q: Any, k: Any, v: Any, causal: bool, scale: floa
             if causal:
                 scores[..., i:j].add_(below[: j - i, : j - i])
             probs = torch.softmax(scores, dim=-1).to(v.dtype)
-            heads.append(torch.matmul(probs, v[:, h:g, :seen]))
-        blocks.append(heads[0] if len(heads) == 1 else torch.cat(heads, dim=1))
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+            heads.append(torch.matmul(probs, v[:, h:g, :seen]).transpose(1, 2))
+        blocks.append(heads[0] if len(heads) == 1 else torch.cat(heads, dim=2))
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)).contiguous().transpose(1, 2)
 
 
 def _sdpa(torch: Any, q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:

@@ -1,6 +1,7 @@
 """bf16 attention as blocks of GEMMs (:func:`edatalog.backend.kernels.attention.gemm_attention`).
 
-- It equals attention computed in f64, causal or not, with query rows that are not a multiple of
+- It equals attention computed in f64, leaves its inputs as they were (f32 ones too), and lays
+  its result out as torch's kernel does; causal or not, with query rows that are not a multiple of
   a block's, with more than one batch, and with blocks cut into groups of heads, to about the
   error torch's flash kernel makes in bf16: its scores are f32, not rounded to bf16 (large
   scores make that difference visible).
@@ -23,6 +24,7 @@ import torch
 import edatalog
 from edatalog.backend.kernels import attention
 from edatalog.backend.kernels.attention import GEMM_ATTENTION_MIN_ROWS, gemm_attention, gemm_attention_takes
+from edatalog.backend.running import compiled
 
 LLAMA = Path(__file__).resolve().parents[2] / "programs" / "llama_block.edl"
 
@@ -58,8 +60,11 @@ def test_gemm_attention_equals_f64_attention_to_flash_precision(
     q, k, v = _qkv(nb, nh, rows, keys, 32, seed=rows, spread=spread)
     scale = 32**-0.5
     want = _reference(q, k, v, causal, scale)
+    q_before = q.clone()
     got = gemm_attention(torch, q, k, v, causal, scale)
     assert got.shape == (nb, nh, rows, 32) and got.dtype == torch.bfloat16
+    assert got.transpose(1, 2).is_contiguous()  # (batch, rows, heads, width) in memory, as the rules lay it
+    assert torch.equal(q, q_before)
     flash = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     top = float(want.abs().max())
     err, flash_err = (float((x.double() - want).abs().max()) / top for x in (got, flash))
@@ -75,6 +80,14 @@ def test_blocks_cut_into_groups_of_heads_give_the_same_result(monkeypatch: pytes
     monkeypatch.setattr(attention, "GEMM_ATTENTION_SCORES_BYTES", 2 * 64 * 200 * 4)  # two heads a block
     grouped = gemm_attention(torch, q, k, v, True, 0.25)
     torch.testing.assert_close(grouped, whole, rtol=0, atol=0)
+
+
+def test_f32_inputs_are_not_written() -> None:
+    q, k, v = (x.float() for x in _qkv(1, 2, 100, 100, 8, seed=2, spread=1.0))
+    before = q.clone()
+    got = gemm_attention(torch, q, k, v, True, 0.5)
+    assert torch.equal(q, before) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _reference(q, k, v, True, 0.5), rtol=1e-5, atol=1e-5)
 
 
 def test_it_takes_bf16_on_a_cpu_from_enough_rows_without_an_explicit_mask() -> None:
@@ -98,13 +111,17 @@ def _block(positions: int) -> edatalog.Program:
 
 
 def _run(prog: edatalog.Program, mode: str) -> Any:
+    """The output of a third call: a replay of the recorded graph where compiled (the first call
+    interprets, the second records)."""
+    compiled._KEPT.clear()  # recorded graphs are kept per process: record this one afresh
     values = prog.random_inputs(seed=0)
     params = {r.name for r in prog.arguments if r.kind == "param"}
     exe = edatalog.executable(prog, backend="torch", device="cpu", compile=mode)
     exe.load({k: v for k, v in values.items() if k in params})
     inputs = {k: v for k, v in values.items() if k not in params}
     exe(inputs)
-    return exe(inputs)["y"].float()  # the graph's replay where compiled
+    exe(inputs)
+    return exe(inputs)["y"].float()
 
 
 @pytest.fixture
@@ -129,7 +146,10 @@ def test_a_bf16_block_of_256_positions_runs_it_and_agrees_with_flash(
     got = _run(prog, mode)
     assert calls and all(shape == (1, 4, 256, 16) for shape in calls)
     monkeypatch.setattr(attention, "GEMM_ATTENTION_MIN_ROWS", 10**9)
+    del calls[:]
     flash = _run(prog, mode)
+    assert calls == []
+    assert not torch.equal(got, flash)  # two kernels, rounded apart
     assert float((got - flash).abs().max()) <= 2e-2 * float(flash.abs().max())
 
 

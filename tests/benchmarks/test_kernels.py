@@ -92,3 +92,43 @@ def test_the_registered_attention_is_edatalogs_and_equals_sdpa(monkeypatch: pyte
         outs.append(block_kernels._layer_caller(layer, x, cos, sin)().float())
     assert shapes == [(1, 4, 256, 16)]
     assert float((outs[0] - outs[1]).abs().max()) <= 2e-2 * float(outs[1].abs().max())
+
+
+def test_a_whole_model_under_the_registered_attention_keeps_its_padding_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-layer LlamaModel with a left-padded row: the registered attention gets sdpa's masks,
+    so the padded row falls back to sdpa with its mask and the unpadded one runs edatalog's
+    function; both agree with the sdpa model on the real tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    from edatalog.backend.kernels import attention
+
+    calls: list[int] = []
+    real = attention.gemm_attention
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(attention, "gemm_attention", counted)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    name = importlib.import_module("block_kernels").register_gemm_attention()
+    config: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1}
+    config |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 512}
+    ids = torch.randint(0, 100, (2, 256), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones(2, 256, dtype=torch.long)
+    padded[1, :100] = 0
+    outs = {}
+    for impl in ("sdpa", name):
+        torch.manual_seed(0)
+        model: Any = LlamaModel(LlamaConfig(**config | {"attn_implementation": impl}))
+        model = model.to(torch.bfloat16).eval()
+        with torch.no_grad():
+            for rows, mask in (("one", None), ("both", padded)):
+                outs[impl, rows] = model(input_ids=ids[:1] if mask is None else ids, attention_mask=mask)
+    assert calls == [1]  # the unpadded call only: the padded batch has a mask
+    for rows in ("one", "both"):
+        want, got = (outs[impl, rows].last_hidden_state.float() for impl in ("sdpa", name))
+        real_tokens = (slice(None), slice(100, None)) if rows == "both" else (slice(None), slice(None))
+        top = float(want[real_tokens].abs().max())
+        assert float((got - want)[real_tokens].abs().max()) <= 3e-2 * top, rows
