@@ -222,9 +222,9 @@ def flash_on_cpu(x: Any) -> bool:
 
 GEMM_ATTENTION_MIN_ROWS = 256
 """From this many query rows a bf16 attention on a CPU runs as :func:`gemm_attention`.  Measured
-on a 2-vCPU AMD EPYC (torch 2.13, causal, 64-wide heads, against its flash kernel): 0.6-0.7x
-its time at 256-1024 rows, 0.8x at 2048 rows with 128-wide heads, but 1.2-1.3x at 128 rows,
-where the blocks' per-op costs dominate."""
+on a 2-vCPU AMD EPYC (torch 2.13, causal, against its flash kernel; benchmarks/attention_kernels.py):
+0.54-0.8x its time at 256-1024 rows of 64-wide heads, 0.83-0.89x at 2048 rows of 128-wide ones,
+but 1.4-1.6x at 128 rows, where the blocks' per-op costs dominate."""
 
 GEMM_ATTENTION_ROWS = 64
 """The query rows of one block of :func:`gemm_attention` (64 measured best of 64-256)."""
