@@ -150,10 +150,8 @@ def run_case(name: str, args: argparse.Namespace, log: Callable[[str], None]) ->
     if dtype == "f32" and dev.type == "cpu" and onednn_gemms.any_routed(dims.B * dims.S, dims.D, dims.F):
         # The baseline given edatalog's f32 GEMMs too, where the block has any that large.
         routing = onednn_gemms.route()
-        contenders = {
-            "transformers": _switched(routing, False, hf),
-            "transformers+onednn": _switched(routing, True, hf),
-        }
+        contenders["transformers"] = _switched(routing, False, hf)
+        contenders["transformers+onednn"] = _switched(routing, True, hf)
     executables = {}
     for mode in args.modes.split(","):
         exe = edatalog.executable(prog, backend="torch", device=args.device, compile=mode)
