@@ -1,10 +1,11 @@
 """bf16 attention as blocks of GEMMs (:func:`edatalog.backend.kernels.attention.gemm_attention`).
 
-- It equals attention computed in f64, leaves its inputs as they were (f32 ones too), and lays
-  its result out as torch's kernel does; causal or not, with query rows that are not a multiple of
-  a block's, with more than one batch, and with blocks cut into groups of heads, to about the
-  error torch's flash kernel makes in bf16: its scores are f32, not rounded to bf16 (large
-  scores make that difference visible).
+- It equals attention computed in f64 (fixed cases, and random sizes and head groups), leaves
+  its inputs as they were (f32 ones too), and lays its result out as torch's kernel does;
+  causal or not, with query rows that are not a multiple of a block's, with more than one
+  batch, and with blocks cut into groups of heads, to about the error torch's flash kernel
+  makes in bf16: its scores are f32, not rounded to bf16 (large scores make that difference
+  visible).
 - :func:`gemm_attention_takes` picks it for bf16 on a CPU from ``GEMM_ATTENTION_MIN_ROWS`` query
   rows with no mask or a causal one, never in f32, with fewer rows, with an explicit mask or
   under autograd.
@@ -20,11 +21,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import edatalog
 from edatalog.backend.kernels import attention
 from edatalog.backend.kernels.attention import GEMM_ATTENTION_MIN_ROWS, gemm_attention, gemm_attention_takes
 from edatalog.backend.running import compiled
+from tests.strategies import example_settings
 
 LLAMA = Path(__file__).resolve().parents[2] / "programs" / "llama_block.edl"
 
@@ -72,6 +76,31 @@ def test_gemm_attention_equals_f64_attention_to_flash_precision(
     if spread > 1:  # scores rounded to bf16 before the softmax would miss by far more
         rounded = _reference((q @ k.transpose(-1, -2)).float(), torch.eye(keys), v, causal, scale)
         assert float((rounded - want).abs().max()) / top > 3 * err
+
+
+@example_settings("EDL_PROPERTY_EXAMPLES", 30)
+@given(
+    st.integers(1, 2),
+    st.integers(1, 5),
+    st.integers(1, 200),
+    st.integers(1, 200),
+    st.sampled_from([8, 16, 24]),
+    st.booleans(),
+    st.integers(1, 64),
+    st.integers(0, 10**6),
+)
+def test_random_attentions_equal_f64(
+    nb: int, nh: int, rows: int, keys: int, width: int, causal: bool, budget_kb: int, seed: int
+) -> None:
+    """Any sizes (a causal block square, as the runtime gives it), blocks of any head groups."""
+    keys = rows if causal else keys
+    q, k, v = _qkv(nb, nh, rows, keys, width, seed=seed, spread=1.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "GEMM_ATTENTION_SCORES_BYTES", budget_kb << 10)
+        got = gemm_attention(torch, q, k, v, causal, width**-0.5)
+    want = _reference(q, k, v, causal, width**-0.5)
+    assert got.shape == want.shape
+    assert float((got.double() - want).abs().max()) <= 1e-2 * float(want.abs().max())
 
 
 def test_blocks_cut_into_groups_of_heads_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
