@@ -76,7 +76,8 @@ def compute_seconds(
     launches: Launches | int = 1,
 ) -> float:
     """Roofline time of one kernel computing in ``dtype`` on ``device`` (a GEMM of ``gemm``'s
-    shape when given), at least the floor of each kernel it ``launches`` (by class, see
+    shape when given; a fused attention, whose ``launches`` are attention kernels, at the
+    device's attention rate), at least the floor of each kernel it ``launches`` (by class, see
     :meth:`Topology.launch_seconds`) unless ``floor`` is False (a part of a fused kernel, whose
     floor another part pays).  A ``general`` kernel (one the runtime evaluates on its general
     path) takes ``nbytes / device.general_bandwidth`` more, where measured."""
@@ -85,7 +86,9 @@ def compute_seconds(
     eff = topo.efficiency
     shape = 1.0 if gemm is None else gemm_shape_efficiency(gemm, device.sms)
     least = topo.launch_seconds(launches) if floor else 0.0
-    roof = max(least, flops / (eff * shape * device.peak(dtype)), nbytes / (eff * device.bandwidth))
+    attention = isinstance(launches, Launches) and launches.attention > 0
+    rate = device.attention_peak(dtype) if attention else device.peak(dtype)
+    roof = max(least, flops / (eff * shape * rate), nbytes / (eff * device.bandwidth))
     if general and device.general_bandwidth > 0:
         return roof + nbytes / device.general_bandwidth
     return roof

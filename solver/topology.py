@@ -68,6 +68,9 @@ class Device:
     # the roofline: it builds masks and makes several passes.  Measured by ``edl calibrate``;
     # 0: not modeled (the presets: no GPU measured it).
     general_bandwidth: float = 0.0
+    # FLOP/s a fused attention kernel reaches per dtype, where measured (``edl calibrate``: a
+    # CPU's flash kernel runs far below its GEMMs), sorted; a dtype not listed runs at its peak.
+    attention_peaks: tuple[tuple[str, float], ...] = ()
 
     def peak(self, dtype: str) -> float:
         """The peak FLOP/s of kernels computing in ``dtype``."""
@@ -75,6 +78,14 @@ class Device:
             if name == dtype:
                 return rate
         return self.flops
+
+    def attention_peak(self, dtype: str) -> float:
+        """The FLOP/s of a fused attention kernel computing in ``dtype`` (its FLOPs counted over
+        the flash tiles it computes)."""
+        for name, rate in self.attention_peaks:
+            if name == dtype:
+                return rate
+        return self.peak(dtype)
 
     def flops_spec(self) -> float | dict[str, float]:
         """``flops`` as a machine file writes it: one number, or a rate per dtype."""
@@ -219,6 +230,7 @@ class Topology:
                 "bandwidth": d0.bandwidth,
                 **({"sms": d0.sms} if d0.sms else {}),
                 **({"general_bandwidth": d0.general_bandwidth} if d0.general_bandwidth else {}),
+                **({"attention_flops": dict(d0.attention_peaks)} if d0.attention_peaks else {}),
             },
             "links": {
                 "intra": self.intra.to_dict(),
@@ -392,6 +404,7 @@ def load(path: str) -> Topology:
     bandwidth = "2TB/s"
     sms = 108                         # optional: SMs, for GEMM wave quantization (0: none)
     general_bandwidth = "1GB/s"       # optional: the runtime's general evaluator (0: not modeled)
+    attention_flops = { bf16 = "100TFLOPS" }  # optional: a fused attention's rate per dtype (default: flops)
     [links.intra]
     name = "nvlink"
     bandwidth = "230GB/s"             # per device and direction, all transfers together; collectives
@@ -433,7 +446,7 @@ _KEYS = {
         "measured",
     },
     "kernel_floors": {c.value for c in KernelClass},
-    "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth"},
+    "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth", "attention_flops"},
     "links": {"intra", "inter"},
     "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "collective_latency", "interference"},
 }
@@ -458,6 +471,17 @@ def _positive(value: float, what: str, allow_zero: bool = False) -> float:
 
 
 _DTYPES = ("f64", "f32", "f16", "bf16")
+
+
+def _attention_peaks(spec: object) -> Peaks:
+    """``[device] attention_flops``: a fused attention kernel's rate per dtype, e.g.
+    ``attention_flops = { bf16 = "80GFLOPS" }`` (dtypes not named: the device's flops)."""
+    table = _table(spec, "device.attention_flops", set(_DTYPES))
+    rates = {
+        k: _positive(quantity(v, "FLOPS", f"attention_flops of {k}"), f"attention_flops of {k}")
+        for k, v in table.items()
+    }
+    return tuple(sorted(rates.items()))
 
 
 def _peaks(spec: object) -> tuple[float, Peaks]:
@@ -494,6 +518,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
         raise EdlError(f"topology: device sms must be a whole number of SMs (0: none), not {sms!r}")
     general = quantity(dev.get("general_bandwidth", 0), "B/s", "device general_bandwidth")
     general = _positive(general, "device general_bandwidth", allow_zero=True)
+    attention = _attention_peaks(dev.get("attention_flops", {}))
     try:
         library = Library(str(data.get("library", "nccl")).lower())
     except ValueError:
@@ -553,7 +578,9 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
     )
     devices: list[Device] = []
     for node, count in enumerate(nodes):
-        devices.extend(Device(len(devices), node, kind, memory, flops, bw, peaks, sms, general) for _ in range(count))
+        devices.extend(
+            Device(len(devices), node, kind, memory, flops, bw, peaks, sms, general, attention) for _ in range(count)
+        )
     name = str(data.get("name", default_name))
     topo = Topology(name, tuple(devices), intra, inter, efficiency, floor, library, overhead, floors)
     topo.verify()

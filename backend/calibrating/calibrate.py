@@ -34,6 +34,12 @@ What goes where:
   fused attention; :class:`~edatalog.ir.cost.KernelClass`), from a chain of small kernels of
   that class at two lengths (``Options.class_probes``): a small matmul or gather costs a few
   times a small add, a fused attention call several.
+- ``device.attention_flops``: the rate one fused causal attention reaches in the program's
+  dtype (``Options.attention_probe``, of ``Sizes.attention`` rows, heads and width), its FLOPs
+  as the cost model counts them (over the flash tiles) over its time less the call overhead:
+  on a CPU torch's flash kernel runs at a fraction of the GEMMs' rate (f32 on this project's
+  AMD EPYC: 90 GFLOP/s a rank at one thread against 224 for its matmuls), and pricing it at
+  theirs put a 2-rank LLaMA block at 0.8x its measured time.
 - ``links.intra.latency``: a 4-byte message to the next rank and one from the previous, posted
   together right after each rank computed (as programs meet their messages), less that
   computing alone; at least half the idle round trip of a 4-byte message between ranks 0 and 1
@@ -119,6 +125,7 @@ class Sizes:
     budget: float = 1.0  # seconds per compute measurement: timed runs stop past it (after min_reps)
     link_reps: int = 10  # communication: the same count on every rank
     cold_bytes: int = 128 << 20  # matmul operands cycled through, so that none is in a cache
+    attention: tuple[int, int, int] = (512, 8, 64)  # the attention probe's rows, heads and head width
 
 
 # Shapes of a LLaMA block at D=1024, S=512, F=2816: the q/k/v/o projections, gate/up, down, the
@@ -139,6 +146,7 @@ FULL_CUDA = replace(
     p2p_bytes=(4, 1 << 16, 1 << 20, 64 << 20),
     exchange_bytes=256 << 20,
     collective_bytes=256 << 20,
+    attention=(2048, 32, 128),
 )
 QUICK = Sizes(
     matmuls=((1, 32, 64, 64), (1, 32, 64, 176), (4, 32, 16, 32), (1, 96, 96, 96)),
@@ -153,6 +161,7 @@ QUICK = Sizes(
     budget=0.01,
     link_reps=3,
     cold_bytes=1 << 20,
+    attention=(64, 2, 16),
 )
 
 
@@ -188,6 +197,10 @@ class Options:
     # short and long chain, whose times give that class's floor ([kernel_floors]).  None: every
     # class costs kernel_floor.
     class_probes: tuple[tuple[str, str, str], ...] | None = field(default=None, repr=False)
+    # The attention probe's graph, as JSON (calibrate_probe.attention_source, in ``dtype``, of
+    # ``Sizes.attention``): its fused kernel's FLOPs per second become device.attention_flops
+    # for ``dtype``.  None: not measured (attention at the GEMMs' rate).
+    attention_probe: str | None = field(default=None, repr=False)
 
     def resolved(self) -> Options:
         """Checked, with the thread count filled in; a bad option is an :class:`EdlError`."""
@@ -467,6 +480,9 @@ def measure_floor(opts: Options, sizes: Sizes, dev: Any, sync: Callable[[], None
     if opts.general_probe is not None:
         general, costs = calibrate_probe.general_runner(opts.general_probe, dev, mode)
         out["general"] = {"seconds": _seconds_per_call(general, sync, sizes), "kernels": costs}
+    if opts.attention_probe is not None:
+        attention, flops = calibrate_probe.attention_runner(opts.attention_probe, dev, mode)
+        out["attention"] = {"seconds": _seconds_per_call(attention, sync, sizes), "flops": flops}
     return out
 
 
@@ -1001,7 +1017,20 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             "by edatalog's torch runtime: the maxima's bytes / (seconds - the roofline's)"
         )
     rate = general["bandwidth"] if general is not None else 0.0
-    machine = tuple(Device(i, 0, kind, memory, flops, bandwidth, general_bandwidth=rate) for i in range(opts.nproc))
+    attention = _attention_rate(devices, device_overhead)
+    attention_peaks: tuple[tuple[str, float], ...] = ()
+    if attention is not None:
+        rows, heads, width = sizes.attention
+        measured["attention"] = attention
+        measured["how"]["attention_flops"] = (
+            f"a causal {opts.dtype} attention of {heads} heads of {width} over {rows} positions, fused, run by "
+            "edatalog's torch runtime: its FLOPs over the flash tiles / (seconds - the call overhead)"
+        )
+        attention_peaks = ((opts.dtype, attention["flops_per_second"]),)
+    machine = tuple(
+        Device(i, 0, kind, memory, flops, bandwidth, general_bandwidth=rate, attention_peaks=attention_peaks)
+        for i in range(opts.nproc)
+    )
     if all("device_call_overhead" in d for d in devices):
         measured["per_rank"]["device_call_overhead"] = [_sig(d["device_call_overhead"]) for d in devices]
     classes = [d.get("kernel_floors", {}) for d in devices]
@@ -1035,6 +1064,19 @@ def _general_bandwidth(
     beyond = seconds - roof
     rate = _sig(nbytes / beyond) if beyond > 0 else 0.0
     return {"seconds": _sig(seconds), "roofline_seconds": _sig(roof), "bytes": nbytes, "bandwidth": rate}
+
+
+def _attention_rate(devices: list[dict[str, Any]], overhead: float) -> dict[str, Any] | None:
+    """The fused attention's rate from the slowest rank's probe: its FLOPs (as the cost model
+    counts them) over its time less the call overhead of one device's program; None without a
+    probe."""
+    probes = [d["attention"] for d in devices if "attention" in d]
+    if not probes:
+        return None
+    seconds = max(p["seconds"] for p in probes)
+    flops = probes[0]["flops"]
+    rate = _sig(flops / max(seconds - overhead, seconds / 2))
+    return {"seconds": _sig(seconds), "flops": flops, "flops_per_second": rate}
 
 
 def _beyond(seconds: float, latency: float) -> float:
@@ -1077,6 +1119,11 @@ def _toml(cal: Calibration) -> str:
             if "general_bandwidth" in m["how"]
             else []
         ),
+        *(
+            [(f"attention_flops = {{ {_inline(d.attention_peaks)} }}", f"FLOP/s: {m['how']['attention_flops']}")]
+            if d.attention_peaks
+            else []
+        ),
     ]
     if t.kernel_floors:
         body += [("", ""), ("[kernel_floors]", f"s: {m['how']['kernel_floors']}")]
@@ -1098,6 +1145,11 @@ def _toml(cal: Calibration) -> str:
     lines = head + [f"{code:<{width}}# {note}" if note else code for code, note in body]
     lines += ["", *_tables("measured", m, _COMMENTS)]
     return "\n".join(lines) + "\n"
+
+
+def _inline(rates: Sequence[tuple[str, float]]) -> str:
+    """Rates per dtype as an inline TOML table's body."""
+    return ", ".join(f"{k} = {_value(v)}" for k, v in rates)
 
 
 _COMMENTS = {

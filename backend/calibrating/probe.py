@@ -95,6 +95,34 @@ def general_source(seq: int = GENERAL_S, dtype: str = "f32") -> str:
     return "\n".join(lines) + "\n"
 
 
+def attention_source(rows: int, heads: int, width: int, dtype: str = "f32") -> str:
+    """The attention probe: one causal attention of ``heads`` heads of ``width`` over ``rows``
+    positions (q = k = v the input), the five rules the torch runtime fuses into one kernel: its
+    time gives the rate a fused attention reaches (``device.attention_flops``)."""
+    lines = [
+        "# edl calibrate's attention probe: one causal attention, fused into one kernel.",
+        f"dim S = {rows}, H = {heads}, E = {width}.",
+        f"input x[S, H, E] : {dtype}.",
+        "output o.",
+        f"sc[h, s, t] += x[s, h, e] * x[t, h, e] / {width**0.5} where t <= s.",
+        "mx[h, s] max= sc[h, s, t].",
+        "p[h, s, t] = exp(sc[h, s, t] - mx[h, s]).",
+        "l[h, s] += p[h, s, t].",
+        "o[s, h, e] += p[h, s, t] * x[t, h, e] / l[h, s].",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def attention_runner(graph_json: str, device: Any, mode: Compile) -> tuple[Callable[[], None], int]:
+    """A call that runs the attention probe once on ``device`` in ``mode``, and its fused
+    kernel's FLOPs as the cost model counts them (over the flash tiles it computes)."""
+    run, lowered = _runner(graph_json, device, mode)
+    fused = [lowered.costs[(d, k)] for d, k, op in lowered.programs.ops() if isinstance(op, ir.Fused)]
+    if len(fused) != 1 or any(isinstance(op, ir.Kernel) for _, _, op in lowered.programs.ops()):
+        raise EdlError("the attention probe did not run as one fused attention kernel")
+    return run, fused[0].flops
+
+
 CLASS_LINKS = (8, 32)  # links in the short and the long chain of a kernel class's probe
 HEADS, HEAD_DIM = 4, 16  # the attention probe's heads, of ROWS queries and keys each
 

@@ -102,6 +102,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         compile=args.compile,
         general_probe=general_probe_graph(),
         class_probes=class_probe_graphs(),
+        attention_probe=attention_probe_graph(args.device, args.quick, args.dtype),
     ).resolved()
     with Progress() as progress:
         task = progress.task("calibrating", 1)
@@ -166,6 +167,19 @@ def general_probe_graph() -> str:
     return compile_string(general_source(), name="<general-path probe>").graph.to_json()
 
 
+def attention_probe_graph(device: str, quick: bool, dtype: str) -> str:
+    """The attention probe (:func:`edatalog.backend.calibrating.probe.attention_source`) at the
+    device's probe sizes in the programs' dtype, compiled."""
+    from edatalog.api import compile_string
+    from edatalog.backend.calibrating.calibrate import DTYPES, sizes_for
+    from edatalog.backend.calibrating.probe import attention_source
+
+    if dtype not in DTYPES:  # Options.resolved() says so, with the choices
+        dtype = "f32"
+    source = attention_source(*sizes_for(device, quick).attention, dtype=dtype)
+    return compile_string(source, name="<attention probe>").graph.to_json()
+
+
 def _print(result: Any, output: str | None) -> None:
     from edatalog.backend.calibrating.calibrate import rate, seconds, size
 
@@ -207,6 +221,10 @@ def _print(result: Any, output: str | None) -> None:
             f"{size(g['bytes'])} on the general path {into}device.general_bandwidth"
         )
         rows.append(["general path", rate(g["bandwidth"], "B/s"), note])
+    if "attention" in m:
+        a = m["attention"]
+        note = f"one fused causal attention: {seconds(a['seconds'])} a call {into}device.attention_flops"
+        rows.append([f"attention {m['dtype']}", rate(a["flops_per_second"], "FLOP/s"), note])
     if "p2p" in m:
         p2p = m["p2p"]
         for k, (nbytes, value) in enumerate(p2p["one_way"].items()):
@@ -235,6 +253,7 @@ def _print(result: Any, output: str | None) -> None:
         f"  per device: {rate(d.flops, 'FLOP/s')} ({m['dtype']} matmul, median), {rate(d.bandwidth, 'B/s')} memory, "
         f"kernel floor {seconds(t.kernel_floor)}, call overhead {seconds(t.call_overhead)}, memory {size(d.memory)}"
         + (f", general path {rate(d.general_bandwidth, 'B/s')}" if d.general_bandwidth else "")
+        + "".join(f", attention {rate(r, 'FLOP/s')} ({k})" for k, r in d.attention_peaks)
     )
     if t.n > 1:
         link = f"{rate(t.intra.bandwidth, 'B/s')} per direction, {seconds(t.intra.latency)} latency"

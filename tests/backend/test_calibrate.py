@@ -20,9 +20,10 @@ from edatalog.backend.calibrating import calibrate as cal
 from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.backend.running.compiled import Compile
 from edatalog.cli import main
-from edatalog.cli.calibrate import class_probe_graphs, general_probe_graph, probe_graphs
+from edatalog.cli.calibrate import attention_probe_graph, class_probe_graphs, general_probe_graph, probe_graphs
 from edatalog.errors import EdlError
-from edatalog.ir.cost import KernelClass, Launches, launches
+from edatalog.ir.cost import ONE_ATTENTION, KernelClass, Launches, launches
+from edatalog.solver.costmodel import compute_seconds
 from edatalog.solver.topology import from_dict
 
 QUICK_KEYS = [cal.shape_key(s) for s in cal.QUICK.matmuls]
@@ -433,3 +434,35 @@ def test_probes_run_in_the_mode_plans_will_run_in() -> None:
 def test_one_gpu_calibrates_cuda_graph_replay() -> None:
     assert cal.runtime_mode(cal.Options(nproc=1, device="cuda")) is Compile.CUDAGRAPH
     assert cal.runtime_mode(cal.Options(nproc=2, device="cuda")) is Compile.GRAPH
+
+
+def test_the_attention_rate_is_the_probes_flops_over_its_time_beyond_the_call() -> None:
+    """From a made-up probe time: 1e8 FLOPs (as the cost model counts the fused kernel's) in
+    1.02 ms, of which the call 20 µs: 1e11 FLOP/s, for the programs' dtype only; written to the
+    machine file and loaded back; a fused attention on the machine then takes that long."""
+    rank = _rank(4e11, 1e10, 3e-6, {}, overhead=20e-6)
+    rank["device"]["attention"] = {"seconds": 1.02e-3, "flops": 10**8}
+    result = cal.summarize(cal.Options(nproc=1, quick=True).resolved(), {0: rank})
+    device = result.topology.devices[0]
+    assert [k for k, _ in device.attention_peaks] == ["f32"]
+    assert device.attention_peak("f32") == pytest.approx(1e11)
+    assert device.attention_peak("bf16") == device.flops
+    assert "attention_flops = { f32 = " in result.toml()
+    assert from_dict(json.loads(json.dumps(result.to_dict()))).devices[0].attention_peaks == device.attention_peaks
+    seconds = compute_seconds(10**8, 0, device, result.topology, "f32", launches=ONE_ATTENTION)
+    assert seconds == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_the_attention_probe_runs_as_one_fused_kernel() -> None:
+    """The command line's attention probe compiles in each dtype, runs as one fused attention,
+    and measuring it gives a time and the kernel's FLOPs over the flash tiles."""
+    import torch
+
+    for dtype in ("f32", "bf16"):
+        probe = attention_probe_graph("cpu", True, dtype)
+        opts = cal.Options(nproc=1, threads=1, quick=True, probe=probe_graphs(), attention_probe=probe, dtype=dtype)
+        probed = cal.measure_floor(opts.resolved(), cal.QUICK, torch.device("cpu"), lambda: None)
+        rows, heads, width = cal.QUICK.attention
+        assert _finite_positive(probed["attention"]["seconds"])
+        # Five rules' FLOPs over the causal tiles of one 128-row tile: at least the full scores.
+        assert probed["attention"]["flops"] >= 2 * heads * rows * rows * width

@@ -11,7 +11,7 @@ import pytest
 
 import edatalog
 from edatalog.errors import EdlError
-from edatalog.ir.cost import KernelClass, Launches, flops_per_point, gemm_roles, gemm_shape, launches
+from edatalog.ir.cost import ONE_ATTENTION, KernelClass, Launches, flops_per_point, gemm_roles, gemm_shape, launches
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import Layout, candidates, dim_order
 from edatalog.solver.costmodel import (
@@ -272,3 +272,16 @@ def test_a_general_path_kernel_pays_its_bytes_at_the_general_bandwidth() -> None
     assert compute_seconds(0, nbytes, cpu, topo, "f32") == pytest.approx(8e6 / 20e9)
     unmodeled = dataclasses.replace(cpu, general_bandwidth=0.0)
     assert compute_seconds(0, nbytes, unmodeled, topo, "f32", general=True) == pytest.approx(8e6 / 20e9)
+
+
+def test_a_fused_attention_runs_at_the_attention_rate() -> None:
+    """A kernel whose launches are an attention kernel's is priced at the device's attention
+    rate for its dtype where the machine file gives one (a CPU's flash kernel runs far below its
+    GEMMs), else at its flops; other kernels never take it: 1e9 FLOPs at 1e11 FLOP/s of
+    attention take 10 ms, at the GEMMs' 4e11 2.5 ms."""
+    topo = preset("cpux1")
+    cpu = dataclasses.replace(topo.devices[0], flops=4e11, attention_peaks=(("f32", 1e11),))
+    topo = dataclasses.replace(topo, devices=(cpu,), efficiency=1.0, kernel_floor=1e-6)
+    assert compute_seconds(10**9, 0, cpu, topo, "f32", launches=ONE_ATTENTION) == pytest.approx(1e-2)
+    assert compute_seconds(10**9, 0, cpu, topo, "f32", launches=Launches(gemm=1)) == pytest.approx(2.5e-3)
+    assert compute_seconds(10**9, 0, cpu, topo, "bf16", launches=ONE_ATTENTION) == pytest.approx(2.5e-3)

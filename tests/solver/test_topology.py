@@ -224,3 +224,21 @@ def test_the_general_bandwidth_in_a_machine_file(tmp_path: Path) -> None:
     path.write_text("[device]\ngeneral_bandwidth = -1\n")
     with pytest.raises(EdlError, match="general_bandwidth must be non-negative"):
         load(str(path))
+
+
+def test_attention_rates_in_a_machine_file(tmp_path: Path) -> None:
+    """``[device] attention_flops``: optional, per dtype (a dtype not named runs attention at the
+    device's flops), read and written back; an unknown dtype or a negative rate is an error."""
+    assert all(d.attention_peaks == () for d in preset("a100x8").devices)
+    path = tmp_path / "box.toml"
+    path.write_text('[device]\nflops = "200GFLOPS"\nattention_flops = { bf16 = "80GFLOPS" }\n')
+    topo = load(str(path))
+    assert {d.attention_peak("bf16") for d in topo.devices} == {80e9}
+    assert {d.attention_peak("f32") for d in topo.devices} == {200e9}
+    assert from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
+    path.write_text('[device]\nattention_flops = { int8 = "1TFLOPS" }\n')
+    with pytest.raises(EdlError, match="unknown key 'int8'"):
+        load(str(path))
+    path.write_text("[device]\nattention_flops = { f32 = -1 }\n")
+    with pytest.raises(EdlError, match="attention_flops of f32"):
+        load(str(path))
