@@ -10,7 +10,7 @@ import pytest
 from edatalog.errors import EdlError
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.costmodel import compute_seconds, port_seconds, transfer_seconds
-from edatalog.solver.topology import GIB, Library, from_dict, load, preset, quantity, resolve
+from edatalog.solver.topology import GIB, Library, Topology, from_dict, load, preset, quantity, resolve
 
 
 @pytest.mark.parametrize("family", ["a100", "h100", "h200", "pcie4", "cpu"])
@@ -212,33 +212,33 @@ def test_flops_per_dtype_in_a_machine_file(tmp_path: Path) -> None:
         load(str(path))
 
 
+def _device_file(tmp_path: Path, device: str) -> Topology:
+    """The topology of a machine file whose ``[device]`` table is ``device``."""
+    path = tmp_path / "box.toml"
+    path.write_text(f"[device]\n{device}\n")
+    return load(str(path))
+
+
 def test_the_general_bandwidth_in_a_machine_file(tmp_path: Path) -> None:
     """``[device] general_bandwidth``: optional (0, not modeled, on every preset), read and
     written back, never negative."""
     assert all(d.general_bandwidth == 0 for d in preset("a100x8").devices)
-    path = tmp_path / "box.toml"
-    path.write_text('[device]\ngeneral_bandwidth = "1.5GB/s"\n')
-    topo = load(str(path))
+    topo = _device_file(tmp_path, 'general_bandwidth = "1.5GB/s"')
     assert {d.general_bandwidth for d in topo.devices} == {1.5e9}
     assert from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
-    path.write_text("[device]\ngeneral_bandwidth = -1\n")
     with pytest.raises(EdlError, match="general_bandwidth must be non-negative"):
-        load(str(path))
+        _device_file(tmp_path, "general_bandwidth = -1")
 
 
 def test_attention_rates_in_a_machine_file(tmp_path: Path) -> None:
     """``[device] attention_flops``: optional, per dtype (a dtype not named runs attention at the
     device's flops), read and written back; an unknown dtype or a negative rate is an error."""
     assert all(d.attention_peaks == () for d in preset("a100x8").devices)
-    path = tmp_path / "box.toml"
-    path.write_text('[device]\nflops = "200GFLOPS"\nattention_flops = { bf16 = "80GFLOPS" }\n')
-    topo = load(str(path))
+    topo = _device_file(tmp_path, 'flops = "200GFLOPS"\nattention_flops = { bf16 = "80GFLOPS" }')
     assert {d.attention_peak("bf16") for d in topo.devices} == {80e9}
     assert {d.attention_peak("f32") for d in topo.devices} == {200e9}
     assert from_dict(json.loads(json.dumps(topo.to_dict()))) == topo
-    path.write_text('[device]\nattention_flops = { int8 = "1TFLOPS" }\n')
     with pytest.raises(EdlError, match="unknown key 'int8'"):
-        load(str(path))
-    path.write_text("[device]\nattention_flops = { f32 = -1 }\n")
+        _device_file(tmp_path, 'attention_flops = { int8 = "1TFLOPS" }')
     with pytest.raises(EdlError, match="attention_flops of f32"):
-        load(str(path))
+        _device_file(tmp_path, "attention_flops = { f32 = -1 }")
