@@ -46,9 +46,9 @@ def route() -> Routing:
         return _ROUTING
     import torch
 
-    from edatalog.backend.kernels.arrays import onednn_takes
+    from edatalog.backend.kernels.arrays import onednn_linear_op, onednn_takes
 
-    linear = torch.ops.mkldnn._linear_pointwise.default
+    linear = onednn_linear_op()  # None only where onednn_takes never holds
     mm_out, addmm_out = torch.ops.aten.mm.out, torch.ops.aten.addmm.out
 
     def pays(a: Any, b: Any) -> bool:

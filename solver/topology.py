@@ -82,10 +82,8 @@ class Device:
     def attention_peak(self, dtype: str) -> float:
         """The FLOP/s of a fused attention kernel computing in ``dtype`` (its FLOPs counted over
         the flash tiles it computes)."""
-        for name, rate in self.attention_peaks:
-            if name == dtype:
-                return rate
-        return self.peak(dtype)
+        rate = dict(self.attention_peaks).get(dtype)
+        return self.peak(dtype) if rate is None else rate
 
     def flops_spec(self) -> float | dict[str, float]:
         """``flops`` as a machine file writes it: one number, or a rate per dtype."""
@@ -476,12 +474,12 @@ _DTYPES = ("f64", "f32", "f16", "bf16")
 def _attention_peaks(spec: object) -> Peaks:
     """``[device] attention_flops``: a fused attention kernel's rate per dtype, e.g.
     ``attention_flops = { bf16 = "80GFLOPS" }`` (dtypes not named: the device's flops)."""
-    table = _table(spec, "device.attention_flops", set(_DTYPES))
-    rates = {
-        k: _positive(quantity(v, "FLOPS", f"attention_flops of {k}"), f"attention_flops of {k}")
-        for k, v in table.items()
-    }
-    return tuple(sorted(rates.items()))
+    return tuple(sorted(_rates(_table(spec, "device.attention_flops", set(_DTYPES)), "attention_flops").items()))
+
+
+def _rates(table: dict[str, Any], what: str) -> dict[str, float]:
+    """A machine file's table of FLOP/s by dtype, each a positive quantity."""
+    return {k: _positive(quantity(v, "FLOPS", f"{what} of {k}"), f"device {what} of {k}") for k, v in table.items()}
 
 
 def _peaks(spec: object) -> tuple[float, Peaks]:
@@ -496,7 +494,7 @@ def _peaks(spec: object) -> tuple[float, Peaks]:
             "topology: [device] flops per dtype needs a 'default' rate, for the dtypes it does not name",
             help='e.g. flops = { default = "312TFLOPS", f32 = "19.5TFLOPS" }',
         )
-    rates = {k: _positive(quantity(v, "FLOPS", f"flops of {k}"), f"device flops of {k}") for k, v in table.items()}
+    rates = _rates(table, "flops")
     default = rates.pop("default")
     return default, tuple(sorted(rates.items()))
 

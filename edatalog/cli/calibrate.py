@@ -171,11 +171,9 @@ def attention_probe_graph(device: str, quick: bool, dtype: str) -> str:
     """The attention probe (:func:`edatalog.backend.calibrating.probe.attention_source`) at the
     device's probe sizes in the programs' dtype, compiled."""
     from edatalog.api import compile_string
-    from edatalog.backend.calibrating.calibrate import DTYPES, sizes_for
+    from edatalog.backend.calibrating.calibrate import sizes_for
     from edatalog.backend.calibrating.probe import attention_source
 
-    if dtype not in DTYPES:  # Options.resolved() says so, with the choices
-        dtype = "f32"
     source = attention_source(*sizes_for(device, quick).attention, dtype=dtype)
     return compile_string(source, name="<attention probe>").graph.to_json()
 
