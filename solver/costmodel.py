@@ -18,7 +18,8 @@ chosen by the cost they are then measured with.
 - A collective over a group takes NCCL's time at the port's ("bus") bandwidth: a ring, or for an
   all-reduce a tree when that is faster (:func:`collective_seconds`); across nodes, the faster of
   one ring through every member and the hierarchical form (inside each node, across, inside
-  again: :func:`group_collective_seconds`).
+  again: :func:`group_collective_seconds`).  A small all-reduce on gloo runs as pairwise
+  exchanges instead (:func:`exchange_all_reduce_takes`, :func:`exchange_all_reduce_seconds`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from edatalog.ir.cost import Launches
 from edatalog.ir.graph import JoinAgg
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import tighten
-from edatalog.solver.topology import Device, Link, Topology
+from edatalog.solver.topology import Device, Library, Link, Topology
 
 TILE = 128  # output tile edge of a tensor-core GEMM kernel (cuBLAS/CUTLASS's common 128 x 128)
 SPLIT_K_DEPTH = 256  # the least depth of one split-K slice
 FLASH_TILE = 128  # query and key tile edge of flash attention's kernels
+# The largest all-reduce the runtime runs as pairwise exchanges on gloo.  Larger ones run as
+# gloo's own (a ring moves (n - 1) / n of the bytes each way per phase where recursive
+# doubling moves all of them log2 n times, each way one after the other).
+EXCHANGE_ALL_REDUCE_MAX_BYTES = 64 << 10
 MOST_TILES = 4096  # tiles looked at per block; beyond, the guard's exact points are counted
 
 GemmShape = tuple[int, int, int, int]  # (batch, m, n, k): a batch of (m x k)(k x n) products
@@ -104,6 +109,26 @@ def port_seconds(nbytes: int, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth
 
 
+def exchange_all_reduce_takes(library: Library, nbytes: int, members: int) -> bool:
+    """Whether the runtime runs an all-reduce of ``nbytes`` (the region, in its dtype) over
+    ``members`` ranks as pairwise exchanges (:mod:`edatalog.backend.running.exchange_all_reduce`):
+    on gloo, a power-of-two group of at least two, at most :data:`EXCHANGE_ALL_REDUCE_MAX_BYTES`.
+    The one rule, for the runtime and for the cost model."""
+    return (
+        library is Library.GLOO
+        and members >= 2
+        and members & (members - 1) == 0
+        and nbytes <= EXCHANGE_ALL_REDUCE_MAX_BYTES
+    )
+
+
+def exchange_all_reduce_seconds(nbytes: int, members: int, link: Link) -> float:
+    """An all-reduce as pairwise exchanges: ``log2 members`` steps, each the link's exchange
+    step latency and ``nbytes`` each way, one way after the other."""
+    steps = int(math.log2(members))
+    return steps * (link.exchange_step_latency + 2 * nbytes / link.pair_bandwidth)
+
+
 def collective_seconds(kind: CollectiveKind, nbytes: int, members: int, link: Link) -> float:
     """NCCL's time for a collective over ``members`` devices on ``link``, where ``nbytes`` is the
     whole region (an all-gather's result, a reduction's input per member), ``L`` the latency of a
@@ -132,7 +157,9 @@ def group_collective_seconds(
 ) -> tuple[float, Link]:
     """NCCL's time for a collective over the devices ``group`` of ``topo`` (``nbytes`` as for
     :func:`collective_seconds`), and the link class whose ports it holds: the one between nodes
-    when the group spans them.  Inside a node, :func:`collective_seconds` on the node's link.
+    when the group spans them.  An all-reduce the runtime runs as pairwise exchanges
+    (:func:`exchange_all_reduce_takes`) costs those, on that link.  Inside a node,
+    :func:`collective_seconds` on the node's link.
     Across nodes, where each GPU has its own NIC, the faster of:
 
     - flat: one ring (or tree) through every member, each step at the slower link's step
@@ -148,6 +175,9 @@ def group_collective_seconds(
     for d in group:
         node = topo.devices[d].node
         per_node[node] = per_node.get(node, 0) + 1
+    if kind is CollectiveKind.ALL_REDUCE and exchange_all_reduce_takes(topo.library, nbytes, len(group)):
+        slowest = topo.intra if len(per_node) == 1 or topo.inter is None else topo.inter
+        return exchange_all_reduce_seconds(nbytes, len(group), slowest), slowest
     if len(per_node) == 1 or topo.inter is None:
         return collective_seconds(kind, nbytes, len(group), topo.intra), topo.intra
     intra, inter = topo.intra, topo.inter
@@ -172,8 +202,12 @@ def group_collective_seconds(
     return min(flat, inside + across), inter
 
 
-def collective_bytes(kind: CollectiveKind, nbytes: int, members: int) -> int:
-    """What each member sends (and receives) in the ring: ``steps / members`` of ``nbytes``."""
+def collective_bytes(kind: CollectiveKind, nbytes: int, members: int, library: Library = Library.NCCL) -> int:
+    """What each member sends (and receives) in the ring: ``steps / members`` of ``nbytes``; as
+    pairwise exchanges (:func:`exchange_all_reduce_takes`), ``nbytes`` at each of ``log2 members``
+    steps."""
+    if kind is CollectiveKind.ALL_REDUCE and exchange_all_reduce_takes(library, nbytes, members):
+        return int(math.log2(members)) * nbytes
     steps = 2 * (members - 1) if kind is CollectiveKind.ALL_REDUCE else members - 1
     return round(steps * nbytes / members) if members > 1 else 0
 

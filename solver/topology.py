@@ -111,6 +111,16 @@ class Link:
     # collectives cost more than its point-to-point latency (gloo's all-reduce of a few bytes
     # takes several round trips); None: ``latency``.  ``edl calibrate`` measures it.
     collective_latency: float | None = None
+    # Seconds per step of a small all-reduce the runtime runs as pairwise exchanges (on gloo:
+    # :func:`edatalog.solver.costmodel.exchange_all_reduce_takes`), as programs meet it, less
+    # its bytes' time; None: ``latency`` twice (a step is a message each way, one after the
+    # other).  ``edl calibrate`` measures it.
+    exchange_latency: float | None = None
+
+    @property
+    def exchange_step_latency(self) -> float:
+        """The latency of one step of an all-reduce run as pairwise exchanges."""
+        return 2 * self.latency if self.exchange_latency is None else self.exchange_latency
 
     @property
     def step_latency(self) -> float:
@@ -128,6 +138,8 @@ class Link:
             extra["p2p_bandwidth"] = self.p2p_bandwidth
         if self.collective_latency is not None:
             extra["collective_latency"] = self.collective_latency
+        if self.exchange_latency is not None:
+            extra["exchange_latency"] = self.exchange_latency
         return {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency, **extra}
 
 
@@ -409,6 +421,8 @@ def load(path: str) -> Topology:
     p2p_bandwidth = "72GB/s"          # optional: one point-to-point transfer (default: bandwidth)
     latency = "3us"
     collective_latency = "3us"        # optional: one step of a collective (default: latency)
+    exchange_latency = "6us"          # optional: one step of a small all-reduce run as pairwise
+                                      # exchanges, gloo's (default: twice latency)
     interference = 0.0                # optional: the share of a transfer's time its ends cannot compute
     [links.inter]                     # needed when there are several nodes
     bandwidth = "25GB/s"
@@ -446,8 +460,17 @@ _KEYS = {
     "kernel_floors": {c.value for c in KernelClass},
     "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth", "attention_flops"},
     "links": {"intra", "inter"},
-    "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "collective_latency", "interference"},
+    "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "collective_latency", "exchange_latency", "interference"},
 }
+
+
+def _optional_seconds(spec: dict[str, Any], link: str, key: str) -> float | None:
+    """A link's optional latency ``key`` (seconds, at least 0), None where not given."""
+    value = spec.get(key)
+    if value is None:
+        return None
+    where = f"links.{link}.{key}"
+    return _positive(quantity(value, "s", where), where, allow_zero=True)
 
 
 def _table(obj: object, what: str, keys: set[str]) -> dict[str, Any]:
@@ -534,11 +557,9 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
         pair = spec.get("p2p_bandwidth")
         p2p = None if pair is None else quantity(pair, "B/s", f"links.{key}.p2p_bandwidth")
         latency = quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency")
-        step = spec.get("collective_latency")
-        step_latency = None
-        if step is not None:
-            where = f"links.{key}.collective_latency"
-            step_latency = _positive(quantity(step, "s", where), where, allow_zero=True)
+        step_latency, exchange_latency = (
+            _optional_seconds(spec, key, k) for k in ("collective_latency", "exchange_latency")
+        )
         interference = quantity(spec.get("interference", 0.0), "", f"links.{key}.interference")
         if not 0 <= interference <= 1:
             raise EdlError(
@@ -553,6 +574,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
             interference,
             None if p2p is None else _positive(p2p, f"links.{key}.p2p_bandwidth"),
             step_latency,
+            exchange_latency,
         )
 
     intra = link("intra", Link("nvlink", 300e9, NVLINK_LATENCY))

@@ -50,6 +50,8 @@ What goes where:
   rank computed (as programs meet collectives) less that computing alone, less its bytes' time,
   over the steps the cost model gives it: on gloo between busy CPU ranks it costs several times
   what the ping-pong's latency would predict.
+- ``links.intra.exchange_latency`` (gloo): the same all-reduce as the runtime runs it, as
+  pairwise exchanges (:mod:`edatalog.backend.running.exchange_all_reduce`), over its steps.
 - ``links.intra.bandwidth``: the rate per direction when every rank sends to the next and
   receives from the previous one at once (a ring exchange of a large message), which is how
   exchanges run in a plan (both directions of a reduce-scatter or an all-gather at once); the
@@ -91,8 +93,10 @@ from typing import Any
 from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.backend.kernels.arrays import TorchOps
 from edatalog.backend.running.compiled import Compile, compile_mode
+from edatalog.backend.running.exchange_all_reduce import exchange_all_reduce_
 from edatalog.errors import EdlError
 from edatalog.ir.cost import KernelClass, Launches
+from edatalog.solver.costmodel import exchange_all_reduce_takes
 from edatalog.solver.topology import Device, Library, Link, Topology
 
 ProgressFn = Callable[[float, float, str], None]  # (done, total, what is being measured)
@@ -513,7 +517,11 @@ def spmd_call_overhead(
 
 def _after_barriers(op: Callable[[], None], reps: int, warmup: int, sync: Callable[[], None]) -> list[float]:
     """``op``'s time in each of ``reps`` runs (after ``warmup`` untimed), every run started
-    right after a barrier of the group, as ranks meet each step."""
+    right after a barrier of the group, as ranks meet each step: each run's slowest rank's, the
+    time ``edl run`` reports of a call.  (The median of every call's slowest rank exceeds the
+    slowest rank's median wherever ranks are noisy: 384 against 304-318 µs for a tiny GPT-2's
+    calls on 2 gloo ranks of a 2-core machine.)"""
+    torch = _torch()
     import torch.distributed as dist
 
     times = []
@@ -522,8 +530,10 @@ def _after_barriers(op: Callable[[], None], reps: int, warmup: int, sync: Callab
         t0 = time.perf_counter()
         op()
         sync()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # after the clock stopped, as edl run does
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(float(elapsed))
     return times
 
 
@@ -666,6 +676,19 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     small_all_reduce_s = max(0.0, per_call(matmul_then_all_reduce) - alone_s)
     small_message_s = max(0.0, per_call(matmul_then_message) - alone_s)
     steps.done()
+    # The same all-reduce as the runtime runs it where the rule takes pairwise exchanges.
+    pairwise_s = None
+    backend = Library.GLOO if "gloo" in str(dist.get_backend()) else Library.NCCL
+    if exchange_all_reduce_takes(backend, SMALL_COLLECTIVE_BYTES, world):
+        steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} as pairwise exchanges, after a matmul")
+        world_group = dist.group.WORLD
+
+        def matmul_then_exchange() -> None:
+            torch.mm(sa, sb, out=sc)
+            exchange_all_reduce_(small, "sum", world_group)
+
+        pairwise_s = max(0.0, per_call(matmul_then_exchange) - alone_s)
+        steps.done()
 
     numel = max(world, sizes.collective_bytes // 4 // world * world)
     data = torch.ones(numel, device=dev)
@@ -685,6 +708,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
         "all_reduce": all_reduce_s,
         "small_all_reduce": small_all_reduce_s,
         "small_message": small_message_s,
+        "small_exchange_all_reduce": pairwise_s,
         "reduce_scatter": reduce_scatter_s,
     }
 
@@ -961,7 +985,34 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         # several times the idle ping-pong's half round trip, which the rates above are net of.
         message_s = max(lk.get("small_message", 0.0) for lk in links)
         message_latency = _sig(max(latency, message_s))
-        intra = Link(backend, link_bw, message_latency, interference, collective_latency=step_latency)
+        # The small all-reduce as the runtime runs it where it takes pairwise exchanges (gloo):
+        # log2 n steps, each its bytes one way and then the other.
+        pairwise = [lk.get("small_exchange_all_reduce") for lk in links]
+        exchange_latency = None
+        if all(t is not None for t in pairwise):
+            pairwise_s = max(t for t in pairwise if t is not None)
+            exchanges = round(math.log2(n))
+            exchange_latency = _sig(
+                max(pairwise_s - 2 * exchanges * SMALL_COLLECTIVE_BYTES / link_bw, pairwise_s / 2) / exchanges
+            )
+            measured["how"]["exchange_latency"] = (
+                f"an all-reduce of {size(SMALL_COLLECTIVE_BYTES)} as the runtime's pairwise exchanges right after a "
+                "matmul, less the matmul alone (the slowest rank's mean over a loop of them) and its bytes' time, "
+                "over its steps"
+            )
+            measured["small_exchange_all_reduce"] = {
+                "bytes": SMALL_COLLECTIVE_BYTES,
+                "seconds": _sig(pairwise_s),
+                "steps": exchanges,
+            }
+        intra = Link(
+            backend,
+            link_bw,
+            message_latency,
+            interference,
+            collective_latency=step_latency,
+            exchange_latency=exchange_latency,
+        )
         measured["how"]["collective_latency"] = (
             f"an all-reduce of {size(SMALL_COLLECTIVE_BYTES)} right after a matmul, less the matmul alone "
             "(the slowest rank's mean over a loop of them) and its bytes' time, over its steps"
@@ -1139,6 +1190,8 @@ def _toml(cal: Calibration) -> str:
         body.append(
             (f"collective_latency = {_value(t.intra.collective_latency)}", f"s: {m['how']['collective_latency']}")
         )
+    if t.intra.exchange_latency is not None:
+        body.append((f"exchange_latency = {_value(t.intra.exchange_latency)}", f"s: {m['how']['exchange_latency']}"))
     if several:
         body.append((f"interference = {_value(t.intra.interference)}", m["how"]["interference"]))
     width = max(len(code) for code, _ in body) + 2
@@ -1164,6 +1217,7 @@ _COMMENTS = {
     "measured.all_reduce": "bus bandwidth: bytes / seconds * 2 (n - 1) / n; the slowest rank's seconds",
     "measured.reduce_scatter": "bus bandwidth: bytes / seconds * (n - 1) / n; the slowest rank's seconds",
     "measured.small_all_reduce": "right after a matmul, less the matmul alone; the slowest rank's mean over a loop",
+    "measured.small_exchange_all_reduce": "the same, as the runtime's pairwise exchanges",
     "measured.overlap": "matmuls alone, the exchange alone, both at once (s; the slowest rank's)",
 }
 

@@ -10,9 +10,12 @@ from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module, wire_dtype
 from edatalog.backend.lowering.collectives import Kind, collectives_of
+from edatalog.backend.running.exchange_all_reduce import exchange_all_reduce_, exchange_all_reduce_op, register_group
 from edatalog.backend.running.interpreter import Buffer, Device
 from edatalog.ir import program as ir
 from edatalog.ir.regions import Region
+from edatalog.solver.costmodel import exchange_all_reduce_takes
+from edatalog.solver.topology import Library
 
 
 class TorchCollectives:
@@ -25,22 +28,27 @@ class TorchCollectives:
     made by a kernel), else a copy; a reduce-scatter and an all-gather move each member's piece
     as one chunk (``reduce_scatter_tensor``, ``all_gather_into_tensor``): views of the data
     when the pieces are the data's equal, consecutive chunks in group order, else packed (and
-    padded to equal sizes).
+    padded to equal sizes).  A small all-reduce on gloo runs as pairwise exchanges
+    (:mod:`edatalog.backend.running.exchange_all_reduce`; which ones: the cost model's rule).
 
     With ``functional``, each collective is torch's functional collective instead (then
     ``wait_tensor``): ops with no work object, which a recorded graph can replay (the compiled
     SPMD runtime, :mod:`edatalog.backend.running.segments`).  An all-reduce's wait is deferred
-    to the first op that reads its result (:meth:`Device.defer`)."""
+    to the first op that reads its result (:meth:`Device.defer`); an exchange all-reduce is its
+    custom op, which returns its result."""
 
     def __init__(self, programs: ir.Programs, rank: int, device: Any, timeout: float, functional: bool = False) -> None:
         torch = torch_module()
         self.dist = torch.distributed
         self.rank, self.device, self.functional = rank, device, functional
         self.gloo = "gloo" in str(self.dist.get_backend())
+        self.library = Library.GLOO if self.gloo else Library.NCCL
         found = collectives_of(programs)
         self.groups: dict[tuple[int, ...], Any] = {}
         for group in sorted({members[0][1].group for members in found.values()}):
             self.groups[group] = self.dist.new_group(list(group), timeout=timedelta(seconds=timeout))
+            if rank in group:
+                register_group(self.groups[group])
         self.reduce_ops = {
             "sum": self.dist.ReduceOp.SUM,
             "prod": self.dist.ReduceOp.PRODUCT,
@@ -61,7 +69,14 @@ class TorchCollectives:
             if (piece is source and op.tag not in self.in_place) or not data.is_contiguous():
                 data = data.clone(memory_format=torch_module().contiguous_format)
             work, back = self._reducible(data)
-            if self.functional:
+            reduce = str(op.reduce)
+            if exchange_all_reduce_takes(self.library, data.numel() * data.element_size(), len(op.group)):
+                if self.functional:
+                    out = exchange_all_reduce_op()(work, reduce, group.group_name)
+                else:
+                    out = exchange_all_reduce_(work.contiguous(), reduce, group)
+                dev.keep(op.buf, Buffer(op.whole, back(out), None))
+            elif self.functional:
                 # Waited for where it is first read (in a recorded graph too): the ops in between
                 # run while it travels.  In place, as the eager path reduces: ``work`` is this
                 # call's to overwrite (out of place, the functional op would copy it first).

@@ -96,7 +96,9 @@ def exact_in_any_layout(node: Any) -> bool:
 # Ops outside ATen whose result is always memory of its own (oneDNN's linear, which the torch
 # kernels call for large f32 GEMMs on a CPU): other namespaces are not trusted to say so (a
 # functional collective's wait returns its argument under a schema that claims a fresh result).
-FRESH_OUTSIDE_ATEN = frozenset({"mkldnn::_linear_pointwise", "edatalog::onednn_linear"})
+FRESH_OUTSIDE_ATEN = frozenset(
+    {"mkldnn::_linear_pointwise", "edatalog::onednn_linear", "edatalog::exchange_all_reduce"}
+)
 
 
 def fresh_outside_aten(node: Any) -> bool:

@@ -235,6 +235,10 @@ def _print(result: Any, output: str | None) -> None:
         small = m["small_all_reduce"]
         note = f"over its {small['steps']} steps {into}links.intra.collective_latency"
         rows.append([f"all_reduce {size(small['bytes'])}", seconds(small["seconds"]), note])
+        if "small_exchange_all_reduce" in m:
+            pair = m["small_exchange_all_reduce"]
+            note = f"as pairwise exchanges, over its {pair['steps']} steps {into}links.intra.exchange_latency"
+            rows.append([f"all_reduce {size(pair['bytes'])}", seconds(pair["seconds"]), note])
         for op in ("all_reduce", "reduce_scatter"):
             rows.append([f"{op} {size(m[op]['bytes'])}", rate(m[op]["busbw"], "B/s"), "bus bandwidth"])
         ov = m["overlap"]
@@ -255,7 +259,10 @@ def _print(result: Any, output: str | None) -> None:
     )
     if t.n > 1:
         link = f"{rate(t.intra.bandwidth, 'B/s')} per direction, {seconds(t.intra.latency)} latency"
-        link += f", {seconds(t.intra.step_latency)} per collective step, interference {t.intra.interference:.2f}"
+        link += f", {seconds(t.intra.step_latency)} per collective step"
+        if t.intra.exchange_latency is not None:
+            link += f", {seconds(t.intra.exchange_latency)} per exchange step"
+        link += f", interference {t.intra.interference:.2f}"
         print(f"  link {t.intra.name}: {link}")
     if output is not None:
         print(f"wrote {output}: use it with --topology {output}")

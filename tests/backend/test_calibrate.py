@@ -128,10 +128,17 @@ def test_the_machine_is_the_slowest_ranks() -> None:
         "all_reduce": 1e-3,
         "small_all_reduce": 3e-4,
         "small_message": 5e-5,  # less than the idle ping-pong's: the latency stays the ping-pong's
+        "small_exchange_all_reduce": 2e-4,
         "reduce_scatter": 5e-4,
         "overlap": {"compute": 3e-3, "both": 4e-3},
     }
-    slow = dict(links, exchange=2 * exchange, small_all_reduce=5e-4, overlap={"compute": 3.5e-3, "both": 5e-3})
+    slow = dict(
+        links,
+        exchange=2 * exchange,
+        small_all_reduce=5e-4,
+        small_exchange_all_reduce=4e-4,
+        overlap={"compute": 3.5e-3, "both": 5e-3},
+    )
     slower = dict(slow, small_message=3e-4)
     opts = cal.Options(nproc=2, quick=True).resolved()
     result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links, 4e-5), 1: _rank(1e10, 2e10, 3e-6, slow)})
@@ -153,6 +160,9 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     step = max(5e-4 - 2 * small_bytes / topo.intra.bandwidth, 5e-4 / 2) / 2
     assert topo.intra.collective_latency == pytest.approx(step, rel=1e-3)
     assert topo.intra.step_latency == topo.intra.collective_latency
+    # As pairwise exchanges (gloo): the slowest rank's, less its bytes each way, over log2 2 steps.
+    pairwise = max(4e-4 - 2 * small_bytes / topo.intra.bandwidth, 4e-4 / 2)
+    assert topo.intra.exchange_latency == pytest.approx(pairwise, rel=1e-3)
     m = result.measured
     assert m["per_rank"]["flops"] == [2e10, 1e10]
     assert m["torch_dispatch"] == pytest.approx(3e-6 / 50, rel=1e-3)  # the slowest rank's, as the floor
@@ -296,6 +306,9 @@ def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     assert 0 <= topo.intra.interference <= 1 and m["overlap"]["interference"] == topo.intra.interference
     for op in ("all_reduce", "reduce_scatter"):
         assert _finite_positive(m[op]["seconds"]) and _finite_positive(m[op]["busbw"])
+    # The small all-reduce also as the runtime runs it on gloo, as pairwise exchanges: one step.
+    assert m["small_exchange_all_reduce"]["steps"] == 1 and topo.intra.exchange_latency is not None
+    assert math.isfinite(m["small_exchange_all_reduce"]["seconds"]) and topo.intra.exchange_latency >= 0
     assert seen and seen[-1][0] == seen[-1][1]  # rank 0's progress reached this process
     path = tmp_path / "cpu2.toml"
     result.save(str(path))

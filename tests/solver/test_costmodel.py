@@ -15,15 +15,17 @@ from edatalog.ir.cost import ONE_ATTENTION, KernelClass, Launches, flops_per_poi
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import Layout, candidates, dim_order
 from edatalog.solver.costmodel import (
+    EXCHANGE_ALL_REDUCE_MAX_BYTES,
     collective_bytes,
     collective_seconds,
     compute_seconds,
+    exchange_all_reduce_takes,
     gemm_shape_efficiency,
     group_collective_seconds,
     transfer_seconds,
 )
 from edatalog.solver.costs import Costs
-from edatalog.solver.topology import Link, from_dict, preset
+from edatalog.solver.topology import Library, Link, from_dict, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,6 +112,38 @@ def test_a_collective_steps_at_its_own_latency_where_the_library_has_one() -> No
     assert collective_seconds(AR, 4096, 2, gloo) == pytest.approx(2 * 500e-6 + 4096 / 1.5e9)  # the ring
     assert collective_seconds(AG, 4096, 2, gloo) == pytest.approx(500e-6 + 4096 / 2 / 1.5e9)
     assert transfer_seconds(4096, gloo) == pytest.approx(150e-6 + 4096 / 1.5e9)
+
+
+@pytest.mark.parametrize(
+    ("library", "nbytes", "members", "takes"),
+    [
+        (Library.GLOO, 2048, 2, True),
+        (Library.GLOO, EXCHANGE_ALL_REDUCE_MAX_BYTES, 4, True),
+        (Library.GLOO, EXCHANGE_ALL_REDUCE_MAX_BYTES + 1, 2, False),  # gloo's ring
+        (Library.GLOO, 2048, 3, False),  # not a power of two
+        (Library.GLOO, 2048, 1, False),
+        (Library.NCCL, 2048, 2, False),
+    ],
+)
+def test_which_all_reduces_run_as_pairwise_exchanges(library: Library, nbytes: int, members: int, takes: bool) -> None:
+    assert exchange_all_reduce_takes(library, nbytes, members) is takes
+
+
+def test_a_small_gloo_all_reduce_costs_its_pairwise_exchanges() -> None:
+    """log2 n steps, each the link's exchange step latency and the bytes one way, then back; the
+    ring's price (``collective_latency``) stays for the large ones and for NCCL."""
+    link = Link("gloo", 2e9, 400e-6, collective_latency=600e-6, exchange_latency=250e-6)
+    gloo = dataclasses.replace(preset("cpux4"), intra=link, library=Library.GLOO)
+    seconds, used = group_collective_seconds(AR, 4096, range(4), gloo)
+    assert used == link and seconds == pytest.approx(2 * (250e-6 + 2 * 4096 / 2e9))
+    assert collective_bytes(AR, 4096, 4, Library.GLOO) == 2 * 4096  # each step all of it
+    big = EXCHANGE_ALL_REDUCE_MAX_BYTES * 4
+    assert group_collective_seconds(AR, big, range(4), gloo)[0] == collective_seconds(AR, big, 4, link)
+    nccl = dataclasses.replace(gloo, library=Library.NCCL)
+    assert group_collective_seconds(AR, 4096, range(4), nccl)[0] == collective_seconds(AR, 4096, 4, link)
+    # Where the machine file has no exchange latency: a message each way per step.
+    plain = dataclasses.replace(gloo, intra=dataclasses.replace(link, exchange_latency=None))
+    assert group_collective_seconds(AR, 8, range(2), plain)[0] == pytest.approx(2 * 400e-6 + 2 * 8 / 2e9)
 
 
 def test_a_collective_inside_a_node_is_the_node_links() -> None:

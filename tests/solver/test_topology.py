@@ -160,6 +160,21 @@ def test_a_link_without_a_pair_rate_moves_one_transfer_at_the_port_rate(tmp_path
         load(str(path))
 
 
+def test_a_link_may_price_the_steps_of_pairwise_exchanges(tmp_path: Path) -> None:
+    """``exchange_latency``: a step of a small all-reduce the runtime runs as pairwise exchanges
+    (gloo); without it a step is a message each way."""
+    path = tmp_path / "m.toml"
+    path.write_text('library = "gloo"\nnodes = [2]\n[links.intra]\nlatency = "100us"\nexchange_latency = "250us"\n')
+    topo = load(str(path))
+    assert topo.intra.exchange_latency == pytest.approx(250e-6) == topo.intra.exchange_step_latency
+    assert from_dict(topo.to_dict()).intra == topo.intra  # as plans carry their machine
+    path.write_text('nodes = [2]\n[links.intra]\nlatency = "100us"\n')
+    assert load(str(path)).intra.exchange_step_latency == pytest.approx(200e-6)
+    path.write_text('nodes = [2]\n[links.intra]\nexchange_latency = "-1us"\n')
+    with pytest.raises(EdlError, match="exchange_latency must be non-negative"):
+        load(str(path))
+
+
 def test_the_library_decides_which_exchanges_are_collectives(tmp_path: Path) -> None:
     assert preset("a100x8").library is Library.NCCL and preset("cpux2").library is Library.GLOO
     assert Library.NCCL.collectives == set(CollectiveKind)
