@@ -40,7 +40,7 @@ FLASH_TILE = 128  # query and key tile edge of flash attention's kernels
 # The largest all-reduce the runtime runs as pairwise exchanges on gloo.  Larger ones run as
 # gloo's own (a ring moves (n - 1) / n of the bytes each way per phase where recursive
 # doubling moves all of them log2 n times, each way one after the other).
-EXCHANGE_ALL_REDUCE_MAX_BYTES = 64 << 10
+EXCHANGE_ALL_REDUCE_MAX_BYTES = 128 << 10
 MOST_TILES = 4096  # tiles looked at per block; beyond, the guard's exact points are counted
 
 GemmShape = tuple[int, int, int, int]  # (batch, m, n, k): a batch of (m x k)(k x n) products

@@ -42,7 +42,8 @@ class TorchCollectives:
         self.dist = torch.distributed
         self.rank, self.device, self.functional = rank, device, functional
         self.gloo = "gloo" in str(self.dist.get_backend())
-        self.library = Library.GLOO if self.gloo else Library.NCCL
+        on_cpu = str(getattr(device, "type", device)).startswith("cpu")
+        self.library = Library.GLOO if self.gloo and on_cpu else Library.NCCL  # which the cost model priced
         found = collectives_of(programs)
         self.groups: dict[tuple[int, ...], Any] = {}
         for group in sorted({members[0][1].group for members in found.values()}):
