@@ -124,7 +124,10 @@ def exchange_all_reduce_takes(library: Library, nbytes: int, members: int) -> bo
 
 def exchange_all_reduce_seconds(nbytes: int, members: int, link: Link) -> float:
     """An all-reduce as pairwise exchanges: ``log2 members`` steps, each the link's exchange
-    step latency and ``nbytes`` each way, one way after the other."""
+    step latency and ``nbytes`` each way, one way after the other.  (Half floats travel widened
+    to f32 on gloo; their bytes' term here is the region's.)"""
+    if members <= 1 or nbytes == 0:
+        return 0.0
     steps = int(math.log2(members))
     return steps * (link.exchange_step_latency + 2 * nbytes / link.pair_bandwidth)
 

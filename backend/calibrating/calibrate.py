@@ -321,8 +321,9 @@ def _device_steps(sizes: Sizes) -> int:
     return len(DTYPES) * (1 + len(sizes.matmuls)) + len(sizes.copy_bytes) + 1
 
 
-def _link_steps(sizes: Sizes) -> int:
-    return len(sizes.p2p_bytes) + 4
+def _link_steps(sizes: Sizes, opts: Options) -> int:
+    pairwise = opts.device != "cuda" and exchange_all_reduce_takes(Library.GLOO, SMALL_COLLECTIVE_BYTES, opts.nproc)
+    return len(sizes.p2p_bytes) + 5 + pairwise
 
 
 # -- one rank's device ----------------------------------------------------------------------------
@@ -511,16 +512,18 @@ def spmd_call_overhead(
     import torch.distributed as dist
 
     run, kernels = calibrate_probe.runner(probe, dev, mode, dist.get_world_size())
-    times = _after_barriers(run, sizes.link_reps * 5, sizes.warmup, sync)
+    times = _after_barriers(run, sizes.link_reps * 5, sizes.warmup, sync, dev)
     return max(0.0, statistics.median(times) - kernels.total * floor)
 
 
-def _after_barriers(op: Callable[[], None], reps: int, warmup: int, sync: Callable[[], None]) -> list[float]:
+def _after_barriers(
+    op: Callable[[], None], reps: int, warmup: int, sync: Callable[[], None], dev: Any, slowest: bool = True
+) -> list[float]:
     """``op``'s time in each of ``reps`` runs (after ``warmup`` untimed), every run started
-    right after a barrier of the group, as ranks meet each step: each run's slowest rank's, the
-    time ``edl run`` reports of a call.  (The median of every call's slowest rank exceeds the
-    slowest rank's median wherever ranks are noisy: 384 against 304-318 µs for a tiny GPT-2's
-    calls on 2 gloo ranks of a 2-core machine.)"""
+    right after a barrier of the group, as ranks meet each step: with ``slowest``, each run's
+    slowest rank's, the time ``edl run`` reports of a call (the median of every call's slowest
+    rank exceeds the slowest rank's median wherever ranks are noisy: 384 against 304-318 µs for
+    a tiny GPT-2's calls on 2 gloo ranks of a 2-core machine); else this rank's own."""
     torch = _torch()
     import torch.distributed as dist
 
@@ -530,8 +533,9 @@ def _after_barriers(op: Callable[[], None], reps: int, warmup: int, sync: Callab
         t0 = time.perf_counter()
         op()
         sync()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # after the clock stopped, as edl run does
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)  # NCCL: on the GPU
+        if slowest:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # after the clock stopped, as edl run does
         if i >= warmup:
             times.append(float(elapsed))
     return times
@@ -575,8 +579,8 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     sync: Callable[[], None] = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
-    def timed(op: Callable[[], None], reps: int) -> list[float]:
-        return _after_barriers(op, reps, sizes.warmup, sync)
+    def timed(op: Callable[[], None], reps: int, slowest: bool = True) -> list[float]:
+        return _after_barriers(op, reps, sizes.warmup, sync, dev, slowest)
 
     pingpong: dict[str, float] = {}
     for nbytes in sizes.p2p_bytes:
@@ -592,7 +596,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
                 dist.send(buf, 0)
 
         reps = sizes.link_reps * (5 if nbytes <= 1 << 16 else 1)  # small messages: cheap, and noisy
-        half = statistics.median(timed(ping, reps)) / 2
+        half = statistics.median(timed(ping, reps, slowest=False)) / 2  # rank 0's round trips
         if rank == 0:
             pingpong[str(nbytes)] = half
         steps.done()
@@ -739,7 +743,7 @@ def _rank_main(options: dict[str, Any], progress_path: str | None) -> dict[str, 
         dev = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
     report = _file_reporter(progress_path) if rank == 0 and progress_path else None
-    steps = _Steps(_device_steps(sizes) + _link_steps(sizes), report)
+    steps = _Steps(_device_steps(sizes) + _link_steps(sizes, opts), report)
     try:
         dist.barrier()  # every rank measures its device at once: they share the machine
         device = measure_device(opts, sizes, steps, dev, _Lockstep(dev))
@@ -783,7 +787,7 @@ def _spawned(opts: Options, progress: ProgressFn | None) -> dict[int, dict[str, 
 
     sizes = sizes_for(opts.device, opts.quick)
     if progress is not None:
-        progress(0, _device_steps(sizes) + _link_steps(sizes), f"starting {opts.nproc} ranks")
+        progress(0, _device_steps(sizes) + _link_steps(sizes, opts), f"starting {opts.nproc} ranks")
     with tempfile.TemporaryDirectory(prefix="edl-calibrate-") as tmp:
         path = Path(tmp, "progress")
         stop = threading.Event()

@@ -11,8 +11,9 @@ How: over a group of ``2^k`` members, ``k`` steps; at step ``s`` each member exc
 partial with the member whose group index differs in bit ``s`` and combines the two.  Of each
 pair the lower index sends first and the higher receives first, so both messages are blocking
 and none waits on a posted request (``batch_isend_irecv`` and ``isend`` + ``recv`` were slower
-and noisier in the same loop).  Every member ends with the same bits: each step combines two
-values with a commutative op (``a + b`` and ``b + a`` round alike).
+and noisier in the same loop).  Every member ends with the same bits: both of a pair combine
+the lower index's value with the higher's, in that order (``torch.maximum(-0.0, 0.0)`` is the
+second).
 
 Which all-reduces take it is one rule shared with the cost model,
 :func:`edatalog.solver.costmodel.exchange_all_reduce_takes`.  A recorded graph calls it as a
@@ -52,25 +53,24 @@ def exchange_all_reduce_(x: Any, reduce: str, group: Any) -> Any:
         if me < partner:
             dist.send(x, peer, group=group)
             dist.recv(other, peer, group=group)
+            _combine(torch, reduce, x, other, out=x)
         else:
             dist.recv(other, peer, group=group)
             dist.send(x, peer, group=group)
-        _combine(torch, reduce, x, other)
+            _combine(torch, reduce, other, x, out=x)
         step <<= 1
     return x
 
 
-def _combine(torch: Any, reduce: str, into: Any, other: Any) -> None:
-    if reduce == "sum":
-        into.add_(other)
-    elif reduce == "prod":
-        into.mul_(other)
-    elif reduce == "max":
-        torch.maximum(into, other, out=into)
-    elif reduce == "min":
-        torch.minimum(into, other, out=into)
-    else:
+_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+
+
+def _combine(torch: Any, reduce: str, lower: Any, higher: Any, out: Any) -> None:
+    """``out = lower (op) higher``, the lower group index's value first on both of a pair."""
+    name = _COMBINE.get(reduce)
+    if name is None:
         raise ValueError(f"no exchange all-reduce for the reduction {reduce!r}")
+    getattr(torch, name)(lower, higher, out=out)
 
 
 @functools.cache
@@ -90,4 +90,7 @@ def exchange_all_reduce_op() -> Any:
     def _(x: Any, reduce: str, group: str) -> Any:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    return torch.ops.edatalog.exchange_all_reduce.default
+    op = torch.ops.edatalog.exchange_all_reduce.default
+    # Never dead code: a rank whose graph dropped it would leave its partners waiting.
+    torch.fx.node.has_side_effect(op)
+    return op

@@ -158,7 +158,7 @@ def rank_main(job: Job) -> Result:
         dist.barrier()
         start = time.perf_counter()
         exe(inputs, gather=False, record=job.record and k == job.repeat - 1)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)  # NCCL: a GPU's
         mine.append(float(elapsed) * 1e3)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         calls.append(float(elapsed) * 1e3)

@@ -2,11 +2,11 @@
 
 On 2 and 4 gloo ranks, every reduction of f32 and i64 tensors against ``dist.all_reduce`` of
 the same values: equal (to rounding for a sum or product of four f32 partials, taken in
-another order),
-and the same bits on every rank.  The custom op the recorded graphs call returns the
-reduction as a fresh tensor, leaves its argument as it was, and replays from a recorded
-graph.  The runtime's choice of it follows the cost model's rule: a plan's programs run end to
-end on it in ``test_collectives.py`` (2 ranks) and beside it on gloo's own (3 ranks)."""
+another order), and the same bits on every rank (zeros of either sign included).  The custom
+op the recorded graphs call returns the reduction as a fresh tensor, leaves its argument as it
+was, replays from a recorded graph, and is never dead code.  The runtime's choice of it follows
+the cost model's rule: a plan's programs run end to end on it in ``test_collectives.py`` (2
+ranks) and beside it on gloo's own (3 ranks)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def exchange_rank() -> dict[str, Any]:
             dist.all_reduce(theirs, op=ops[reduce], group=group)
             ours = exchange_all_reduce_(x.clone(), reduce, group)
             out[f"{reduce} {dtype}"] = (ours.numpy(), theirs.numpy())
+    signed = torch.tensor([0.0, -0.0]) if rank % 2 else torch.tensor([-0.0, 0.0])
+    out["zeros"] = [exchange_all_reduce_(signed.clone(), reduce, group).numpy() for reduce in ("max", "min")]
     op = exchange_all_reduce_op()
     x = torch.arange(6.0).reshape(2, 3) + rank
     kept = x.clone()
@@ -58,6 +60,14 @@ def exchange_rank() -> dict[str, Any]:
     recording = record(lambda a: [op(a, "sum", group.group_name) * 2], [x])
     replay = torch.fx.GraphModule(recording.module, recording.graph)
     out["op"] = (eager.numpy(), recording.outputs[0].numpy(), replay(x)[0].numpy(), bool(torch.equal(x, kept)))
+
+    def unread(a: Any) -> list[Any]:
+        op(a, "sum", group.group_name)  # its result read by nothing: dead code, but a rank must not drop it
+        return [a * 2]
+
+    unused = record(unread, [x])
+    unused.graph.eliminate_dead_code()
+    out["kept"] = any(node.target is op for node in unused.graph.nodes)
     return out
 
 
@@ -70,7 +80,7 @@ def test_pairwise_exchanges_reduce_as_gloo_does(n: int, monkeypatch: pytest.Monk
     got = spawn(n, exchange_rank)
     assert sorted(got) == list(range(n))
     for key in got[0]:
-        if key == "op":
+        if key in ("op", "zeros", "kept"):
             continue
         for rank in range(n):
             ours, theirs = got[rank][key]
@@ -79,8 +89,13 @@ def test_pairwise_exchanges_reduce_as_gloo_does(n: int, monkeypatch: pytest.Monk
                 np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
             else:
                 assert np.array_equal(ours, theirs), (key, rank)
+    # Zeros of either sign: the same one on every rank (a pair combines in one order).
+    for rank in range(n):
+        for ours, first in zip(got[rank]["zeros"], got[0]["zeros"], strict=True):
+            assert np.array_equal(np.signbit(ours), np.signbit(first)), rank
     want = sum(np.arange(6.0).reshape(2, 3) + r for r in range(n))
     for rank in range(n):
         eager, recorded, replayed, kept = got[rank]["op"]
         assert kept  # the op's argument is left as it was
+        assert got[rank]["kept"]  # no graph pass drops it as dead code
         assert np.array_equal(eager, want) and np.array_equal(recorded, 2 * want) and np.array_equal(replayed, 2 * want)
