@@ -322,8 +322,13 @@ def _device_steps(sizes: Sizes) -> int:
 
 
 def _link_steps(sizes: Sizes, opts: Options) -> int:
-    pairwise = opts.device != "cuda" and exchange_all_reduce_takes(Library.GLOO, SMALL_COLLECTIVE_BYTES, opts.nproc)
+    pairwise = exchange_all_reduce_takes(_library(opts.device), SMALL_COLLECTIVE_BYTES, opts.nproc)
     return len(sizes.p2p_bytes) + 5 + pairwise
+
+
+def _library(device: str) -> Library:
+    """The torch.distributed backend a calibration's ranks use on ``device`` ("cpu" or "cuda")."""
+    return Library.NCCL if device == "cuda" else Library.GLOO
 
 
 # -- one rank's device ----------------------------------------------------------------------------
@@ -682,8 +687,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     steps.done()
     # The same all-reduce as the runtime runs it where the rule takes pairwise exchanges.
     pairwise_s = None
-    backend = Library.GLOO if "gloo" in str(dist.get_backend()) else Library.NCCL
-    if exchange_all_reduce_takes(backend, SMALL_COLLECTIVE_BYTES, world):
+    if exchange_all_reduce_takes(_library(dev.type), SMALL_COLLECTIVE_BYTES, world):
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} as pairwise exchanges, after a matmul")
         world_group = dist.group.WORLD
 
@@ -738,10 +742,10 @@ def _rank_main(options: dict[str, Any], progress_path: str | None) -> dict[str, 
     if opts.device == "cuda":
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+        dist.init_process_group(_library(opts.device).value, timeout=timeout, device_id=dev)
     else:
         dev = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(_library(opts.device).value, timeout=timeout)
     report = _file_reporter(progress_path) if rank == 0 and progress_path else None
     steps = _Steps(_device_steps(sizes) + _link_steps(sizes, opts), report)
     try:
@@ -976,7 +980,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         n, cbytes = opts.nproc, links[0]["collective_bytes"]
         all_reduce_s = max(lk["all_reduce"] for lk in links)
         reduce_scatter_s = max(lk["reduce_scatter"] for lk in links)
-        backend = "nccl" if opts.device == "cuda" else "gloo"
+        backend = _library(opts.device).value
         compute_s = max(lk["overlap"]["compute"] for lk in links)
         both_s = max(lk["overlap"]["both"] for lk in links)
         interference = _sig(interference_of(compute_s, exchange_s, both_s))
@@ -1062,7 +1066,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
         measured["how"]["latency"] = "one device: no link to measure"
     kind = devices[0]["kind"]
     name = f"calibrated-{opts.device}x{opts.nproc}"
-    library = Library.NCCL if opts.device == "cuda" else Library.GLOO
+    library = _library(opts.device)
     device_overhead = max(d.get("device_call_overhead", d["call_overhead"]) for d in devices)
     general = _general_bandwidth(devices, floor, device_overhead, flops, bandwidth)
     if general is not None:
