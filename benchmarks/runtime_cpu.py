@@ -18,8 +18,8 @@ run by each contender:
                      so, it checks that the predictions order plans as the clock does.)
                      Their "predicted ms" is the plan's own prediction on --topology (best
                      from `edl calibrate --nproc 2 -o machine.toml` on this machine).  Exchanges
-                     run as the runtime's default on gloo: all-reduces as
-                     all_reduce, the rest as point-to-point messages.
+                     run as the runtime's default on gloo: all-reduces through
+                     shared memory, the rest as point-to-point messages.
 
 Every contender runs the same weights (made once from --seed, broadcast from rank 0) on the same
 input, and must first reproduce the single-process transformers LlamaDecoderLayer (eager
@@ -31,6 +31,12 @@ The ranks' torch programs, the baselines' included, run their large f32 GEMMs on
 edatalog's runtime runs its own (--baseline-gemms onednn, the default: a baseline gets every trick
 edatalog gets; benchmarks/onednn_gemms.py); --baseline-gemms aten leaves torch's kernels (MKL's
 sgemm, 2.0-2.3x slower on this project's AMD EPYC) as they ship.
+
+Likewise the baselines' all-reduces (the hand-written block's two, DTensor's row-parallel ones) go
+through shared memory between the ranks, as edatalog's runtime runs its own
+(--baseline-all-reduce shared-memory, the default; benchmarks/shm_collectives.py);
+--baseline-all-reduce gloo leaves gloo's all_reduce (1.2-1.6 ms for the block's 2 MiB, against
+0.15 through shared memory).
 
 Timing: --warmup calls of each contender, then --repeat rounds; each round calls every contender
 once, in turn (so that drift in the machine's load hits all of them alike).  Before each call all
@@ -70,6 +76,7 @@ if str(HERE) not in sys.path:  # also when loaded by path (tests/edatalog/test_d
 
 import llama_weights  # noqa: E402
 import onednn_gemms  # noqa: E402
+import shm_collectives  # noqa: E402
 from llama_weights import PROGRAM, BlockDims  # noqa: E402
 
 ROOT = HERE.parent
@@ -145,6 +152,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the f32 GEMMs of every torch program in the ranks, baselines included: 'onednn' (default) "
         "routes ATen's large ones to oneDNN as edatalog's runtime runs its own (benchmarks/onednn_gemms.py); "
         "'aten' leaves torch's kernels (MKL) as they ship",
+    )
+    p.add_argument(
+        "--baseline-all-reduce",
+        choices=("shared-memory", "gloo"),
+        default="shared-memory",
+        help="the baselines' all-reduces: 'shared-memory' (default) runs the hand-written block's and "
+        "DTensor's through shared memory as edatalog's runtime runs its own (benchmarks/shm_collectives.py); "
+        "'gloo' leaves gloo's all_reduce",
     )
     p.add_argument("--json", action="store_true", help="print every number as JSON instead of a table")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set by the launcher
@@ -285,6 +300,7 @@ class Context:
     x: Any  # [B, S, D]
     cos: Any  # [B, S, E]
     sin: Any
+    all_reduce: Callable[[Any], Any]  # the hand-written block's (in place): gloo's, or as edatalog's
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -294,10 +310,10 @@ class Context:
 def build_megatron(ctx: Context) -> Contender:
     """Megatron-LM tensor parallelism, by hand, in plain torch."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     d, r, n, w = ctx.dims, ctx.rank, ctx.world, ctx.weights
+    all_reduce = ctx.all_reduce
     e, hl, kvl, fl = d.E, d.H // n, d.KVH // n, d.F // n
     eps = ctx.consts["eps"]
 
@@ -333,11 +349,11 @@ def build_megatron(ctx: Context) -> Contender:
         v = v.view(b, s, kvl, e).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hl != kvl)
         attn = F.linear(o.transpose(1, 2).reshape(b, s, hl * e), w_o)
-        dist.all_reduce(attn)
+        all_reduce(attn)
         h = x + attn
         gate, up = torch.split(F.linear(rms(h, g_ffn), w_gu), fl, dim=-1)
         down = F.linear(F.silu(gate) * up, w_down)
-        dist.all_reduce(down)
+        all_reduce(down)
         return h + down
 
     return Contender("megatron", call, note="fused qkv and gate/up GEMMs")
@@ -506,6 +522,11 @@ def run_rank(args: argparse.Namespace, rank: int, world: int) -> int:
     started, load_start = time.time(), _load()
     if args.baseline_gemms == "onednn":
         onednn_gemms.route()
+    all_reduce = None
+    if args.baseline_all_reduce == "shared-memory":
+        all_reduce = shm_collectives.route(dist.group.WORLD, args.timeout)
+        if all_reduce is None and rank == 0:
+            print("[runtime_cpu] the ranks cannot share memory: the baselines keep gloo's all_reduce", file=sys.stderr)
     dims: BlockDims = args.block
     consts = llama_weights.program_consts(dims)
     weights = llama_weights.make_weights(dims, args.seed)
@@ -514,7 +535,7 @@ def run_rank(args: argparse.Namespace, rank: int, world: int) -> int:
     for t in (*weights.values(), x):
         dist.broadcast(t, src=0)
     cos, sin = llama_weights.rope(dims, consts)
-    ctx = Context(rank, world, args, dims, consts, weights, x, cos, sin)
+    ctx = Context(rank, world, args, dims, consts, weights, x, cos, sin, all_reduce or dist.all_reduce)
     eps, theta = consts["eps"], consts["theta"]
     ctx.log(f"{world} ranks x {args.threads} thread(s); {dims}, E={dims.E}; eps={eps:g} theta={theta:g}")
 
@@ -562,6 +583,7 @@ def run_rank(args: argparse.Namespace, rank: int, world: int) -> int:
             "tol": args.tol,
             "topology": args.topology,
             "baseline_gemms": args.baseline_gemms,
+            "baseline_all_reduce": args.baseline_all_reduce if all_reduce is not None else "gloo",
             "results": [r.to_dict() for r in results],
             "skipped": skipped,
             "seconds": time.time() - started,
@@ -635,7 +657,9 @@ def table(report: dict[str, Any]) -> str:
         f"block: {' '.join(f'{k}={v}' for k, v in dims.items())}, f32; "
         f"{report['ranks']} ranks x {report['threads']} thread(s), gloo; "
         f"{report['warmup']} warm-up calls, {report['repeat']} rounds; ATen's large f32 GEMMs: "
-        + ("oneDNN, as edatalog's" if report.get("baseline_gemms") == "onednn" else "as torch ships them"),
+        + ("oneDNN, as edatalog's" if report.get("baseline_gemms") == "onednn" else "as torch ships them")
+        + "; the baselines' all-reduces: "
+        + ("shared memory, as edatalog's" if report.get("baseline_all_reduce") == "shared-memory" else "gloo's"),
         "",
     ]
     header = ["contender", "measured ms", "min", "max", "predicted ms", "per rank (median ms)", "check"]

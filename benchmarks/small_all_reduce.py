@@ -1,14 +1,16 @@
-"""All-reduces between CPU ranks: gloo's own against edatalog's pairwise exchanges.
+"""All-reduces between CPU ranks of one machine: gloo's own against edatalog's two routes.
 
 Starts --nproc gloo ranks (one torch thread each) and, for each size (--sizes, bytes of f32),
 times in turn each round a loop of ``--ops`` x (--kernels small matmuls, then an all-reduce),
-as a tensor-parallel program meets its all-reduces: with ``dist.all_reduce`` and with
-``edatalog.backend.running.exchange_all_reduce.exchange_all_reduce_`` (recursive doubling
-over blocking messages, a power-of-two number of ranks), and the loop without the
-all-reduces.  Prints the median per all-reduce of each, beyond the loop's kernels, their
-ratio, and whether edatalog's runtime takes the exchanges for that size
-(``exchange_all_reduce_takes``): the evidence behind ``EXCHANGE_ALL_REDUCE_MAX_BYTES``, to
-rerun on another machine before trusting it there.
+as a tensor-parallel program meets its all-reduces: with ``dist.all_reduce``; through shared
+memory (``edatalog.backend.running.shm_all_reduce``: each rank writes its slot of a segment
+the ranks share, and reduces them all); as pairwise exchanges
+(``edatalog.backend.running.exchange_all_reduce``: recursive doubling over blocking messages, a
+power-of-two number of ranks); and the loop without the all-reduces.  Prints the median per
+all-reduce of each, beyond the loop's kernels, their ratios to gloo's, and the route edatalog's
+runtime takes between ranks of one machine (``all_reduce_route``; across machines it takes the
+exchanges up to ``EXCHANGE_ALL_REDUCE_MAX_BYTES``): the evidence behind both rules, to rerun on
+another machine before trusting them there.
 
   .venv/bin/python benchmarks/small_all_reduce.py
   .venv/bin/python benchmarks/small_all_reduce.py --nproc 4 --sizes 2048,65536 --repeat 5 --json
@@ -31,7 +33,8 @@ DEFAULT_SIZES = "2048,16384,65536,131072,262144,2097152"
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Time all-reduces between gloo CPU ranks: gloo's against edatalog's pairwise exchanges.",
+        description="Time all-reduces between gloo CPU ranks: gloo's against edatalog's shared memory and "
+        "pairwise exchanges.",
         epilog="example: .venv/bin/python benchmarks/small_all_reduce.py --sizes 2048,65536 --repeat 5",
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks, a power of two (default 2)")
@@ -62,6 +65,7 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from edatalog.backend.running import shm_all_reduce as shm
     from edatalog.backend.running.exchange_all_reduce import exchange_all_reduce_
     from edatalog.backend.running.spmd import init_group
 
@@ -69,6 +73,8 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
     init_group("cpu")
     a, w = torch.randn(16, 32), torch.randn(32, 128)
     group = dist.group.WORLD
+    if not shm.register(group, 300.0):
+        raise SystemExit("the ranks cannot share memory here (not x86-64, or no /dev/shm)")
     out: dict[str, Any] = {}
     for nbytes in options["sizes"]:
         x = torch.ones(nbytes // 4)
@@ -76,6 +82,7 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
             "none": lambda: None,
             "gloo": lambda x=x: dist.all_reduce(x),
             "exchanges": lambda x=x: exchange_all_reduce_(x, "sum", group),
+            "shared_memory": lambda x=x: shm.shm_all_reduce_(x, "sum", group.group_name),
         }
 
         def loop(name: str, reduce: Any = reduce) -> None:
@@ -101,20 +108,26 @@ def rank_main(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(times: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from edatalog.solver.costmodel import exchange_all_reduce_takes
+    from edatalog.solver.costmodel import all_reduce_route
     from edatalog.solver.topology import Library
 
     rows = []
     for nbytes, per in times.items():
         base = statistics.median(per["none"])
-        each = {k: (statistics.median(per[k]) - base) / args.ops for k in ("gloo", "exchanges")}
+        each = {k: (statistics.median(per[k]) - base) / args.ops for k in ("gloo", "exchanges", "shared_memory")}
+
+        def ratio(k: str, each: dict[str, float] = each) -> float:
+            return each[k] / each["gloo"] if each["gloo"] > 0 else float("nan")
+
         rows.append(
             {
                 "bytes": int(nbytes),
                 "gloo_ms": each["gloo"] * 1e3,
                 "exchanges_ms": each["exchanges"] * 1e3,
-                "ratio": each["exchanges"] / each["gloo"] if each["gloo"] > 0 else float("nan"),
-                "edatalog_takes": exchange_all_reduce_takes(Library.GLOO, int(nbytes), args.nproc),
+                "shared_memory_ms": each["shared_memory"] * 1e3,
+                "ratio": ratio("exchanges"),
+                "shared_memory_ratio": ratio("shared_memory"),
+                "edatalog_takes": str(all_reduce_route(Library.GLOO, int(nbytes), args.nproc, one_node=True)),
                 "rounds": per,
             }
         )
@@ -137,14 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"then an f32 all-reduce); medians of {args.repeat} rounds of {args.loops} loops, the slowest rank's, "
         "less the loop without all-reduces, per all-reduce"
     )
-    header = ("bytes", "gloo ms", "exchanges ms", "exchanges / gloo", "edatalog takes exchanges")
+    header = ("bytes", "gloo ms", "shared ms", "exchanges ms", "shared / gloo", "exchanges / gloo", "edatalog takes")
     table = [
         (
             str(r["bytes"]),
             f"{r['gloo_ms']:.3f}",
+            f"{r['shared_memory_ms']:.3f}",
             f"{r['exchanges_ms']:.3f}",
+            f"{r['shared_memory_ratio']:.2f}",
             f"{r['ratio']:.2f}",
-            str(r["edatalog_takes"]),
+            r["edatalog_takes"],
         )
         for r in rows
     ]

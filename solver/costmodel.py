@@ -18,8 +18,10 @@ chosen by the cost they are then measured with.
 - A collective over a group takes NCCL's time at the port's ("bus") bandwidth: a ring, or for an
   all-reduce a tree when that is faster (:func:`collective_seconds`); across nodes, the faster of
   one ring through every member and the hierarchical form (inside each node, across, inside
-  again: :func:`group_collective_seconds`).  A small all-reduce on gloo runs as pairwise
-  exchanges instead (:func:`exchange_all_reduce_takes`, :func:`exchange_all_reduce_seconds`).
+  again: :func:`group_collective_seconds`).  On gloo an all-reduce among the ranks of one node
+  goes through shared memory, and a small one across nodes as pairwise exchanges
+  (:func:`all_reduce_route`, :func:`shared_memory_all_reduce_seconds`,
+  :func:`exchange_all_reduce_seconds`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 
 from edatalog.ir.cost import Launches
 from edatalog.ir.graph import JoinAgg
@@ -41,6 +44,9 @@ FLASH_TILE = 128  # query and key tile edge of flash attention's kernels
 # gloo's own (a ring moves (n - 1) / n of the bytes each way per phase where recursive
 # doubling moves all of them log2 n times, each way one after the other).
 EXCHANGE_ALL_REDUCE_MAX_BYTES = 128 << 10
+# One member's slot of a shared-memory all-reduce: a larger tensor goes by chunks of it, each
+# chunk a meeting of the members (edatalog.backend.running.shm_all_reduce).
+SHARED_MEMORY_SLOT_BYTES = 1 << 20
 MOST_TILES = 4096  # tiles looked at per block; beyond, the guard's exact points are counted
 
 GemmShape = tuple[int, int, int, int]  # (batch, m, n, k): a batch of (m x k)(k x n) products
@@ -109,17 +115,41 @@ def port_seconds(nbytes: int, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth
 
 
-def exchange_all_reduce_takes(library: Library, nbytes: int, members: int) -> bool:
-    """Whether the runtime runs an all-reduce of ``nbytes`` (the region, in its dtype) over
-    ``members`` ranks as pairwise exchanges (:mod:`edatalog.backend.running.exchange_all_reduce`):
-    on gloo, a power-of-two group of at least two, at most :data:`EXCHANGE_ALL_REDUCE_MAX_BYTES`.
-    The one rule, for the runtime and for the cost model."""
-    return (
-        library is Library.GLOO
-        and members >= 2
-        and members & (members - 1) == 0
-        and nbytes <= EXCHANGE_ALL_REDUCE_MAX_BYTES
-    )
+class AllReduceRoute(StrEnum):
+    """How the runtime runs an all-reduce (:func:`all_reduce_route`)."""
+
+    LIBRARY = "library"  # the communication library's own (NCCL's, gloo's)
+    SHARED_MEMORY = "shared_memory"  # CPU ranks of one node meet in shared memory
+    EXCHANGES = "exchanges"  # pairwise exchanges, recursive doubling over blocking messages
+
+
+def all_reduce_route(library: Library, nbytes: int, members: int, one_node: bool) -> AllReduceRoute:
+    """How the runtime runs an all-reduce of ``nbytes`` (the region, in its dtype) over
+    ``members`` ranks, ``one_node`` when they share a machine.  On gloo (CPU tensors): through
+    shared memory inside a node (:mod:`edatalog.backend.running.shm_all_reduce`), as pairwise
+    exchanges across nodes for a power-of-two group and at most
+    :data:`EXCHANGE_ALL_REDUCE_MAX_BYTES` (:mod:`edatalog.backend.running.exchange_all_reduce`);
+    otherwise, and on NCCL, the library's own.  The one rule, for the runtime and the cost model
+    (the runtime keeps gloo's where a node's ranks cannot share memory: not x86-64, no
+    ``/dev/shm``)."""
+    if library is not Library.GLOO or members < 2:
+        return AllReduceRoute.LIBRARY
+    if one_node:
+        return AllReduceRoute.SHARED_MEMORY
+    if members & (members - 1) == 0 and nbytes <= EXCHANGE_ALL_REDUCE_MAX_BYTES:
+        return AllReduceRoute.EXCHANGES
+    return AllReduceRoute.LIBRARY
+
+
+def shared_memory_all_reduce_seconds(nbytes: int, members: int, link: Link, bandwidth: float) -> float:
+    """An all-reduce through shared memory: per chunk of :data:`SHARED_MEMORY_SLOT_BYTES`, the
+    members' meeting (the link's shared-memory latency), and each member's memory traffic at
+    ``bandwidth`` (bytes read and written per second): its chunk copied into its slot (read and
+    written), every member's slot read and the result written, ``members + 3`` times the bytes."""
+    if members <= 1 or nbytes == 0:
+        return 0.0
+    chunks = -(-nbytes // SHARED_MEMORY_SLOT_BYTES)
+    return chunks * link.shared_memory_step_latency + (members + 3) * nbytes / bandwidth
 
 
 def exchange_all_reduce_seconds(nbytes: int, members: int, link: Link) -> float:
@@ -160,8 +190,8 @@ def group_collective_seconds(
 ) -> tuple[float, Link]:
     """NCCL's time for a collective over the devices ``group`` of ``topo`` (``nbytes`` as for
     :func:`collective_seconds`), and the link class whose ports it holds: the one between nodes
-    when the group spans them.  An all-reduce the runtime runs as pairwise exchanges
-    (:func:`exchange_all_reduce_takes`) costs those, on that link.  Inside a node,
+    when the group spans them.  An all-reduce the runtime runs through shared memory or as
+    pairwise exchanges (:func:`all_reduce_route`) costs those.  Inside a node,
     :func:`collective_seconds` on the node's link.
     Across nodes, where each GPU has its own NIC, the faster of:
 
@@ -178,9 +208,14 @@ def group_collective_seconds(
     for d in group:
         node = topo.devices[d].node
         per_node[node] = per_node.get(node, 0) + 1
-    if kind is CollectiveKind.ALL_REDUCE and exchange_all_reduce_takes(topo.library, nbytes, len(group)):
-        slowest = topo.intra if len(per_node) == 1 or topo.inter is None else topo.inter
-        return exchange_all_reduce_seconds(nbytes, len(group), slowest), slowest
+    one_node = len(per_node) == 1 or topo.inter is None
+    route = all_reduce_route(topo.library, nbytes, len(group), one_node)
+    if kind is CollectiveKind.ALL_REDUCE and route is AllReduceRoute.SHARED_MEMORY:
+        bandwidth = topo.efficiency * min(topo.devices[d].bandwidth for d in group)
+        return shared_memory_all_reduce_seconds(nbytes, len(group), topo.intra, bandwidth), topo.intra
+    if kind is CollectiveKind.ALL_REDUCE and route is AllReduceRoute.EXCHANGES:
+        assert topo.inter is not None
+        return exchange_all_reduce_seconds(nbytes, len(group), topo.inter), topo.inter
     if len(per_node) == 1 or topo.inter is None:
         return collective_seconds(kind, nbytes, len(group), topo.intra), topo.intra
     intra, inter = topo.intra, topo.inter
@@ -205,12 +240,18 @@ def group_collective_seconds(
     return min(flat, inside + across), inter
 
 
-def collective_bytes(kind: CollectiveKind, nbytes: int, members: int, library: Library = Library.NCCL) -> int:
+def collective_bytes(
+    kind: CollectiveKind, nbytes: int, members: int, library: Library = Library.NCCL, one_node: bool = True
+) -> int:
     """What each member sends (and receives) in the ring: ``steps / members`` of ``nbytes``; as
-    pairwise exchanges (:func:`exchange_all_reduce_takes`), ``nbytes`` at each of ``log2 members``
-    steps."""
-    if kind is CollectiveKind.ALL_REDUCE and exchange_all_reduce_takes(library, nbytes, members):
-        return int(math.log2(members)) * nbytes
+    pairwise exchanges (:func:`all_reduce_route`), ``nbytes`` at each of ``log2 members`` steps;
+    through shared memory, ``nbytes`` (its own, written once for the others to read)."""
+    if kind is CollectiveKind.ALL_REDUCE and members > 1:
+        route = all_reduce_route(library, nbytes, members, one_node)
+        if route is AllReduceRoute.EXCHANGES:
+            return int(math.log2(members)) * nbytes
+        if route is AllReduceRoute.SHARED_MEMORY:
+            return nbytes
     steps = 2 * (members - 1) if kind is CollectiveKind.ALL_REDUCE else members - 1
     return round(steps * nbytes / members) if members > 1 else 0
 

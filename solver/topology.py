@@ -31,6 +31,9 @@ from edatalog.ir.cost import KernelClass, Launches
 from edatalog.ir.program import CollectiveKind
 
 GIB = 1 << 30
+# Seconds a chunk of a shared-memory all-reduce costs where no calibration measured it: what
+# edatalog's runtime took for 2 KiB between 2 busy CPU ranks of a 2-core VM (17-22 µs), rounded.
+SHARED_MEMORY_LATENCY = 20e-6
 
 
 class Library(StrEnum):
@@ -112,10 +115,19 @@ class Link:
     # takes several round trips); None: ``latency``.  ``edl calibrate`` measures it.
     collective_latency: float | None = None
     # Seconds per step of a small all-reduce the runtime runs as pairwise exchanges (on gloo:
-    # :func:`edatalog.solver.costmodel.exchange_all_reduce_takes`), as programs meet it, less
+    # :func:`edatalog.solver.costmodel.all_reduce_route`), as programs meet it, less
     # its bytes' time; None: ``latency`` twice (a step is a message each way, one after the
     # other).  ``edl calibrate`` measures it.
     exchange_latency: float | None = None
+    # Seconds per chunk of an all-reduce among the CPU ranks of one node through shared memory
+    # (:func:`edatalog.solver.costmodel.all_reduce_route`), as programs meet it, less its bytes'
+    # time; None: :data:`SHARED_MEMORY_LATENCY`.  ``edl calibrate`` measures it.
+    shared_memory_latency: float | None = None
+
+    @property
+    def shared_memory_step_latency(self) -> float:
+        """The latency of one chunk of an all-reduce through shared memory."""
+        return SHARED_MEMORY_LATENCY if self.shared_memory_latency is None else self.shared_memory_latency
 
     @property
     def exchange_step_latency(self) -> float:
@@ -140,6 +152,8 @@ class Link:
             extra["collective_latency"] = self.collective_latency
         if self.exchange_latency is not None:
             extra["exchange_latency"] = self.exchange_latency
+        if self.shared_memory_latency is not None:
+            extra["shared_memory_latency"] = self.shared_memory_latency
         return {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency, **extra}
 
 
@@ -422,7 +436,9 @@ def load(path: str) -> Topology:
     latency = "3us"
     collective_latency = "3us"        # optional: one step of a collective (default: latency)
     exchange_latency = "6us"          # optional: one step of a small all-reduce run as pairwise
-                                      # exchanges, gloo's (default: twice latency)
+                                      # exchanges, gloo's across nodes (default: twice latency)
+    shared_memory_latency = "20us"    # optional: one chunk of an all-reduce through shared memory,
+                                      # gloo's ranks of one node (default: 20us)
     interference = 0.0                # optional: the share of a transfer's time its ends cannot compute
     [links.inter]                     # needed when there are several nodes
     bandwidth = "25GB/s"
@@ -460,7 +476,16 @@ _KEYS = {
     "kernel_floors": {c.value for c in KernelClass},
     "device": {"kind", "memory", "flops", "bandwidth", "sms", "general_bandwidth", "attention_flops"},
     "links": {"intra", "inter"},
-    "link": {"name", "bandwidth", "p2p_bandwidth", "latency", "collective_latency", "exchange_latency", "interference"},
+    "link": {
+        "name",
+        "bandwidth",
+        "p2p_bandwidth",
+        "latency",
+        "collective_latency",
+        "exchange_latency",
+        "shared_memory_latency",
+        "interference",
+    },
 }
 
 
@@ -557,8 +582,8 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
         pair = spec.get("p2p_bandwidth")
         p2p = None if pair is None else quantity(pair, "B/s", f"links.{key}.p2p_bandwidth")
         latency = quantity(spec.get("latency", "5us"), "s", f"links.{key}.latency")
-        step_latency, exchange_latency = (
-            _optional_seconds(spec, key, k) for k in ("collective_latency", "exchange_latency")
+        step_latency, exchange_latency, shared_memory_latency = (
+            _optional_seconds(spec, key, k) for k in ("collective_latency", "exchange_latency", "shared_memory_latency")
         )
         interference = quantity(spec.get("interference", 0.0), "", f"links.{key}.interference")
         if not 0 <= interference <= 1:
@@ -575,6 +600,7 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
             None if p2p is None else _positive(p2p, f"links.{key}.p2p_bandwidth"),
             step_latency,
             exchange_latency,
+            shared_memory_latency,
         )
 
     intra = link("intra", Link("nvlink", 300e9, NVLINK_LATENCY))

@@ -50,8 +50,11 @@ What goes where:
   rank computed (as programs meet collectives) less that computing alone, less its bytes' time,
   over the steps the cost model gives it: on gloo between busy CPU ranks it costs several times
   what the ping-pong's latency would predict.
-- ``links.intra.exchange_latency`` (gloo): the same all-reduce as the runtime runs it, as
-  pairwise exchanges (:mod:`edatalog.backend.running.exchange_all_reduce`), over its steps.
+- ``links.intra.shared_memory_latency`` (gloo): the same all-reduce as the runtime runs it
+  between ranks of one machine, through shared memory
+  (:mod:`edatalog.backend.running.shm_all_reduce`), less its bytes' memory traffic;
+  ``links.intra.exchange_latency`` where the ranks cannot share memory: as pairwise exchanges
+  (:mod:`edatalog.backend.running.exchange_all_reduce`), over its steps.
 - ``links.intra.bandwidth``: the rate per direction when every rank sends to the next and
   receives from the previous one at once (a ring exchange of a large message), which is how
   exchanges run in a plan (both directions of a reduce-scatter or an all-gather at once); the
@@ -92,11 +95,12 @@ from typing import Any
 
 from edatalog.backend.calibrating import probe as calibrate_probe
 from edatalog.backend.kernels.arrays import TorchOps
+from edatalog.backend.running import shm_all_reduce as shm
 from edatalog.backend.running.compiled import Compile, compile_mode
 from edatalog.backend.running.exchange_all_reduce import exchange_all_reduce_
 from edatalog.errors import EdlError
 from edatalog.ir.cost import KernelClass, Launches
-from edatalog.solver.costmodel import exchange_all_reduce_takes
+from edatalog.solver.costmodel import AllReduceRoute, all_reduce_route
 from edatalog.solver.topology import Device, Library, Link, Topology
 
 ProgressFn = Callable[[float, float, str], None]  # (done, total, what is being measured)
@@ -322,8 +326,8 @@ def _device_steps(sizes: Sizes) -> int:
 
 
 def _link_steps(sizes: Sizes, opts: Options) -> int:
-    pairwise = exchange_all_reduce_takes(_library(opts.device), SMALL_COLLECTIVE_BYTES, opts.nproc)
-    return len(sizes.p2p_bytes) + 5 + pairwise
+    own = all_reduce_route(_library(opts.device), SMALL_COLLECTIVE_BYTES, opts.nproc, one_node=True)
+    return len(sizes.p2p_bytes) + 5 + (own is not AllReduceRoute.LIBRARY)
 
 
 def _library(device: str) -> Library:
@@ -685,11 +689,24 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     small_all_reduce_s = max(0.0, per_call(matmul_then_all_reduce) - alone_s)
     small_message_s = max(0.0, per_call(matmul_then_message) - alone_s)
     steps.done()
-    # The same all-reduce as the runtime runs it where the rule takes pairwise exchanges.
-    pairwise_s = None
-    if exchange_all_reduce_takes(_library(dev.type), SMALL_COLLECTIVE_BYTES, world):
+    # The same all-reduce as the runtime runs it, where the rule takes its own route: through
+    # shared memory (the calibration's ranks share a machine), or where they cannot share it,
+    # as pairwise exchanges.
+    pairwise_s = shared_s = None
+    world_group = dist.group.WORLD
+    assert world_group is not None  # initialized
+    route = all_reduce_route(_library(dev.type), SMALL_COLLECTIVE_BYTES, world, one_node=True)
+    if route is AllReduceRoute.SHARED_MEMORY and shm.register(world_group, INIT_TIMEOUT_SECONDS):
+        steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} through shared memory, after a matmul")
+
+        def matmul_then_shared() -> None:
+            torch.mm(sa, sb, out=sc)
+            shm.shm_all_reduce_(small, "sum", world_group.group_name)
+
+        shared_s = max(0.0, per_call(matmul_then_shared) - alone_s)
+        steps.done()
+    elif all_reduce_route(_library(dev.type), SMALL_COLLECTIVE_BYTES, world, False) is AllReduceRoute.EXCHANGES:
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} as pairwise exchanges, after a matmul")
-        world_group = dist.group.WORLD
 
         def matmul_then_exchange() -> None:
             torch.mm(sa, sb, out=sc)
@@ -717,6 +734,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
         "small_all_reduce": small_all_reduce_s,
         "small_message": small_message_s,
         "small_exchange_all_reduce": pairwise_s,
+        "small_shared_all_reduce": shared_s,
         "reduce_scatter": reduce_scatter_s,
     }
 
@@ -1013,6 +1031,20 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
                 "seconds": _sig(pairwise_s),
                 "steps": exchanges,
             }
+        # The all-reduce through shared memory (gloo's ranks of one machine): one chunk, less its
+        # bytes' memory traffic (shared_memory_all_reduce_seconds).
+        shared = [lk.get("small_shared_all_reduce") for lk in links]
+        shared_latency = None
+        if all(t is not None for t in shared):
+            shared_s = max(t for t in shared if t is not None)
+            traffic = (n + 3) * SMALL_COLLECTIVE_BYTES / bandwidth
+            shared_latency = _sig(max(shared_s - traffic, shared_s / 2))
+            measured["how"]["shared_memory_latency"] = (
+                f"an all-reduce of {size(SMALL_COLLECTIVE_BYTES)} through shared memory as the runtime runs it, "
+                "right after a matmul, less the matmul alone (the slowest rank's mean over a loop of them) and "
+                "its bytes' memory traffic"
+            )
+            measured["small_shared_all_reduce"] = {"bytes": SMALL_COLLECTIVE_BYTES, "seconds": _sig(shared_s)}
         intra = Link(
             backend,
             link_bw,
@@ -1020,6 +1052,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             interference,
             collective_latency=step_latency,
             exchange_latency=exchange_latency,
+            shared_memory_latency=shared_latency,
         )
         measured["how"]["collective_latency"] = (
             f"an all-reduce of {size(SMALL_COLLECTIVE_BYTES)} right after a matmul, less the matmul alone "
@@ -1200,6 +1233,9 @@ def _toml(cal: Calibration) -> str:
         )
     if t.intra.exchange_latency is not None:
         body.append((f"exchange_latency = {_value(t.intra.exchange_latency)}", f"s: {m['how']['exchange_latency']}"))
+    if t.intra.shared_memory_latency is not None:
+        how = m["how"]["shared_memory_latency"]
+        body.append((f"shared_memory_latency = {_value(t.intra.shared_memory_latency)}", f"s: {how}"))
     if several:
         body.append((f"interference = {_value(t.intra.interference)}", m["how"]["interference"]))
     width = max(len(code) for code, _ in body) + 2

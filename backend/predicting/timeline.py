@@ -162,7 +162,8 @@ def _meet(
     for p in ports:
         free[p] = start + duration
     _interfere(free, group, start, link.interference * duration)
-    moved = collective_bytes(op.kind, nbytes, len(group), s.topology.library)
+    one_node = len({s.topology.devices[d].node for d in group}) == 1
+    moved = collective_bytes(op.kind, nbytes, len(group), s.topology.library, one_node)
     for k, d in enumerate(group):
         traffic.add(d, group[(k + 1) % len(group)], moved)
 

@@ -10,11 +10,12 @@ from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module, wire_dtype
 from edatalog.backend.lowering.collectives import Kind, collectives_of
+from edatalog.backend.running import shm_all_reduce as shm
 from edatalog.backend.running.exchange_all_reduce import exchange_all_reduce_, exchange_all_reduce_op, register_group
 from edatalog.backend.running.interpreter import Buffer, Device
 from edatalog.ir import program as ir
 from edatalog.ir.regions import Region
-from edatalog.solver.costmodel import exchange_all_reduce_takes
+from edatalog.solver.costmodel import AllReduceRoute, all_reduce_route
 from edatalog.solver.topology import Library
 
 
@@ -28,14 +29,17 @@ class TorchCollectives:
     made by a kernel), else a copy; a reduce-scatter and an all-gather move each member's piece
     as one chunk (``reduce_scatter_tensor``, ``all_gather_into_tensor``): views of the data
     when the pieces are the data's equal, consecutive chunks in group order, else packed (and
-    padded to equal sizes).  A small all-reduce on gloo runs as pairwise exchanges
-    (:mod:`edatalog.backend.running.exchange_all_reduce`; which ones: the cost model's rule).
+    padded to equal sizes).  On gloo, an all-reduce among ranks of one machine goes through
+    shared memory (:mod:`edatalog.backend.running.shm_all_reduce`, set up here for each group
+    whose members can share it), and a small one across machines as pairwise exchanges
+    (:mod:`edatalog.backend.running.exchange_all_reduce`): the cost model's rule,
+    :func:`~edatalog.solver.costmodel.all_reduce_route`.
 
     With ``functional``, each collective is torch's functional collective instead (then
     ``wait_tensor``): ops with no work object, which a recorded graph can replay (the compiled
     SPMD runtime, :mod:`edatalog.backend.running.segments`).  An all-reduce's wait is deferred
-    to the first op that reads its result (:meth:`Device.defer`); an exchange all-reduce is its
-    custom op, which returns its result."""
+    to the first op that reads its result (:meth:`Device.defer`); a shared-memory or exchange
+    all-reduce is its custom op, which returns its result."""
 
     def __init__(self, programs: ir.Programs, rank: int, device: Any, timeout: float, functional: bool = False) -> None:
         torch = torch_module()
@@ -48,8 +52,11 @@ class TorchCollectives:
         self.groups: dict[tuple[int, ...], Any] = {}
         for group in sorted({members[0][1].group for members in found.values()}):
             self.groups[group] = self.dist.new_group(list(group), timeout=timedelta(seconds=timeout))
+        for group, made in self.groups.items():  # the members of each, in the same order on every rank
             if rank in group:
-                register_group(self.groups[group])
+                register_group(made)
+                if self.library is Library.GLOO:
+                    shm.register(made, timeout)
         self.reduce_ops = {
             "sum": self.dist.ReduceOp.SUM,
             "prod": self.dist.ReduceOp.PRODUCT,
@@ -71,9 +78,17 @@ class TorchCollectives:
                 data = data.clone(memory_format=torch_module().contiguous_format)
             work, back = self._reducible(data)
             reduce = str(op.reduce)
-            if exchange_all_reduce_takes(self.library, data.numel() * data.element_size(), len(op.group)):
+            nbytes, name = data.numel() * data.element_size(), group.group_name
+            route = all_reduce_route(self.library, nbytes, len(op.group), shm.registered(name))
+            if route is AllReduceRoute.SHARED_MEMORY:
                 if self.functional:
-                    out = exchange_all_reduce_op()(work, reduce, group.group_name)
+                    out = shm.shm_all_reduce_op()(work, reduce, name)
+                else:
+                    out = shm.shm_all_reduce_(work.contiguous(), reduce, name)
+                dev.keep(op.buf, Buffer(op.whole, back(out), None))
+            elif route is AllReduceRoute.EXCHANGES:
+                if self.functional:
+                    out = exchange_all_reduce_op()(work, reduce, name)
                 else:
                     out = exchange_all_reduce_(work.contiguous(), reduce, group)
                 dev.keep(op.buf, Buffer(op.whole, back(out), None))

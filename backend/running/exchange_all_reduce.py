@@ -73,6 +73,14 @@ def _combine(torch: Any, reduce: str, lower: Any, higher: Any, out: Any) -> None
     getattr(torch, name)(lower, higher, out=out)
 
 
+def exchange_all_reduce(x: Any, reduce: str, group: str) -> Any:
+    """The reduction of ``x`` over the registered group ``group`` (its name) as a fresh tensor,
+    ``x`` left as it was: what a recorded graph calls (:func:`exchange_all_reduce_op`, or this
+    function directly)."""
+    torch = torch_module()
+    return exchange_all_reduce_(x.clone(memory_format=torch.contiguous_format), reduce, _GROUPS[group])
+
+
 @functools.cache
 def exchange_all_reduce_op() -> Any:
     """``edatalog::exchange_all_reduce(Tensor x, str reduce, str group) -> Tensor``: the
@@ -83,10 +91,10 @@ def exchange_all_reduce_op() -> Any:
     @torch.library.custom_op(
         "edatalog::exchange_all_reduce", mutates_args=(), schema="(Tensor x, str reduce, str group) -> Tensor"
     )
-    def exchange_all_reduce(x: Any, reduce: str, group: str) -> Any:
-        return exchange_all_reduce_(x.clone(memory_format=torch.contiguous_format), reduce, _GROUPS[group])
+    def op(x: Any, reduce: str, group: str) -> Any:
+        return exchange_all_reduce(x, reduce, group)
 
-    @exchange_all_reduce.register_fake
+    @op.register_fake
     def _(x: Any, reduce: str, group: str) -> Any:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 

@@ -97,7 +97,12 @@ def exact_in_any_layout(node: Any) -> bool:
 # kernels call for large f32 GEMMs on a CPU): other namespaces are not trusted to say so (a
 # functional collective's wait returns its argument under a schema that claims a fresh result).
 FRESH_OUTSIDE_ATEN = frozenset(
-    {"mkldnn::_linear_pointwise", "edatalog::onednn_linear", "edatalog::exchange_all_reduce"}
+    {
+        "mkldnn::_linear_pointwise",
+        "edatalog::onednn_linear",
+        "edatalog::exchange_all_reduce",
+        "edatalog::shm_all_reduce",
+    }
 )
 
 

@@ -114,6 +114,8 @@ class CompiledSpmdExecutable:
         self.program = self.eager.program
         self.rank = self.eager.rank
         self.cut = segments(self.program)
+        # Per segment: the other ranks its collectives meet (named while waiting on them).
+        self.meets = [self._collective_members(seg) for seg in self.cut]
         self.regions = {m.buf: m.region for op in self.program.ops for m in ir.made(op)}
         self.functional = copy.copy(self.eager.collective_ops)  # the same process groups
         self.functional.functional = True
@@ -205,7 +207,8 @@ class CompiledSpmdExecutable:
                 except TraceError as exc:  # never expected: every rank must take this path alike
                     raise AssertionError(f"segment {k} of rank {self.rank} cannot be recorded: {exc}") from None
                 reuse = self.mode is not Compile.INDUCTOR and self.device.type == "cpu"
-                gm, summary = simplify(recording.module, recording.graph, recording.shapes, reuse=reuse)
+                direct = self.mode is not Compile.INDUCTOR
+                gm, summary = simplify(recording.module, recording.graph, recording.shapes, reuse=reuse, direct=direct)
                 run: Any = inductor(gm, args, summary) if self.mode is Compile.INDUCTOR else gm
                 graphs[k] = _Replay(direct_call(run), summary["nodes"])
                 outs = list(recording.outputs)
@@ -217,7 +220,7 @@ class CompiledSpmdExecutable:
                     time.perf_counter() - began,
                 )
             else:
-                members = self._collective_members(seg)
+                members = self.meets[k]
                 waiting: Any = contextlib.nullcontext()
                 if members:
                     waiting = eager._waiting(f"a collective with ranks {members}", None)

@@ -33,7 +33,8 @@ It starts --nproc ranks as the runtime runs them (one process each, gloo on CPU,
                 the time beyond the roofline's become device.general_bandwidth
   links         latency (half a 4-byte ping-pong) and bandwidth (every rank sending and
                 receiving at once) between ranks; an all-reduce of 4 bytes over its steps
-                (a collective's latency per step); all_reduce and reduce_scatter bus bandwidth;
+                (a collective's latency per step); on gloo, the same through shared memory as
+                the runtime runs it; all_reduce and reduce_scatter bus bandwidth;
                 interference: matmuls timed alone and while that exchange runs, the share of
                 the transfer's time they lose (near 1 when the computing cores move the bytes)
 
@@ -239,6 +240,10 @@ def _print(result: Any, output: str | None) -> None:
             pair = m["small_exchange_all_reduce"]
             note = f"as pairwise exchanges, over its {pair['steps']} steps {into}links.intra.exchange_latency"
             rows.append([f"all_reduce {size(pair['bytes'])}", seconds(pair["seconds"]), note])
+        if "small_shared_all_reduce" in m:
+            shared = m["small_shared_all_reduce"]
+            note = f"through shared memory, less its bytes {into}links.intra.shared_memory_latency"
+            rows.append([f"all_reduce {size(shared['bytes'])}", seconds(shared["seconds"]), note])
         for op in ("all_reduce", "reduce_scatter"):
             rows.append([f"{op} {size(m[op]['bytes'])}", rate(m[op]["busbw"], "B/s"), "bus bandwidth"])
         ov = m["overlap"]
@@ -262,6 +267,8 @@ def _print(result: Any, output: str | None) -> None:
         link += f", {seconds(t.intra.step_latency)} per collective step"
         if t.intra.exchange_latency is not None:
             link += f", {seconds(t.intra.exchange_latency)} per exchange step"
+        if t.intra.shared_memory_latency is not None:
+            link += f", {seconds(t.intra.shared_memory_latency)} per shared-memory all-reduce"
         link += f", interference {t.intra.interference:.2f}"
         print(f"  link {t.intra.name}: {link}")
     if output is not None:

@@ -129,6 +129,7 @@ def test_the_machine_is_the_slowest_ranks() -> None:
         "small_all_reduce": 3e-4,
         "small_message": 5e-5,  # less than the idle ping-pong's: the latency stays the ping-pong's
         "small_exchange_all_reduce": 2e-4,
+        "small_shared_all_reduce": 5e-5,
         "reduce_scatter": 5e-4,
         "overlap": {"compute": 3e-3, "both": 4e-3},
     }
@@ -137,6 +138,7 @@ def test_the_machine_is_the_slowest_ranks() -> None:
         exchange=2 * exchange,
         small_all_reduce=5e-4,
         small_exchange_all_reduce=4e-4,
+        small_shared_all_reduce=6e-5,
         overlap={"compute": 3.5e-3, "both": 5e-3},
     )
     slower = dict(slow, small_message=3e-4)
@@ -163,6 +165,10 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     # As pairwise exchanges (gloo): the slowest rank's, less its bytes each way, over log2 2 steps.
     pairwise = max(4e-4 - 2 * small_bytes / topo.intra.bandwidth, 4e-4 / 2)
     assert topo.intra.exchange_latency == pytest.approx(pairwise, rel=1e-3)
+    # Through shared memory: the slowest rank's, less its bytes' memory traffic (5 times them for
+    # two ranks, at the slowest device's bandwidth; at most half credited to them).
+    shared = max(6e-5 - 5 * small_bytes / topo.devices[0].bandwidth, 6e-5 / 2)
+    assert topo.intra.shared_memory_latency == pytest.approx(shared, rel=1e-3)
     m = result.measured
     assert m["per_rank"]["flops"] == [2e10, 1e10]
     assert m["torch_dispatch"] == pytest.approx(3e-6 / 50, rel=1e-3)  # the slowest rank's, as the floor
@@ -306,9 +312,11 @@ def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     assert 0 <= topo.intra.interference <= 1 and m["overlap"]["interference"] == topo.intra.interference
     for op in ("all_reduce", "reduce_scatter"):
         assert _finite_positive(m[op]["seconds"]) and _finite_positive(m[op]["busbw"])
-    # The small all-reduce also as the runtime runs it on gloo, as pairwise exchanges: one step.
-    assert m["small_exchange_all_reduce"]["steps"] == 1 and topo.intra.exchange_latency is not None
-    assert math.isfinite(m["small_exchange_all_reduce"]["seconds"]) and topo.intra.exchange_latency >= 0
+    # The small all-reduce also as the runtime runs it between gloo ranks of one machine: through
+    # shared memory.
+    assert "small_exchange_all_reduce" not in m and topo.intra.exchange_latency is None
+    assert _finite_positive(m["small_shared_all_reduce"]["seconds"])
+    assert topo.intra.shared_memory_latency is not None and topo.intra.shared_memory_latency > 0
     assert seen and seen[-1][0] == seen[-1][1]  # rank 0's progress reached this process
     path = tmp_path / "cpu2.toml"
     result.save(str(path))

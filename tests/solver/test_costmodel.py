@@ -16,16 +16,18 @@ from edatalog.ir.program import CollectiveKind
 from edatalog.solver.blocks import Layout, candidates, dim_order
 from edatalog.solver.costmodel import (
     EXCHANGE_ALL_REDUCE_MAX_BYTES,
+    SHARED_MEMORY_SLOT_BYTES,
+    AllReduceRoute,
+    all_reduce_route,
     collective_bytes,
     collective_seconds,
     compute_seconds,
-    exchange_all_reduce_takes,
     gemm_shape_efficiency,
     group_collective_seconds,
     transfer_seconds,
 )
 from edatalog.solver.costs import Costs
-from edatalog.solver.topology import Library, Link, from_dict, preset
+from edatalog.solver.topology import SHARED_MEMORY_LATENCY, Library, Link, from_dict, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,36 +116,67 @@ def test_a_collective_steps_at_its_own_latency_where_the_library_has_one() -> No
     assert transfer_seconds(4096, gloo) == pytest.approx(150e-6 + 4096 / 1.5e9)
 
 
+SHM, EXCH, LIB = AllReduceRoute.SHARED_MEMORY, AllReduceRoute.EXCHANGES, AllReduceRoute.LIBRARY
+
+
 @pytest.mark.parametrize(
-    ("library", "nbytes", "members", "takes"),
+    ("library", "nbytes", "members", "one_node", "route"),
     [
-        (Library.GLOO, 2048, 2, True),
-        (Library.GLOO, EXCHANGE_ALL_REDUCE_MAX_BYTES, 4, True),
-        (Library.GLOO, EXCHANGE_ALL_REDUCE_MAX_BYTES + 1, 2, False),  # gloo's ring
-        (Library.GLOO, 2048, 3, False),  # not a power of two
-        (Library.GLOO, 2048, 1, False),
-        (Library.NCCL, 2048, 2, False),
+        (Library.GLOO, 2048, 2, True, SHM),  # ranks of one machine: shared memory, any size
+        (Library.GLOO, 1 << 30, 3, True, SHM),
+        (Library.GLOO, 2048, 2, False, EXCH),  # across machines: small ones as pairwise exchanges
+        (Library.GLOO, EXCHANGE_ALL_REDUCE_MAX_BYTES, 4, False, EXCH),
+        (Library.GLOO, EXCHANGE_ALL_REDUCE_MAX_BYTES + 1, 2, False, LIB),  # gloo's ring
+        (Library.GLOO, 2048, 3, False, LIB),  # not a power of two
+        (Library.GLOO, 2048, 1, True, LIB),
+        (Library.NCCL, 2048, 2, True, LIB),
+        (Library.NCCL, 2048, 2, False, LIB),
     ],
 )
-def test_which_all_reduces_run_as_pairwise_exchanges(library: Library, nbytes: int, members: int, takes: bool) -> None:
-    assert exchange_all_reduce_takes(library, nbytes, members) is takes
+def test_the_route_of_an_all_reduce(
+    library: Library, nbytes: int, members: int, one_node: bool, route: AllReduceRoute
+) -> None:
+    assert all_reduce_route(library, nbytes, members, one_node) is route
 
 
-def test_a_small_gloo_all_reduce_costs_its_pairwise_exchanges() -> None:
-    """log2 n steps, each the link's exchange step latency and the bytes one way, then back; the
-    ring's price (``collective_latency``) stays for the large ones and for NCCL."""
-    link = Link("gloo", 2e9, 400e-6, collective_latency=600e-6, exchange_latency=250e-6)
-    gloo = dataclasses.replace(preset("cpux4"), intra=link, library=Library.GLOO)
+def test_a_gloo_all_reduce_in_a_node_costs_its_shared_memory_meetings_and_bytes() -> None:
+    """Per chunk of a slot, the link's shared-memory latency; each member's memory traffic,
+    (members + 3) times the bytes, at the devices' bandwidth; bytes "sent": each member's own."""
+    link = Link("gloo", 2e9, 400e-6, collective_latency=600e-6, shared_memory_latency=30e-6)
+    gloo = dataclasses.replace(preset("cpux4"), intra=link, library=Library.GLOO, efficiency=1.0)
+    bandwidth = min(d.bandwidth for d in gloo.devices)
     seconds, used = group_collective_seconds(AR, 4096, range(4), gloo)
-    assert used == link and seconds == pytest.approx(2 * (250e-6 + 2 * 4096 / 2e9))
-    assert collective_bytes(AR, 4096, 4, Library.GLOO) == 2 * 4096  # each step all of it
-    big = EXCHANGE_ALL_REDUCE_MAX_BYTES * 4
-    assert group_collective_seconds(AR, big, range(4), gloo)[0] == collective_seconds(AR, big, 4, link)
+    assert used == link and seconds == pytest.approx(30e-6 + 7 * 4096 / bandwidth)
+    big = 3 * SHARED_MEMORY_SLOT_BYTES + 1  # four chunks
+    assert group_collective_seconds(AR, big, range(2), gloo)[0] == pytest.approx(4 * 30e-6 + 5 * big / bandwidth)
+    assert collective_bytes(AR, 4096, 4, Library.GLOO) == 4096
+    # Other collectives keep gloo's ring; NCCL its own all-reduce.
+    assert group_collective_seconds(AG, 4096, range(4), gloo)[0] == collective_seconds(AG, 4096, 4, link)
     nccl = dataclasses.replace(gloo, library=Library.NCCL)
     assert group_collective_seconds(AR, 4096, range(4), nccl)[0] == collective_seconds(AR, 4096, 4, link)
+    # Where the machine file has no shared-memory latency: the default.
+    plain = dataclasses.replace(gloo, intra=dataclasses.replace(link, shared_memory_latency=None))
+    assert group_collective_seconds(AR, 8, range(2), plain)[0] == pytest.approx(
+        SHARED_MEMORY_LATENCY + 5 * 8 / bandwidth
+    )
+
+
+def test_a_small_gloo_all_reduce_across_nodes_costs_its_pairwise_exchanges() -> None:
+    """log2 n steps, each the inter-node link's exchange step latency and the bytes one way, then
+    back; the ring's price stays for the large ones."""
+    inter = Link("tcp", 1e9, 500e-6, collective_latency=700e-6, exchange_latency=250e-6)
+    gloo = from_dict({"nodes": [2, 2], "library": "gloo", "links": {"inter": {"bandwidth": 1e9, "latency": 500e-6}}})
+    gloo = dataclasses.replace(gloo, inter=inter)
+    seconds, used = group_collective_seconds(AR, 4096, [0, 2], gloo)
+    assert used == inter and seconds == pytest.approx(250e-6 + 2 * 4096 / 1e9)
+    assert collective_bytes(AR, 4096, 4, Library.GLOO, one_node=False) == 2 * 4096  # each step all of it
+    big = EXCHANGE_ALL_REDUCE_MAX_BYTES * 4
+    assert group_collective_seconds(AR, big, [0, 2], gloo)[0] != pytest.approx(
+        250e-6 + 2 * big / 1e9
+    )  # gloo's ring, flat or hierarchical
     # Where the machine file has no exchange latency: a message each way per step.
-    plain = dataclasses.replace(gloo, intra=dataclasses.replace(link, exchange_latency=None))
-    assert group_collective_seconds(AR, 8, range(2), plain)[0] == pytest.approx(2 * 400e-6 + 2 * 8 / 2e9)
+    plain = dataclasses.replace(gloo, inter=dataclasses.replace(inter, exchange_latency=None))
+    assert group_collective_seconds(AR, 8, [0, 2], plain)[0] == pytest.approx(2 * 500e-6 + 2 * 8 / 1e9)
 
 
 def test_a_collective_inside_a_node_is_the_node_links() -> None:

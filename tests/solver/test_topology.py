@@ -10,7 +10,17 @@ import pytest
 from edatalog.errors import EdlError
 from edatalog.ir.program import CollectiveKind
 from edatalog.solver.costmodel import compute_seconds, port_seconds, transfer_seconds
-from edatalog.solver.topology import GIB, Library, Topology, from_dict, load, preset, quantity, resolve
+from edatalog.solver.topology import (
+    GIB,
+    SHARED_MEMORY_LATENCY,
+    Library,
+    Topology,
+    from_dict,
+    load,
+    preset,
+    quantity,
+    resolve,
+)
 
 
 @pytest.mark.parametrize("family", ["a100", "h100", "h200", "pcie4", "cpu"])
@@ -172,6 +182,21 @@ def test_a_link_may_price_the_steps_of_pairwise_exchanges(tmp_path: Path) -> Non
     assert load(str(path)).intra.exchange_step_latency == pytest.approx(200e-6)
     path.write_text('nodes = [2]\n[links.intra]\nexchange_latency = "-1us"\n')
     with pytest.raises(EdlError, match="exchange_latency must be non-negative"):
+        load(str(path))
+
+
+def test_a_link_may_price_a_shared_memory_all_reduce(tmp_path: Path) -> None:
+    """``shared_memory_latency``: a chunk of an all-reduce among gloo ranks of one node through
+    shared memory; without it, the default."""
+    path = tmp_path / "m.toml"
+    path.write_text('library = "gloo"\nnodes = [2]\n[links.intra]\nshared_memory_latency = "35us"\n')
+    topo = load(str(path))
+    assert topo.intra.shared_memory_latency == pytest.approx(35e-6) == topo.intra.shared_memory_step_latency
+    assert from_dict(topo.to_dict()).intra == topo.intra  # as plans carry their machine
+    path.write_text('nodes = [2]\n[links.intra]\nlatency = "100us"\n')
+    assert load(str(path)).intra.shared_memory_step_latency == SHARED_MEMORY_LATENCY
+    path.write_text('nodes = [2]\n[links.intra]\nshared_memory_latency = "-1us"\n')
+    with pytest.raises(EdlError, match="shared_memory_latency must be non-negative"):
         load(str(path))
 
 

@@ -1,0 +1,150 @@
+"""All-reduces between gloo ranks of one machine through shared memory
+(:mod:`edatalog.backend.running.shm_all_reduce`).
+
+On 2 and 4 gloo ranks: every reduction of f32, i64 and bool-as-bytes tensors against
+``dist.all_reduce`` of the same values, equal (to rounding for a sum or product of four f32
+partials, taken in another order) and the same bits on every rank; a tensor larger than a slot
+(by chunks, the sets of slots used in turn); the custom op and its direct call from a replayed
+graph, fresh results, never dead code.  A rank that never comes ends its peers' wait with an
+error that names it, within the timeout.  Plans run on it end to end in ``test_collectives.py``
+and the SPMD runtime tests: the runtime takes it for every all-reduce between gloo ranks of one
+machine (:func:`edatalog.solver.costmodel.all_reduce_route`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+REDUCTIONS = ("sum", "prod", "max", "min")
+
+
+def shm_rank(slot_bytes: int) -> dict[str, Any]:
+    """One rank (spawned): each reduction through shared memory and by gloo; a tensor of several
+    chunks; the custom op eager, recorded, replayed and called directly."""
+    import torch
+    import torch.distributed as dist
+
+    from edatalog.backend.running import shm_all_reduce as shm
+    from edatalog.backend.running.fxpasses import direct_calls
+    from edatalog.backend.running.spmd import init_group
+    from edatalog.backend.running.tracer import record
+
+    torch.set_num_threads(1)
+    init_group("cpu")
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    assert not shm.registered(group.group_name)
+    assert shm.register(group, 60.0, slot_bytes) and shm.registered(group.group_name)  # small slots: chunks
+    name = group.group_name
+    gen = torch.Generator().manual_seed(rank)
+    out: dict[str, Any] = {}
+    ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    for dtype in (torch.float32, torch.int64, torch.uint8):
+        for reduce in REDUCTIONS:
+            if dtype.is_floating_point:
+                x = (torch.rand(3, 5, generator=gen) * 4 - 2).to(dtype)
+            else:
+                x = torch.randint(0 if dtype == torch.uint8 else -3, 4, (3, 5), generator=gen).to(dtype)
+            theirs = x.clone()
+            dist.all_reduce(theirs, op=ops[reduce], group=group)
+            ours = shm.shm_all_reduce_(x.clone(), reduce, name)
+            out[f"{reduce} {dtype}"] = (ours.numpy(), theirs.numpy())
+    big = torch.randn(1024, generator=gen)  # 4 KiB: several slots' worth
+    theirs = big.clone()
+    dist.all_reduce(theirs, group=group)
+    out["chunks"] = (shm.shm_all_reduce_(big.clone(), "sum", name).numpy(), theirs.numpy())
+    try:
+        shm.shm_all_reduce_(big, "avg", name)
+        out["avg"] = "no error"
+    except ValueError as exc:
+        out["avg"] = str(exc)
+    op = shm.shm_all_reduce_op()
+    x = torch.arange(6.0).reshape(2, 3) + rank
+    kept = x.clone()
+    eager = op(x, "sum", name)
+    recording = record(lambda a: [op(a, "sum", name) * 2], [x])
+    replay = torch.fx.GraphModule(recording.module, recording.graph)
+    direct = torch.fx.GraphModule(recording.module, recording.graph)
+    changed = direct_calls(direct.graph)
+    direct.recompile()
+    out["op"] = (
+        eager.numpy(),
+        recording.outputs[0].numpy(),
+        replay(x)[0].numpy(),
+        direct(x)[0].numpy(),
+        changed,
+        bool(torch.equal(x, kept)),
+    )
+
+    def unread(a: Any) -> list[Any]:
+        op(a, "sum", name)  # its result read by nothing: dead code, but a rank must not drop it
+        return [a * 2]
+
+    unused = record(unread, [x])
+    unused.graph.eliminate_dead_code()
+    out["kept"] = any(node.target is op for node in unused.graph.nodes)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("n", [2, 4])
+def test_shared_memory_reduces_as_gloo_does(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edatalog.backend.running.launch import spawn
+
+    monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
+    got = spawn(n, shm_rank, (1024,))
+    assert sorted(got) == list(range(n))
+    for key in got[0]:
+        if key in ("op", "kept", "avg"):
+            continue
+        for rank in range(n):
+            ours, theirs = got[rank][key]
+            assert np.array_equal(ours, got[0][key][0]), (key, rank)  # the same bits on every rank
+            if ours.dtype.kind == "f" and (key == "chunks" or (key.startswith(("sum", "prod")) and n > 2)):
+                np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+            else:
+                assert np.array_equal(ours, theirs), (key, rank)
+    want = sum(np.arange(6.0).reshape(2, 3) + r for r in range(n))
+    for rank in range(n):
+        assert got[rank]["avg"] == "no shared-memory all-reduce for the reduction 'avg'"
+        eager, recorded, replayed, direct, changed, kept = got[rank]["op"]
+        assert kept and changed == 1  # the argument is left as it was; the direct call replaced the op
+        assert got[rank]["kept"]  # no graph pass drops it as dead code
+        for result, factor in ((eager, 1), (recorded, 2), (replayed, 2), (direct, 2)):
+            assert np.array_equal(result, factor * want)
+
+
+def absent_rank() -> str:
+    """One rank (spawned): rank 1 never comes to the second all-reduce; rank 0's wait ends."""
+    import torch
+    import torch.distributed as dist
+
+    from edatalog.backend.running import shm_all_reduce as shm
+    from edatalog.backend.running.spmd import init_group
+
+    init_group("cpu")
+    group = dist.group.WORLD
+    assert group is not None and shm.register(group, 1.0)
+    x = torch.ones(4)
+    shm.shm_all_reduce_(x, "sum", group.group_name)
+    if dist.get_rank() == 1:
+        dist.barrier()  # rank 0 comes here only after giving up
+        return "absent"
+    try:
+        shm.shm_all_reduce_(x, "sum", group.group_name)
+    except RuntimeError as exc:
+        dist.barrier()
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_rank_that_never_comes_is_named_within_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edatalog.backend.running.launch import spawn
+
+    monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
+    got = spawn(2, absent_rank)
+    assert got[1] == "absent"
+    assert "waited 1 s for rank 1 in a shared-memory all-reduce" in got[0], got[0]
