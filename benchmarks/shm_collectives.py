@@ -6,7 +6,7 @@ between busy CPU ranks.  A baseline gets every trick edatalog gets: :func:`route
 same segment for a process group and
 
 - returns an ``all_reduce(tensor)`` for hand-written programs (in place, as
-  ``dist.all_reduce``);
+  ``dist.all_reduce``), which :func:`ddp_comm_hook` makes DDP's gradient all-reduce;
 - re-registers the CPU kernel of torch's functional all-reduce (``_c10d_functional::all_reduce``,
   what DTensor's row-parallel layers call) so that a sum over that group takes the segment too,
   and gloo's own for any other group or reduction.  The result is complete when the kernel
@@ -56,3 +56,22 @@ def route(group: Any, timeout: float) -> Callable[[Any], Any] | None:
         library.impl("all_reduce", functional_all_reduce, "CPU")
     _LIBRARIES.append(library)
     return all_reduce
+
+
+def ddp_comm_hook(all_reduce: Callable[[Any], Any], world: int) -> Callable[[Any, Any], Any]:
+    """A DDP communication hook that averages each gradient bucket with ``all_reduce`` (from
+    :func:`route`), as DDP's default hook does with gloo's: divided by the ranks, then summed.
+    It returns a completed future: the all-reduce runs in the backward's thread, where DDP's
+    own overlaps gloo's with the rest of the backward.  (A lambda: DDP rejects a hook whose
+    ``bucket`` is annotated other than as its class, and annotations here are strings.)"""
+    return lambda state, bucket: _averaged(bucket.buffer(), all_reduce, world)
+
+
+def _averaged(buffer: Any, all_reduce: Callable[[Any], Any], world: int) -> Any:
+    import torch
+
+    buffer.div_(world)
+    all_reduce(buffer)
+    done: Any = torch.futures.Future()
+    done.set_result(buffer)
+    return done

@@ -7,7 +7,11 @@ weight decay 0.1, eps 1e-8, lr 1e-3) after global-norm clipping at 1.0, f32.  DD
 torch's fused AdamW kernel (``fused=True``), as edatalog's step does (``--single-tensor-adamw``:
 torch's default on a CPU instead), and their large f32 GEMMs on oneDNN, as edatalog's runtime
 runs its own (``--baseline-gemms onednn``, the default: benchmarks/onednn_gemms.py; ``aten``:
-MKL's sgemm, as torch ships it).
+MKL's sgemm, as torch ships it).  DDP all-reduces its gradient buckets through shared memory
+between the ranks, as edatalog's runtime all-reduces its own (``--baseline-all-reduce
+shared-memory``, the default: a communication hook, benchmarks/shm_collectives.py; ``gloo``:
+DDP's own, overlapped with the backward); FSDP2's reduce-scatters and all-gathers stay gloo's,
+as edatalog's do.
 
 - ``ddp``: ``DistributedDataParallel`` around the model, gradients all-reduced in buckets while
   the backward runs;
@@ -56,6 +60,7 @@ if str(HERE) not in sys.path:  # also when loaded by path (tests/edatalog/test_d
     sys.path.insert(0, str(HERE))
 
 import onednn_gemms  # noqa: E402
+import shm_collectives  # noqa: E402
 
 ROOT = HERE.parent
 PROGRAM = ROOT / "programs" / "llama.edl"
@@ -143,6 +148,10 @@ def torch_rank(contender: str, args: argparse.Namespace, work: Path) -> Run:
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped: Any = DistributedDataParallel(model)
+        if args.baseline_all_reduce == "shared-memory":
+            reduce = shm_collectives.route(dist.group.WORLD, 900.0)
+            if reduce is not None:  # as edatalog's runtime all-reduces its gradients
+                wrapped.register_comm_hook(None, shm_collectives.ddp_comm_hook(reduce, world))
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -287,7 +296,8 @@ def table(report: dict[str, Any]) -> str:
         f"{c['topology'] or 'cpux' + str(c['nproc'])}"
         + (f" within {c['memory']} per device" if c.get("memory") else "")
         + f", made in {report['solve_seconds']:.1f} s ({report.get('plan_strategy', '?')}); "
-        + f"DDP's and FSDP2's large f32 GEMMs: {'oneDNN' if c.get('baseline_gemms') == 'onednn' else 'ATen (MKL)'}",
+        + f"DDP's and FSDP2's large f32 GEMMs: {'oneDNN' if c.get('baseline_gemms') == 'onednn' else 'ATen (MKL)'}"
+        + f"; DDP's all-reduces: {'shared memory' if c.get('baseline_all_reduce') == 'shared-memory' else 'gloo'}",
     )
     return "\n".join(text)
 
@@ -324,6 +334,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="onednn",
         help="DDP's and FSDP2's large f32 GEMMs, forward and backward: 'onednn' (default) as edatalog's runtime "
         "runs its own (benchmarks/onednn_gemms.py); 'aten' as torch ships them (MKL)",
+    )
+    p.add_argument(
+        "--baseline-all-reduce",
+        choices=("shared-memory", "gloo"),
+        default="shared-memory",
+        help="DDP's gradient all-reduces: 'shared-memory' (default) between the ranks, as edatalog's runtime "
+        "runs its own (benchmarks/shm_collectives.py); 'gloo' as DDP ships them",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)

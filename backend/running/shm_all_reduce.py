@@ -116,10 +116,9 @@ class SharedMemoryAllReduce:
                     now = time.monotonic()
                     since = since or now
                     if now - since > self.timeout:
-                        raise RuntimeError(
-                            f"rank {self.ranks[self.me]} waited {self.timeout:.0f} s for rank "
-                            f"{self.ranks[member]} in a shared-memory all-reduce: that rank failed "
-                            "or is stuck"
+                        raise RuntimeError(  # "timed out": what the runtime and launcher look for
+                            f"rank {self.ranks[self.me]} timed out after {self.timeout:g} s waiting for rank "
+                            f"{self.ranks[member]} in a shared-memory all-reduce: that rank failed or is stuck"
                         )
 
 

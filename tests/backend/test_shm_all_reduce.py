@@ -147,4 +147,4 @@ def test_a_rank_that_never_comes_is_named_within_the_timeout(monkeypatch: pytest
     monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
     got = spawn(2, absent_rank)
     assert got[1] == "absent"
-    assert "waited 1 s for rank 1 in a shared-memory all-reduce" in got[0], got[0]
+    assert "rank 0 timed out after 1 s waiting for rank 1 in a shared-memory all-reduce" in got[0], got[0]
