@@ -54,6 +54,10 @@ _SPINS = 2000  # looks at the flags (~0.1 ms) before yielding the core at each l
 _COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
 
 _GROUPS: dict[str, SharedMemoryAllReduce] = {}  # process group name -> its segment
+# The ranks of a group -> their segment: a later group of the same ranks (every executable makes
+# its own process groups) shares it.  Every member registered the same groups in the same order
+# and runs its collectives in program order, so their sequence numbers still agree.
+_SEGMENTS: dict[tuple[int, ...], SharedMemoryAllReduce] = {}
 
 
 class SharedMemoryAllReduce:
@@ -135,6 +139,9 @@ def register(group: Any, timeout: float, slot_bytes: int = SHARED_MEMORY_SLOT_BY
     members, me = len(ranks), ranks.index(dist.get_rank())
     if members < 2:
         return False
+    if tuple(ranks) in _SEGMENTS:
+        _GROUPS[group.group_name] = _SEGMENTS[tuple(ranks)]
+        return True
     able = platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
     facts = torch.tensor([int(able), _host_key()], dtype=torch.int64)
     every = [torch.empty_like(facts) for _ in ranks]
@@ -159,7 +166,8 @@ def register(group: Any, timeout: float, slot_bytes: int = SHARED_MEMORY_SLOT_BY
         os.unlink(path)  # mapped by all who will: the name goes, the memory stays while mapped
     if not int(mapped) or buffer is None:
         return False
-    _GROUPS[group.group_name] = SharedMemoryAllReduce(buffer, members, me, timeout, ranks, slot_bytes)
+    made = SharedMemoryAllReduce(buffer, members, me, timeout, ranks, slot_bytes)
+    _GROUPS[group.group_name] = _SEGMENTS[tuple(ranks)] = made
     return True
 
 

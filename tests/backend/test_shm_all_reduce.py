@@ -38,6 +38,8 @@ def shm_rank(slot_bytes: int) -> dict[str, Any]:
     assert not shm.registered(group.group_name)
     assert shm.register(group, 60.0, slot_bytes) and shm.registered(group.group_name)  # small slots: chunks
     name = group.group_name
+    again = dist.new_group(list(range(dist.get_world_size())))  # another executable's group of these ranks
+    assert shm.register(again, 60.0) and shm._GROUPS[again.group_name] is shm._GROUPS[name]  # one segment
     gen = torch.Generator().manual_seed(rank)
     out: dict[str, Any] = {}
     ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

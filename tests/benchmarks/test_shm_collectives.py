@@ -5,6 +5,7 @@ results; other groups and reductions keep gloo's."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def routed_rank() -> dict[str, Any]:
     """One rank (spawned): each all-reduce routed, counted by the segment's sequence number."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import shm_collectives
     import torch
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
@@ -26,6 +26,7 @@ def routed_rank() -> dict[str, Any]:
     from edatalog.backend.running import shm_all_reduce as shm
     from edatalog.backend.running.spmd import init_group
 
+    shm_collectives = importlib.import_module("shm_collectives")  # benchmarks/ is not a package
     torch.set_num_threads(1)
     init_group("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -51,7 +52,9 @@ def routed_rank() -> dict[str, Any]:
     ddp.register_comm_hook(None, shm_collectives.ddp_comm_hook(reduce, world))
     before = segment.sequence
     ddp(torch.full((2, 4), float(rank + 1))).sum().backward()
-    out["ddp"] = (model.weight.grad.numpy().copy(), segment.sequence - before)
+    grad = model.weight.grad
+    assert grad is not None
+    out["ddp"] = (grad.numpy().copy(), segment.sequence - before)
     return out
 
 
