@@ -26,6 +26,7 @@ import functools
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
+from edatalog.backend.running.fxnodes import all_reduce_op
 
 _GROUPS: dict[str, Any] = {}  # group name -> process group, registered by the ranks' collectives
 
@@ -83,22 +84,7 @@ def exchange_all_reduce(x: Any, reduce: str, group: str) -> Any:
 
 @functools.cache
 def exchange_all_reduce_op() -> Any:
-    """``edatalog::exchange_all_reduce(Tensor x, str reduce, str group) -> Tensor``: the
-    reduction of ``x`` over the registered group of that name, as a fresh tensor (``x`` is
-    left as it was), for the recorded graphs of the compiled runtime."""
-    torch = torch_module()
-
-    @torch.library.custom_op(
-        "edatalog::exchange_all_reduce", mutates_args=(), schema="(Tensor x, str reduce, str group) -> Tensor"
-    )
-    def op(x: Any, reduce: str, group: str) -> Any:
-        return exchange_all_reduce(x, reduce, group)
-
-    @op.register_fake
-    def _(x: Any, reduce: str, group: str) -> Any:
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    op = torch.ops.edatalog.exchange_all_reduce.default
-    # Never dead code: a rank whose graph dropped it would leave its partners waiting.
-    torch.fx.node.has_side_effect(op)
-    return op
+    """``edatalog::exchange_all_reduce(Tensor x, str reduce, str group) -> Tensor``: as
+    :func:`exchange_all_reduce`, an op that a graph records
+    (:func:`~edatalog.backend.running.fxnodes.all_reduce_op`)."""
+    return all_reduce_op("exchange_all_reduce", exchange_all_reduce)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
+from edatalog.backend.kernels.arrays import torch_module
 from edatalog.backend.running.tracer import Geometry
 
 # ATen view ops: their result aliases their first argument's memory.
@@ -104,6 +106,27 @@ FRESH_OUTSIDE_ATEN = frozenset(
         "edatalog::shm_all_reduce",
     }
 )
+
+
+def all_reduce_op(name: str, impl: Callable[[Any, str, str], Any]) -> Any:
+    """Register ``edatalog::{name}(Tensor x, str reduce, str group) -> Tensor``, an all-reduce of
+    edatalog's own that a recorded graph calls (and inductor compiles around): ``impl`` returns
+    the reduction of ``x`` over the registered group of that name as a fresh tensor, ``x`` left
+    as it was.  It is registered as having an effect, so no pass drops it as dead code: a rank
+    whose graph dropped it would leave the group's other members waiting.  Returns the op."""
+    torch = torch_module()
+
+    @torch.library.custom_op(f"edatalog::{name}", mutates_args=(), schema="(Tensor x, str reduce, str group) -> Tensor")
+    def op(x: Any, reduce: str, group: str) -> Any:
+        return impl(x, reduce, group)
+
+    @op.register_fake
+    def _(x: Any, reduce: str, group: str) -> Any:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    overload = getattr(torch.ops.edatalog, name).default
+    torch.fx.node.has_side_effect(overload)
+    return overload
 
 
 def fresh_outside_aten(node: Any) -> bool:

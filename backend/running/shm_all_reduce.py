@@ -46,6 +46,7 @@ import zlib
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
+from edatalog.backend.running.fxnodes import all_reduce_op
 from edatalog.solver.costmodel import SHARED_MEMORY_SLOT_BYTES
 
 _LINE = 64  # bytes: a flag per cache line
@@ -190,23 +191,9 @@ def shm_all_reduce_(x: Any, reduce: str, group: str) -> Any:
 @functools.cache
 def shm_all_reduce_op() -> Any:
     """``edatalog::shm_all_reduce(Tensor x, str reduce, str group) -> Tensor``: as
-    :func:`shm_all_reduce`, an op that a graph records and inductor compiles around."""
-    torch = torch_module()
-
-    @torch.library.custom_op(
-        "edatalog::shm_all_reduce", mutates_args=(), schema="(Tensor x, str reduce, str group) -> Tensor"
-    )
-    def op(x: Any, reduce: str, group: str) -> Any:
-        return shm_all_reduce(x, reduce, group)
-
-    @op.register_fake
-    def _(x: Any, reduce: str, group: str) -> Any:
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    overload = torch.ops.edatalog.shm_all_reduce.default
-    # Never dead code: a rank whose graph dropped it would leave the other members waiting.
-    torch.fx.node.has_side_effect(overload)
-    return overload
+    :func:`shm_all_reduce`, an op that a graph records
+    (:func:`~edatalog.backend.running.fxnodes.all_reduce_op`)."""
+    return all_reduce_op("shm_all_reduce", shm_all_reduce)
 
 
 def _map(path: str, size: int, create: bool) -> mmap.mmap | None:

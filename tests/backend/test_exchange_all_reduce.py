@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.backend.all_reduce_ops import check_op_results, op_checks
+
 REDUCTIONS = ("sum", "prod", "max", "min")
 
 
@@ -30,7 +32,6 @@ def exchange_rank() -> dict[str, Any]:
         register_group,
     )
     from edatalog.backend.running.spmd import init_group
-    from edatalog.backend.running.tracer import record
 
     torch.set_num_threads(1)
     init_group("cpu")
@@ -53,21 +54,7 @@ def exchange_rank() -> dict[str, Any]:
             out[f"{reduce} {dtype}"] = (ours.numpy(), theirs.numpy())
     signed = torch.tensor([0.0, -0.0]) if rank % 2 else torch.tensor([-0.0, 0.0])
     out["zeros"] = [exchange_all_reduce_(signed.clone(), reduce, group).numpy() for reduce in ("max", "min")]
-    op = exchange_all_reduce_op()
-    x = torch.arange(6.0).reshape(2, 3) + rank
-    kept = x.clone()
-    eager = op(x, "sum", group.group_name)
-    recording = record(lambda a: [op(a, "sum", group.group_name) * 2], [x])
-    replay = torch.fx.GraphModule(recording.module, recording.graph)
-    out["op"] = (eager.numpy(), recording.outputs[0].numpy(), replay(x)[0].numpy(), bool(torch.equal(x, kept)))
-
-    def unread(a: Any) -> list[Any]:
-        op(a, "sum", group.group_name)  # its result read by nothing: dead code, but a rank must not drop it
-        return [a * 2]
-
-    unused = record(unread, [x])
-    unused.graph.eliminate_dead_code()
-    out["kept"] = any(node.target is op for node in unused.graph.nodes)
+    out["op"] = op_checks(exchange_all_reduce_op(), group.group_name, rank)
     return out
 
 
@@ -80,7 +67,7 @@ def test_pairwise_exchanges_reduce_as_gloo_does(n: int, monkeypatch: pytest.Monk
     got = spawn(n, exchange_rank)
     assert sorted(got) == list(range(n))
     for key in got[0]:
-        if key in ("op", "zeros", "kept"):
+        if key in ("op", "zeros"):
             continue
         for rank in range(n):
             ours, theirs = got[rank][key]
@@ -93,9 +80,4 @@ def test_pairwise_exchanges_reduce_as_gloo_does(n: int, monkeypatch: pytest.Monk
     for rank in range(n):
         for ours, first in zip(got[rank]["zeros"], got[0]["zeros"], strict=True):
             assert np.array_equal(np.signbit(ours), np.signbit(first)), rank
-    want = sum(np.arange(6.0).reshape(2, 3) + r for r in range(n))
-    for rank in range(n):
-        eager, recorded, replayed, kept = got[rank]["op"]
-        assert kept  # the op's argument is left as it was
-        assert got[rank]["kept"]  # no graph pass drops it as dead code
-        assert np.array_equal(eager, want) and np.array_equal(recorded, 2 * want) and np.array_equal(replayed, 2 * want)
+    check_op_results({rank: got[rank]["op"] for rank in range(n)}, n)

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.backend.all_reduce_ops import check_op_results, op_checks
+
 REDUCTIONS = ("sum", "prod", "max", "min")
 
 
@@ -27,9 +29,7 @@ def shm_rank(slot_bytes: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from edatalog.backend.running import shm_all_reduce as shm
-    from edatalog.backend.running.fxpasses import direct_calls
     from edatalog.backend.running.spmd import init_group
-    from edatalog.backend.running.tracer import record
 
     torch.set_num_threads(1)
     init_group("cpu")
@@ -62,31 +62,7 @@ def shm_rank(slot_bytes: int) -> dict[str, Any]:
         out["avg"] = "no error"
     except ValueError as exc:
         out["avg"] = str(exc)
-    op = shm.shm_all_reduce_op()
-    x = torch.arange(6.0).reshape(2, 3) + rank
-    kept = x.clone()
-    eager = op(x, "sum", name)
-    recording = record(lambda a: [op(a, "sum", name) * 2], [x])
-    replay = torch.fx.GraphModule(recording.module, recording.graph)
-    direct = torch.fx.GraphModule(recording.module, recording.graph)
-    changed = direct_calls(direct.graph)
-    direct.recompile()
-    out["op"] = (
-        eager.numpy(),
-        recording.outputs[0].numpy(),
-        replay(x)[0].numpy(),
-        direct(x)[0].numpy(),
-        changed,
-        bool(torch.equal(x, kept)),
-    )
-
-    def unread(a: Any) -> list[Any]:
-        op(a, "sum", name)  # its result read by nothing: dead code, but a rank must not drop it
-        return [a * 2]
-
-    unused = record(unread, [x])
-    unused.graph.eliminate_dead_code()
-    out["kept"] = any(node.target is op for node in unused.graph.nodes)
+    out["op"] = op_checks(shm.shm_all_reduce_op(), name, rank, direct=True)
     return out
 
 
@@ -99,7 +75,7 @@ def test_shared_memory_reduces_as_gloo_does(n: int, monkeypatch: pytest.MonkeyPa
     got = spawn(n, shm_rank, (1024,))
     assert sorted(got) == list(range(n))
     for key in got[0]:
-        if key in ("op", "kept", "avg"):
+        if key in ("op", "avg"):
             continue
         for rank in range(n):
             ours, theirs = got[rank][key]
@@ -108,14 +84,9 @@ def test_shared_memory_reduces_as_gloo_does(n: int, monkeypatch: pytest.MonkeyPa
                 np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
             else:
                 assert np.array_equal(ours, theirs), (key, rank)
-    want = sum(np.arange(6.0).reshape(2, 3) + r for r in range(n))
     for rank in range(n):
         assert got[rank]["avg"] == "no shared-memory all-reduce for the reduction 'avg'"
-        eager, recorded, replayed, direct, changed, kept = got[rank]["op"]
-        assert kept and changed == 1  # the argument is left as it was; the direct call replaced the op
-        assert got[rank]["kept"]  # no graph pass drops it as dead code
-        for result, factor in ((eager, 1), (recorded, 2), (replayed, 2), (direct, 2)):
-            assert np.array_equal(result, factor * want)
+    check_op_results({rank: got[rank]["op"] for rank in range(n)}, n)
 
 
 def absent_rank() -> str:

@@ -170,33 +170,26 @@ def test_a_link_without_a_pair_rate_moves_one_transfer_at_the_port_rate(tmp_path
         load(str(path))
 
 
-def test_a_link_may_price_the_steps_of_pairwise_exchanges(tmp_path: Path) -> None:
-    """``exchange_latency``: a step of a small all-reduce the runtime runs as pairwise exchanges
-    (gloo); without it a step is a message each way."""
+@pytest.mark.parametrize(
+    ("key", "step", "default"),
+    [
+        # A step of a small all-reduce the runtime runs as pairwise exchanges (gloo, across
+        # nodes); without it a step is a message each way.
+        ("exchange_latency", "exchange_step_latency", 200e-6),
+        # A chunk of an all-reduce among gloo ranks of one node through shared memory.
+        ("shared_memory_latency", "shared_memory_step_latency", SHARED_MEMORY_LATENCY),
+    ],
+)
+def test_a_link_may_price_the_runtimes_own_all_reduces(tmp_path: Path, key: str, step: str, default: float) -> None:
     path = tmp_path / "m.toml"
-    path.write_text('library = "gloo"\nnodes = [2]\n[links.intra]\nlatency = "100us"\nexchange_latency = "250us"\n')
+    path.write_text(f'library = "gloo"\nnodes = [2]\n[links.intra]\nlatency = "100us"\n{key} = "250us"\n')
     topo = load(str(path))
-    assert topo.intra.exchange_latency == pytest.approx(250e-6) == topo.intra.exchange_step_latency
+    assert getattr(topo.intra, key) == pytest.approx(250e-6) == getattr(topo.intra, step)
     assert from_dict(topo.to_dict()).intra == topo.intra  # as plans carry their machine
     path.write_text('nodes = [2]\n[links.intra]\nlatency = "100us"\n')
-    assert load(str(path)).intra.exchange_step_latency == pytest.approx(200e-6)
-    path.write_text('nodes = [2]\n[links.intra]\nexchange_latency = "-1us"\n')
-    with pytest.raises(EdlError, match="exchange_latency must be non-negative"):
-        load(str(path))
-
-
-def test_a_link_may_price_a_shared_memory_all_reduce(tmp_path: Path) -> None:
-    """``shared_memory_latency``: a chunk of an all-reduce among gloo ranks of one node through
-    shared memory; without it, the default."""
-    path = tmp_path / "m.toml"
-    path.write_text('library = "gloo"\nnodes = [2]\n[links.intra]\nshared_memory_latency = "35us"\n')
-    topo = load(str(path))
-    assert topo.intra.shared_memory_latency == pytest.approx(35e-6) == topo.intra.shared_memory_step_latency
-    assert from_dict(topo.to_dict()).intra == topo.intra  # as plans carry their machine
-    path.write_text('nodes = [2]\n[links.intra]\nlatency = "100us"\n')
-    assert load(str(path)).intra.shared_memory_step_latency == SHARED_MEMORY_LATENCY
-    path.write_text('nodes = [2]\n[links.intra]\nshared_memory_latency = "-1us"\n')
-    with pytest.raises(EdlError, match="shared_memory_latency must be non-negative"):
+    assert getattr(load(str(path)).intra, step) == pytest.approx(default)
+    path.write_text(f'nodes = [2]\n[links.intra]\n{key} = "-1us"\n')
+    with pytest.raises(EdlError, match=f"{key} must be non-negative"):
         load(str(path))
 
 
