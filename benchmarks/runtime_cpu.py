@@ -367,6 +367,8 @@ def build_dtensor(ctx: Context) -> Contender:
 
     layer = llama_weights.hf_layer(ctx.dims, ctx.consts, ctx.weights, attn_implementation="sdpa")
     mesh = init_device_mesh("cpu", (ctx.world,))
+    if ctx.args.baseline_all_reduce == "shared-memory":  # the mesh may make a group of its own
+        shm_collectives.route(mesh.get_group(), ctx.args.timeout)
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),

@@ -8,8 +8,8 @@ same segment for a process group and
 - returns an ``all_reduce(tensor)`` for hand-written programs (in place, as
   ``dist.all_reduce``), which :func:`ddp_comm_hook` makes DDP's gradient all-reduce;
 - re-registers the CPU kernel of torch's functional all-reduce (``_c10d_functional::all_reduce``,
-  what DTensor's row-parallel layers call) so that a sum over that group takes the segment too,
-  and gloo's own for any other group or reduction.  The result is complete when the kernel
+  what DTensor's row-parallel layers call) so that a sum over any group routed here takes its
+  segment too, and gloo's own for any other group or reduction.  The result is complete when the kernel
   returns; torch's ``wait_tensor`` on it finds no pending work and returns it.
 
 Where the ranks cannot share memory (not one machine, not x86-64), :func:`route` returns None
@@ -24,29 +24,41 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-_LIBRARIES: list[Any] = []  # the kernel overrides, kept alive
+_LIBRARY: list[Any] = []  # the kernel override, made once and kept alive
 
 
 def route(group: Any, timeout: float) -> Callable[[Any], Any] | None:
     """Set up the shared-memory all-reduce for ``group`` (a collective of its members) and route
     the functional all-reduce over it there; returns the in-place all-reduce, or None."""
-    import torch
-
     from edatalog.backend.running import shm_all_reduce as shm
 
     if not shm.register(group, timeout):
         return None
+    _override()
     name = group.group_name
-    functional = torch.ops._c10d_functional
-    gloo_all_reduce = functional.all_reduce_.default  # the in-place op keeps gloo's kernel
 
     def all_reduce(tensor: Any) -> Any:
         return shm.shm_all_reduce_(tensor, "sum", name)
 
+    return all_reduce
+
+
+def _override() -> None:
+    """Re-register the CPU kernel of torch's functional all-reduce (once): a sum over any group
+    routed here goes through shared memory, anything else to gloo's in-place op."""
+    if _LIBRARY:
+        return
+    import torch
+
+    from edatalog.backend.running import shm_all_reduce as shm
+
+    functional = torch.ops._c10d_functional
+    gloo_all_reduce = functional.all_reduce_.default  # the in-place op keeps gloo's kernel
+
     def functional_all_reduce(tensor: Any, reduce_op: str, group_name: str) -> Any:
         out = tensor.clone(memory_format=torch.contiguous_format)
-        if group_name == name and reduce_op.lower() == "sum":
-            return shm.shm_all_reduce_(out, "sum", name)
+        if shm.registered(group_name) and reduce_op.lower() == "sum":
+            return shm.shm_all_reduce_(out, "sum", group_name)
         gloo_all_reduce(out, reduce_op, group_name)
         return functional.wait_tensor.default(out)
 
@@ -54,8 +66,7 @@ def route(group: Any, timeout: float) -> Callable[[Any], Any] | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": the point
         library.impl("all_reduce", functional_all_reduce, "CPU")
-    _LIBRARIES.append(library)
-    return all_reduce
+    _LIBRARY.append(library)
 
 
 def ddp_comm_hook(all_reduce: Callable[[Any], Any], world: int) -> Callable[[Any, Any], Any]:

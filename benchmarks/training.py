@@ -152,6 +152,8 @@ def torch_rank(contender: str, args: argparse.Namespace, work: Path) -> Run:
             reduce = shm_collectives.route(dist.group.WORLD, 900.0)
             if reduce is not None:  # as edatalog's runtime all-reduces its gradients
                 wrapped.register_comm_hook(None, shm_collectives.ddp_comm_hook(reduce, world))
+            elif rank == 0:
+                print("[training] the ranks cannot share memory: DDP keeps gloo's all-reduce", file=sys.stderr)
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -297,7 +299,8 @@ def table(report: dict[str, Any]) -> str:
         + (f" within {c['memory']} per device" if c.get("memory") else "")
         + f", made in {report['solve_seconds']:.1f} s ({report.get('plan_strategy', '?')}); "
         + f"DDP's and FSDP2's large f32 GEMMs: {'oneDNN' if c.get('baseline_gemms') == 'onednn' else 'ATen (MKL)'}"
-        + f"; DDP's all-reduces: {'shared memory' if c.get('baseline_all_reduce') == 'shared-memory' else 'gloo'}",
+        + "; DDP's all-reduces: "
+        + ("shared memory (where the ranks share it)" if c.get("baseline_all_reduce") == "shared-memory" else "gloo's"),
     )
     return "\n".join(text)
 

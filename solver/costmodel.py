@@ -19,7 +19,7 @@ chosen by the cost they are then measured with.
   all-reduce a tree when that is faster (:func:`collective_seconds`); across nodes, the faster of
   one ring through every member and the hierarchical form (inside each node, across, inside
   again: :func:`group_collective_seconds`).  On gloo an all-reduce among the ranks of one node
-  goes through shared memory, and a small one across nodes as pairwise exchanges
+  goes through shared memory, and a small one elsewhere as pairwise exchanges
   (:func:`all_reduce_route`, :func:`shared_memory_all_reduce_seconds`,
   :func:`exchange_all_reduce_seconds`).
 """
@@ -123,29 +123,38 @@ class AllReduceRoute(StrEnum):
     EXCHANGES = "exchanges"  # pairwise exchanges, recursive doubling over blocking messages
 
 
-def all_reduce_route(library: Library, nbytes: int, members: int, one_node: bool) -> AllReduceRoute:
+def all_reduce_route(
+    library: Library, nbytes: int, members: int, one_node: bool, shared_memory: bool = True
+) -> AllReduceRoute:
     """How the runtime runs an all-reduce of ``nbytes`` (the region, in its dtype) over
-    ``members`` ranks, ``one_node`` when they share a machine.  On gloo (CPU tensors): through
-    shared memory inside a node (:mod:`edatalog.backend.running.shm_all_reduce`), as pairwise
-    exchanges across nodes for a power-of-two group and at most
-    :data:`EXCHANGE_ALL_REDUCE_MAX_BYTES` (:mod:`edatalog.backend.running.exchange_all_reduce`);
-    otherwise, and on NCCL, the library's own.  The one rule, for the runtime and the cost model
-    (the runtime keeps gloo's where a node's ranks cannot share memory: not x86-64, no
-    ``/dev/shm``)."""
+    ``members`` ranks, ``one_node`` when they share a machine, whose ranks can share memory
+    (``shared_memory``: x86-64 with ``/dev/shm``).  On gloo (CPU tensors): through shared memory
+    inside such a node (:mod:`edatalog.backend.running.shm_all_reduce`); else as pairwise
+    exchanges for a power-of-two group and at most :data:`EXCHANGE_ALL_REDUCE_MAX_BYTES`
+    (:mod:`edatalog.backend.running.exchange_all_reduce`); otherwise, and on NCCL, the
+    library's own.  The one rule, for the runtime (which knows whether its group's segment was
+    made) and the cost model (which reads the machine: :attr:`Topology.shared_memory`)."""
     if library is not Library.GLOO or members < 2:
         return AllReduceRoute.LIBRARY
-    if one_node:
+    if one_node and shared_memory:
         return AllReduceRoute.SHARED_MEMORY
     if members & (members - 1) == 0 and nbytes <= EXCHANGE_ALL_REDUCE_MAX_BYTES:
         return AllReduceRoute.EXCHANGES
     return AllReduceRoute.LIBRARY
 
 
+def one_node(group: Sequence[int], topo: Topology) -> bool:
+    """Whether the devices ``group`` of ``topo`` share a node."""
+    return topo.inter is None or len({topo.devices[d].node for d in group}) == 1
+
+
 def shared_memory_all_reduce_seconds(nbytes: int, members: int, link: Link, bandwidth: float) -> float:
     """An all-reduce through shared memory: per chunk of :data:`SHARED_MEMORY_SLOT_BYTES`, the
     members' meeting (the link's shared-memory latency), and each member's memory traffic at
     ``bandwidth`` (bytes read and written per second): its chunk copied into its slot (read and
-    written), every member's slot read and the result written, ``members + 3`` times the bytes."""
+    written), every member's slot read and the result written, ``members + 3`` times the bytes.
+    (Half floats are reduced widened to f32 on gloo, as gloo's own reduces them: their bytes'
+    term here is the region's, half what moves.)"""
     if members <= 1 or nbytes == 0:
         return 0.0
     chunks = -(-nbytes // SHARED_MEMORY_SLOT_BYTES)
@@ -208,14 +217,14 @@ def group_collective_seconds(
     for d in group:
         node = topo.devices[d].node
         per_node[node] = per_node.get(node, 0) + 1
-    one_node = len(per_node) == 1 or topo.inter is None
-    route = all_reduce_route(topo.library, nbytes, len(group), one_node)
+    local = one_node(group, topo)
+    route = all_reduce_route(topo.library, nbytes, len(group), local, topo.shared_memory)
     if kind is CollectiveKind.ALL_REDUCE and route is AllReduceRoute.SHARED_MEMORY:
         bandwidth = topo.efficiency * min(topo.devices[d].bandwidth for d in group)
         return shared_memory_all_reduce_seconds(nbytes, len(group), topo.intra, bandwidth), topo.intra
     if kind is CollectiveKind.ALL_REDUCE and route is AllReduceRoute.EXCHANGES:
-        assert topo.inter is not None
-        return exchange_all_reduce_seconds(nbytes, len(group), topo.inter), topo.inter
+        slowest = topo.intra if local or topo.inter is None else topo.inter
+        return exchange_all_reduce_seconds(nbytes, len(group), slowest), slowest
     if len(per_node) == 1 or topo.inter is None:
         return collective_seconds(kind, nbytes, len(group), topo.intra), topo.intra
     intra, inter = topo.intra, topo.inter
@@ -241,13 +250,18 @@ def group_collective_seconds(
 
 
 def collective_bytes(
-    kind: CollectiveKind, nbytes: int, members: int, library: Library = Library.NCCL, one_node: bool = True
+    kind: CollectiveKind,
+    nbytes: int,
+    members: int,
+    library: Library = Library.NCCL,
+    one_node: bool = True,
+    shared_memory: bool = True,
 ) -> int:
     """What each member sends (and receives) in the ring: ``steps / members`` of ``nbytes``; as
     pairwise exchanges (:func:`all_reduce_route`), ``nbytes`` at each of ``log2 members`` steps;
     through shared memory, ``nbytes`` (its own, written once for the others to read)."""
     if kind is CollectiveKind.ALL_REDUCE and members > 1:
-        route = all_reduce_route(library, nbytes, members, one_node)
+        route = all_reduce_route(library, nbytes, members, one_node, shared_memory)
         if route is AllReduceRoute.EXCHANGES:
             return int(math.log2(members)) * nbytes
         if route is AllReduceRoute.SHARED_MEMORY:

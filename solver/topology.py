@@ -174,6 +174,9 @@ class Topology:
     # Seconds a small kernel of a class costs, where measured (``edl calibrate``); a class not
     # listed costs ``kernel_floor``.  Sorted by class.
     kernel_floors: tuple[tuple[KernelClass, float], ...] = ()
+    # Whether gloo's ranks of one node all-reduce through shared memory (the runtime can where
+    # the node is x86-64 with ``/dev/shm``; ``edl calibrate`` writes false where it could not).
+    shared_memory: bool = True
 
     def floor(self, cls: KernelClass) -> float:
         """The least one kernel of class ``cls`` costs."""
@@ -265,6 +268,7 @@ class Topology:
             **({"call_overhead": self.call_overhead} if self.call_overhead else {}),
             **({"kernel_floors": {c.value: f for c, f in self.kernel_floors}} if self.kernel_floors else {}),
             "library": self.library.value,
+            **({} if self.shared_memory else {"shared_memory": False}),
         }
 
 
@@ -444,6 +448,7 @@ def load(path: str) -> Topology:
     bandwidth = "25GB/s"
     latency = "10us"
     library = "nccl"                  # optional: "nccl" (default) or "gloo", the runtime's backend
+    shared_memory = true              # optional (gloo): a node's ranks all-reduce through shared memory
     [measured]                        # optional, any content: what `edl calibrate` measured
     """
     p = Path(path)
@@ -471,6 +476,7 @@ _KEYS = {
         "kernel_floors",
         "call_overhead",
         "library",
+        "shared_memory",
         "measured",
     },
     "kernel_floors": {c.value for c in KernelClass},
@@ -628,7 +634,13 @@ def from_dict(data: dict[str, Any], default_name: str = "custom") -> Topology:
             Device(len(devices), node, kind, memory, flops, bw, peaks, sms, general, attention) for _ in range(count)
         )
     name = str(data.get("name", default_name))
-    topo = Topology(name, tuple(devices), intra, inter, efficiency, floor, library, overhead, floors)
+    shared = data.get("shared_memory", True)
+    if not isinstance(shared, bool):
+        raise EdlError(
+            f"topology: shared_memory is true or false, not {shared!r}",
+            help="false: gloo's ranks of a node cannot all-reduce through shared memory (not x86-64, no /dev/shm)",
+        )
+    topo = Topology(name, tuple(devices), intra, inter, efficiency, floor, library, overhead, floors, shared)
     topo.verify()
     return topo
 

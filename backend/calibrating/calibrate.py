@@ -696,7 +696,8 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     world_group = dist.group.WORLD
     assert world_group is not None  # initialized
     route = all_reduce_route(_library(dev.type), SMALL_COLLECTIVE_BYTES, world, one_node=True)
-    if route is AllReduceRoute.SHARED_MEMORY and shm.register(world_group, INIT_TIMEOUT_SECONDS):
+    shared = route is AllReduceRoute.SHARED_MEMORY and shm.register(world_group, INIT_TIMEOUT_SECONDS)
+    if shared:
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} through shared memory, after a matmul")
 
         def matmul_then_shared() -> None:
@@ -735,6 +736,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
         "small_message": small_message_s,
         "small_exchange_all_reduce": pairwise_s,
         "small_shared_all_reduce": shared_s,
+        "shared_memory": shared,
         "reduce_scatter": reduce_scatter_s,
     }
 
@@ -1132,7 +1134,10 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
     if floors:
         measured["how"]["kernel_floors"] = calibrate_probe.describe_classes(runtime_mode(opts))
         measured["per_rank"]["kernel_floors"] = {cls.value: [_sig(c[cls.value]) for c in classes] for cls, _ in floors}
-    topo = Topology(name, machine, intra, None, 1.0, floor, library, overhead, floors)
+    # Whether the ranks could share memory (gloo): else the machine says so, and its small
+    # all-reduces are priced as the pairwise exchanges the runtime then runs.
+    shared_memory = opts.nproc < 2 or all(r["links"].get("shared_memory", True) for r in ranks)
+    topo = Topology(name, machine, intra, None, 1.0, floor, library, overhead, floors, shared_memory)
     topo.verify()
     return Calibration(topo, measured)
 
@@ -1200,6 +1205,11 @@ def _toml(cal: Calibration) -> str:
         (f"kernel_floor = {_value(t.kernel_floor)}", f"s: {m['how']['kernel_floor']}"),
         (f"call_overhead = {_value(t.call_overhead)}", f"s: {m['how']['call_overhead']}"),
         (f"library = {_value(t.library.value)}", "torch.distributed's backend: which exchanges run as collectives"),
+        *(
+            []
+            if t.shared_memory
+            else [("shared_memory = false", "the ranks could not share memory: small all-reduces go as exchanges")]
+        ),
         ("", ""),
         ("[device]", ""),
         (f"kind = {_value(d.kind)}", ""),

@@ -37,6 +37,7 @@ from edatalog.solver.costmodel import (
     collective_bytes,
     compute_seconds,
     group_collective_seconds,
+    one_node,
     port_seconds,
     transfer_seconds,
 )
@@ -162,8 +163,8 @@ def _meet(
     for p in ports:
         free[p] = start + duration
     _interfere(free, group, start, link.interference * duration)
-    one_node = len({s.topology.devices[d].node for d in group}) == 1
-    moved = collective_bytes(op.kind, nbytes, len(group), s.topology.library, one_node)
+    topo = s.topology
+    moved = collective_bytes(op.kind, nbytes, len(group), topo.library, one_node(group, topo), topo.shared_memory)
     for k, d in enumerate(group):
         traffic.add(d, group[(k + 1) % len(group)], moved)
 

@@ -31,7 +31,7 @@ class TorchCollectives:
     when the pieces are the data's equal, consecutive chunks in group order, else packed (and
     padded to equal sizes).  On gloo, an all-reduce among ranks of one machine goes through
     shared memory (:mod:`edatalog.backend.running.shm_all_reduce`, set up here for each group
-    whose members can share it), and a small one across machines as pairwise exchanges
+    whose members can share it), and a small one elsewhere as pairwise exchanges
     (:mod:`edatalog.backend.running.exchange_all_reduce`): the cost model's rule,
     :func:`~edatalog.solver.costmodel.all_reduce_route`.
 
@@ -79,7 +79,8 @@ class TorchCollectives:
             work, back = self._reducible(data)
             reduce = str(op.reduce)
             nbytes, name = data.numel() * data.element_size(), group.group_name
-            route = all_reduce_route(self.library, nbytes, len(op.group), shm.registered(name))
+            shared = shm.registered(name)  # its members share a machine, and memory
+            route = all_reduce_route(self.library, nbytes, len(op.group), shared, shared)
             if route is AllReduceRoute.SHARED_MEMORY:
                 if self.functional:
                     out = shm.shm_all_reduce_op()(work, reduce, name)

@@ -16,7 +16,7 @@ the lower index's value with the higher's, in that order (``torch.maximum(-0.0, 
 second).
 
 Which all-reduces take it is one rule shared with the cost model,
-:func:`edatalog.solver.costmodel.exchange_all_reduce_takes`.  A recorded graph calls it as a
+:func:`edatalog.solver.costmodel.all_reduce_route`.  A recorded graph calls it as a
 custom op, ``edatalog::exchange_all_reduce`` (:func:`exchange_all_reduce_op`): one ATen-level
 call the tracer records and a replay repeats, with a fresh result."""
 
@@ -63,12 +63,13 @@ def exchange_all_reduce_(x: Any, reduce: str, group: Any) -> Any:
     return x
 
 
-_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+# Each reduction as the torch function that combines two values (edatalog's all-reduces share it).
+COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
 
 
 def _combine(torch: Any, reduce: str, lower: Any, higher: Any, out: Any) -> None:
     """``out = lower (op) higher``, the lower group index's value first on both of a pair."""
-    name = _COMBINE.get(reduce)
+    name = COMBINE.get(reduce)
     if name is None:
         raise ValueError(f"no exchange all-reduce for the reduction {reduce!r}")
     getattr(torch, name)(lower, higher, out=out)

@@ -528,7 +528,10 @@ def linear_calls(graph: Any, shapes: dict[Any, Geometry] | None = None) -> int:
 def direct_calls(graph: Any) -> int:
     """Call edatalog's own ops as the Python functions they wrap (see the module docstring);
     returns how many calls changed."""
+    torch = torch_module()
     direct = {exchange_all_reduce_op(): exchange_all_reduce, shm_all_reduce_op(): shm_all_reduce}
+    for function in direct.values():  # as the ops are: never dead code (a rank must not drop one)
+        torch.fx.node.has_side_effect(function)
     changed = 0
     for node in graph.nodes:
         if node.op == "call_function" and node.target in direct:

@@ -29,8 +29,11 @@ group's hosts and boot ids differ) or ``/dev/shm`` is missing, :func:`register` 
 and the runtime keeps gloo (:mod:`edatalog.backend.running.collective_ops`).
 
 Waiting spins on the flags for a while (a member comes within microseconds when both run), then
-yields the core at each look (ranks sharing cores), and gives up after the group's timeout with
+yields the core at each look (ranks sharing cores), then after a millisecond sleeps between
+looks (a member far behind, compiling or loading), and gives up after the group's timeout with
 an error that names the member that never came: a rank that failed ends the job, never hangs it.
+A flag holds its sequence number and a check of what the call reduces: members that reach
+different all-reduces at the same point fail with an error instead of mixing their data.
 """
 
 from __future__ import annotations
@@ -46,18 +49,22 @@ import zlib
 from typing import Any
 
 from edatalog.backend.kernels.arrays import torch_module
+from edatalog.backend.running.exchange_all_reduce import COMBINE
 from edatalog.backend.running.fxnodes import all_reduce_op
 from edatalog.solver.costmodel import SHARED_MEMORY_SLOT_BYTES
 
 _LINE = 64  # bytes: a flag per cache line
 _NAME_BYTES = 64
 _SPINS = 2000  # looks at the flags (~0.1 ms) before yielding the core at each look
-_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+_YIELDING = 1e-3  # seconds of yielding before sleeping between looks (up to a millisecond)
+_CHECK_BITS = 24  # a flag: the sequence number, then this many bits of what the call reduces
 
 _GROUPS: dict[str, SharedMemoryAllReduce] = {}  # process group name -> its segment
 # The ranks of a group -> their segment: a later group of the same ranks (every executable makes
-# its own process groups) shares it.  Every member registered the same groups in the same order
-# and runs its collectives in program order, so their sequence numbers still agree.
+# its own process groups) shares it, with the first's timeout and slots.  Every member registered
+# the same groups in the same order and runs its collectives in program order, so their sequence
+# numbers still agree; each flag also says what its call reduces, so members whose calls differ
+# (another group, size, dtype or reduction at the same point) fail rather than mix their data.
 _SEGMENTS: dict[tuple[int, ...], SharedMemoryAllReduce] = {}
 
 
@@ -86,45 +93,58 @@ class SharedMemoryAllReduce:
             self._typed[dtype] = slots
         return slots
 
-    def all_reduce_(self, x: Any, reduce: str) -> Any:
-        """Reduce ``x`` (contiguous, on the CPU) in place over the group; returns ``x``."""
+    def all_reduce_(self, x: Any, reduce: str, group: str) -> Any:
+        """Reduce ``x`` (contiguous, on the CPU) in place over the group named ``group``; returns
+        ``x``."""
         torch = torch_module()
-        name = _COMBINE.get(reduce)
+        name = COMBINE.get(reduce)
         if name is None:
             raise ValueError(f"no shared-memory all-reduce for the reduction {reduce!r}")
+        if not x.is_contiguous():
+            raise ValueError("a shared-memory all-reduce takes a contiguous tensor")
         combine = getattr(torch, name)
         flat = x.view(-1)
         slots = self._slots(x.dtype)
         per = self.slot // x.element_size()
+        check = zlib.crc32(f"{group} {flat.numel()} {x.dtype} {reduce}".encode()) & ((1 << _CHECK_BITS) - 1)
         for lo in range(0, flat.numel(), per):
             chunk = flat[lo : lo + per]
             count = chunk.numel()
             self.sequence += 1
             mine = slots[self.sequence & 1]
             mine[self.me][:count].copy_(chunk)
-            self._flags[self.me] = self.sequence
-            self._wait(self.sequence)
+            self._flags[self.me] = self.sequence << _CHECK_BITS | check
+            self._wait(self.sequence, check)
             combine(mine[0][:count], mine[1][:count], out=chunk)
             for k in range(2, self.members):
                 combine(chunk, mine[k][:count], out=chunk)
         return x
 
-    def _wait(self, sequence: int) -> None:
+    def _wait(self, sequence: int, check: int) -> None:
+        """Until every member's flag has reached ``sequence`` (one whose flag is at it must be
+        reducing what this member is: ``check``)."""
         flags, spins, since = self._flags, 0, 0.0
         for member in range(self.members):
-            while flags[member] < sequence:
+            while (flag := int(flags[member])) >> _CHECK_BITS < sequence:
                 spins += 1
                 if spins < _SPINS:
                     continue
-                os.sched_yield()
-                if spins % 1024 == 0:
-                    now = time.monotonic()
-                    since = since or now
-                    if now - since > self.timeout:
-                        raise RuntimeError(  # "timed out": what the runtime and launcher look for
-                            f"rank {self.ranks[self.me]} timed out after {self.timeout:g} s waiting for rank "
-                            f"{self.ranks[member]} in a shared-memory all-reduce: that rank failed or is stuck"
-                        )
+                now = time.monotonic()
+                since = since or now
+                if now - since < _YIELDING:
+                    os.sched_yield()
+                elif now - since <= self.timeout:
+                    time.sleep(min(1e-3, (now - since) / 20))  # a member that is far behind: free the core
+                else:
+                    raise RuntimeError(  # "timed out": what the runtime and launcher look for
+                        f"rank {self.ranks[self.me]} timed out after {self.timeout:g} s waiting for rank "
+                        f"{self.ranks[member]} in a shared-memory all-reduce: that rank failed or is stuck"
+                    )
+            if flag >> _CHECK_BITS == sequence and flag & ((1 << _CHECK_BITS) - 1) != check:
+                raise RuntimeError(
+                    f"ranks {self.ranks[self.me]} and {self.ranks[member]} reached a shared-memory all-reduce "
+                    "of different tensors or groups at the same point of their programs"
+                )
 
 
 def register(group: Any, timeout: float, slot_bytes: int = SHARED_MEMORY_SLOT_BYTES) -> bool:
@@ -157,14 +177,17 @@ def register(group: Any, timeout: float, slot_bytes: int = SHARED_MEMORY_SLOT_BY
         buffer = _map(path, size, create=True)
         if buffer is not None:
             name[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
-    dist.broadcast(name, ranks[0], group=group)
-    if me != 0:
-        path = bytes(name[name != 0].tolist()).decode()
-        buffer = _map(path, size, create=False) if path else None
-    mapped = torch.tensor([int(buffer is not None)], dtype=torch.int64)
-    dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)  # every member mapped it, or none uses it
-    if me == 0 and path:
-        os.unlink(path)  # mapped by all who will: the name goes, the memory stays while mapped
+    mapped = torch.zeros(1, dtype=torch.int64)
+    try:
+        dist.broadcast(name, ranks[0], group=group)
+        if me != 0:
+            path = bytes(name[name != 0].tolist()).decode()
+            buffer = _map(path, size, create=False) if path else None
+        mapped[0] = int(buffer is not None)
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)  # every member mapped it, or none uses it
+    finally:
+        if me == 0 and buffer is not None:
+            os.unlink(path)  # mapped by all who will: the name goes, the memory stays while mapped
     if not int(mapped) or buffer is None:
         return False
     made = SharedMemoryAllReduce(buffer, members, me, timeout, ranks, slot_bytes)
@@ -180,12 +203,12 @@ def registered(group_name: str) -> bool:
 def shm_all_reduce(x: Any, reduce: str, group: str) -> Any:
     """The reduction of ``x`` over the registered group ``group`` (its name), as a fresh tensor;
     what a recorded graph calls (:func:`shm_all_reduce_op`, or this function directly)."""
-    return _GROUPS[group].all_reduce_(x.clone(memory_format=torch_module().contiguous_format), reduce)
+    return _GROUPS[group].all_reduce_(x.clone(memory_format=torch_module().contiguous_format), reduce, group)
 
 
 def shm_all_reduce_(x: Any, reduce: str, group: str) -> Any:
     """Reduce ``x`` (contiguous) in place over the registered group ``group``; returns ``x``."""
-    return _GROUPS[group].all_reduce_(x, reduce)
+    return _GROUPS[group].all_reduce_(x, reduce, group)
 
 
 @functools.cache
@@ -204,8 +227,8 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap | None:
     except OSError:
         return None
     try:
-        if create:
-            os.ftruncate(fd, size)
+        if create:  # taken now: a full /dev/shm is an error here, not a SIGBUS at the first write
+            os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
     except OSError:
         if create:

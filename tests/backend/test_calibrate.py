@@ -179,6 +179,33 @@ def test_the_machine_is_the_slowest_ranks() -> None:
     assert from_dict(json.loads(json.dumps(result.to_dict()))) == topo
 
 
+def test_ranks_that_could_not_share_memory_make_a_machine_that_says_so(tmp_path: Path) -> None:
+    """Where the ranks could not share memory (gloo), their small all-reduce was timed as pairwise
+    exchanges, and the machine says ``shared_memory = false``: the cost model then prices the
+    exchanges the runtime runs there."""
+    links = {
+        "pingpong": {str(b): 1e-4 + b / 1e9 for b in cal.QUICK.p2p_bytes},
+        "exchange": 2e-3,
+        "collective_bytes": 1 << 16,
+        "all_reduce": 1e-3,
+        "small_all_reduce": 3e-4,
+        "small_message": 5e-5,
+        "small_exchange_all_reduce": 2e-4,
+        "small_shared_all_reduce": None,
+        "shared_memory": False,
+        "reduce_scatter": 5e-4,
+        "overlap": {"compute": 3e-3, "both": 4e-3},
+    }
+    opts = cal.Options(nproc=2, quick=True).resolved()
+    result = cal.summarize(opts, {0: _rank(2e10, 1e10, 1e-6, links), 1: _rank(2e10, 1e10, 1e-6, links)})
+    topo = result.topology
+    assert not topo.shared_memory and topo.intra.shared_memory_latency is None
+    assert topo.intra.exchange_latency is not None
+    path = tmp_path / "m.toml"
+    result.save(str(path))
+    assert "shared_memory = false" in path.read_text() and edatalog.topology(str(path)) == topo
+
+
 @pytest.mark.parametrize(
     ("compute", "transfer", "both", "share"),
     [(3.0, 2.0, 3.0, 0.0), (3.0, 2.0, 5.0, 1.0), (3.0, 2.0, 4.0, 0.5), (2.0, 3.0, 2.5, 0.0), (2.0, 2.0, 9.0, 1.0)],

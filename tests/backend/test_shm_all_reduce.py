@@ -121,3 +121,56 @@ def test_a_rank_that_never_comes_is_named_within_the_timeout(monkeypatch: pytest
     got = spawn(2, absent_rank)
     assert got[1] == "absent"
     assert "rank 0 timed out after 1 s waiting for rank 1 in a shared-memory all-reduce" in got[0], got[0]
+
+
+def mismatched_rank() -> str:
+    """One rank (spawned): the ranks reach an all-reduce of different sizes at the same point."""
+    import torch
+    import torch.distributed as dist
+
+    from edatalog.backend.running import shm_all_reduce as shm
+    from edatalog.backend.running.spmd import init_group
+
+    init_group("cpu")
+    group = dist.group.WORLD
+    assert group is not None and shm.register(group, 30.0)
+    try:
+        shm.shm_all_reduce_(torch.ones(4 + dist.get_rank()), "sum", group.group_name)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_ranks_that_reach_different_all_reduces_fail_instead_of_mixing_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edatalog.backend.running.launch import spawn
+
+    monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
+    got = spawn(2, mismatched_rank)
+    for rank in range(2):
+        assert "of different tensors or groups at the same point of their programs" in got[rank], got[rank]
+
+
+def unmappable_rank() -> tuple[bool, bool]:
+    """One rank (spawned): the first member cannot map a segment (a full /dev/shm); every member
+    learns that none was made."""
+    import torch.distributed as dist
+
+    from edatalog.backend.running import shm_all_reduce as shm
+    from edatalog.backend.running.spmd import init_group
+
+    init_group("cpu")
+    group = dist.group.WORLD
+    assert group is not None
+    if dist.get_rank() == 0:
+        shm._map = lambda path, size, create: None
+    made = shm.register(group, 30.0)
+    return made, shm.registered(group.group_name)
+
+
+@pytest.mark.distributed
+def test_a_segment_no_member_could_map_is_made_by_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edatalog.backend.running.launch import spawn
+
+    monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
+    assert spawn(2, unmappable_rank) == {0: (False, False), 1: (False, False)}

@@ -137,6 +137,19 @@ def test_the_route_of_an_all_reduce(
     library: Library, nbytes: int, members: int, one_node: bool, route: AllReduceRoute
 ) -> None:
     assert all_reduce_route(library, nbytes, members, one_node) is route
+    # Where the node's ranks cannot share memory: as if they were on several nodes.
+    assert all_reduce_route(library, nbytes, members, one_node, shared_memory=False) is all_reduce_route(
+        library, nbytes, members, False
+    )
+
+
+def test_a_node_without_shared_memory_exchanges_its_small_all_reduces_on_its_own_link() -> None:
+    link = Link("gloo", 2e9, 400e-6, collective_latency=600e-6, exchange_latency=250e-6)
+    gloo = dataclasses.replace(preset("cpux4"), intra=link, library=Library.GLOO, shared_memory=False)
+    seconds, used = group_collective_seconds(AR, 4096, range(4), gloo)
+    assert used == link and seconds == pytest.approx(2 * (250e-6 + 2 * 4096 / 2e9))
+    big = EXCHANGE_ALL_REDUCE_MAX_BYTES * 4
+    assert group_collective_seconds(AR, big, range(4), gloo)[0] == collective_seconds(AR, big, 4, link)
 
 
 def test_a_gloo_all_reduce_in_a_node_costs_its_shared_memory_meetings_and_bytes() -> None:

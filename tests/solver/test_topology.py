@@ -193,6 +193,18 @@ def test_a_link_may_price_the_runtimes_own_all_reduces(tmp_path: Path, key: str,
         load(str(path))
 
 
+def test_a_machine_may_say_its_ranks_cannot_share_memory(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text('library = "gloo"\nnodes = [2]\n')
+    assert load(str(path)).shared_memory  # the default
+    path.write_text('library = "gloo"\nshared_memory = false\nnodes = [2]\n')
+    topo = load(str(path))
+    assert not topo.shared_memory and from_dict(topo.to_dict()) == topo
+    path.write_text('shared_memory = "no"\nnodes = [2]\n')
+    with pytest.raises(EdlError, match="shared_memory is true or false"):
+        load(str(path))
+
+
 def test_the_library_decides_which_exchanges_are_collectives(tmp_path: Path) -> None:
     assert preset("a100x8").library is Library.NCCL and preset("cpux2").library is Library.GLOO
     assert Library.NCCL.collectives == set(CollectiveKind)
