@@ -700,13 +700,20 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     if shared:
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} through shared memory")
 
-        def shared_all_reduce() -> None:
-            shm.shm_all_reduce_(small, "sum", world_group.group_name)
-
-        # Back to back, not after a matmul as gloo's: no library thread waits to be woken, and
-        # its few microseconds drown in the matmul's own spread (the difference came out 0 in
-        # one calibration and 98 µs in the next).
-        shared_s = per_call(shared_all_reduce)
+        name = world_group.group_name
+        for _ in range(sizes.warmup):
+            shm.shm_all_reduce_(small, "sum", name)
+        dist.barrier()
+        each = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            shm.shm_all_reduce_(small, "sum", name)
+            each.append(time.perf_counter() - t0)
+        # Back to back, each call timed, the median: after a matmul, as gloo's is timed, its few
+        # microseconds drowned in the matmul's own spread (the difference came out 0 in one
+        # calibration and 98 µs in the next), and a loop's mean in the rare waits for a rank
+        # the scheduler took off its core (197 µs in a third, 8 in a fourth).
+        shared_s = statistics.median(each)
         steps.done()
     elif all_reduce_route(_library(dev.type), SMALL_COLLECTIVE_BYTES, world, False) is AllReduceRoute.EXCHANGES:
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} as pairwise exchanges, after a matmul")
@@ -1045,7 +1052,7 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             shared_latency = _sig(max(shared_s - traffic, shared_s / 2))
             measured["how"]["shared_memory_latency"] = (
                 f"an all-reduce of {size(SMALL_COLLECTIVE_BYTES)} through shared memory as the runtime runs it "
-                "(the slowest rank's mean over a loop of them), less its bytes' memory traffic"
+                "(the slowest rank's median over a loop of them), less its bytes' memory traffic"
             )
             measured["small_shared_all_reduce"] = {"bytes": SMALL_COLLECTIVE_BYTES, "seconds": _sig(shared_s)}
         intra = Link(
