@@ -32,7 +32,7 @@ from edatalog.ir.program import CollectiveKind
 
 GIB = 1 << 30
 # Seconds a chunk of a shared-memory all-reduce costs where no calibration measured it: what
-# edatalog's runtime took for 2 KiB between 2 busy CPU ranks of a 2-core VM (17-22 µs), rounded.
+# edatalog's runtime took for 4 KiB between 2 CPU ranks of a 2-core VM (7-26 µs), rounded up.
 SHARED_MEMORY_LATENCY = 20e-6
 
 
@@ -120,8 +120,8 @@ class Link:
     # other).  ``edl calibrate`` measures it.
     exchange_latency: float | None = None
     # Seconds per chunk of an all-reduce among the CPU ranks of one node through shared memory
-    # (:func:`edatalog.solver.costmodel.all_reduce_route`), as programs meet it, less its bytes'
-    # time; None: :data:`SHARED_MEMORY_LATENCY`.  ``edl calibrate`` measures it.
+    # (:func:`edatalog.solver.costmodel.all_reduce_route`), as the runtime runs it, less its
+    # bytes' time; None: :data:`SHARED_MEMORY_LATENCY`.  ``edl calibrate`` measures it.
     shared_memory_latency: float | None = None
 
     @property

@@ -699,7 +699,6 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     shared = route is AllReduceRoute.SHARED_MEMORY and shm.register(world_group, INIT_TIMEOUT_SECONDS)
     if shared:
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} through shared memory")
-
         name = world_group.group_name
         for _ in range(sizes.warmup):
             shm.shm_all_reduce_(small, "sum", name)

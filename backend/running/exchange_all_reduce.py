@@ -16,7 +16,9 @@ the lower index's value with the higher's, in that order (``torch.maximum(-0.0, 
 second).
 
 Which all-reduces take it is one rule shared with the cost model,
-:func:`edatalog.solver.costmodel.all_reduce_route`.  A recorded graph calls it as a
+:func:`edatalog.solver.costmodel.all_reduce_route`: since ranks of one machine all-reduce
+through shared memory (:mod:`edatalog.backend.running.shm_all_reduce`), those across machines,
+or on a machine whose ranks cannot share memory.  A recorded graph calls it as a
 custom op, ``edatalog::exchange_all_reduce`` (:func:`exchange_all_reduce_op`): one ATen-level
 call the tracer records and a replay repeats, with a fresh result."""
 
