@@ -388,18 +388,25 @@ def test_only_the_kinds_asked_for_are_rewritten() -> None:
 # -- across processes ---------------------------------------------------------------------------------
 
 
-def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[list[dict[str, np.ndarray]], int]]:
+def collective_rank(
+    plans: list[str], kvh: int, shared: bool = True
+) -> dict[str, tuple[list[dict[str, np.ndarray]], int, int]]:
     """One rank (spawned): each plan run with collectives forced on, three times (interpreted,
     recorded, replayed as graphs whose collectives are torch's functional ones); the outputs of
-    the first and the last call, and how many collectives this rank's program has."""
+    the first and the last call, how many collectives this rank's program has, and how many
+    all-reduce chunks went through shared memory.  Without ``shared``, the ranks behave as if
+    they could not share memory: all-reduces take the next route (pairwise exchanges, gloo's)."""
     import torch
 
+    from edatalog.backend.running import shm_all_reduce as shm
     from edatalog.backend.running.segments import CompiledSpmdExecutable
     from edatalog.backend.running.spmd import init_group
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     init_group("cpu")
+    if not shared:
+        shm.register = lambda group, timeout, slot_bytes=0: False
     prog = edatalog.compile(LLAMA, dims={**DIMS, "KVH": kvh})
     values = prog.random_inputs(seed=0)
     params = {r.name: values[r.name] for r in prog.arguments if r.kind == "param"}
@@ -412,13 +419,16 @@ def collective_rank(plans: list[str], kvh: int) -> dict[str, tuple[list[dict[str
         calls = [exe(inputs) for _ in range(3)]
         assert exe._replayed
         count = sum(isinstance(op, ir.Collective) for op in exe.program.ops)
-        out[Path(path).stem] = ([{k: v.numpy() for k, v in calls[k].values.items()} for k in (0, 2)], count)
+        chunks = sum({id(seg): seg.sequence for seg in shm._GROUPS.values()}.values())
+        out[Path(path).stem] = ([{k: v.numpy() for k, v in calls[k].values.items()} for k in (0, 2)], count, chunks)
     return out
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("n", [2, 3])
-def test_spmd_ranks_run_collectives_to_the_reference(n: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("n", "shared"), [(2, True), (3, True), (2, False)])
+def test_spmd_ranks_run_collectives_to_the_reference(
+    n: int, shared: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from edatalog.backend.running.launch import spawn
 
     monkeypatch.setenv("EDL_DIST_TIMEOUT", "30")
@@ -430,10 +440,12 @@ def test_spmd_ranks_run_collectives_to_the_reference(n: int, tmp_path: Path, mon
         edatalog.plan(prog, topology=MACHINES[n], strategy=strategy, seed=n).save(path)
         paths.append(str(path))
     want = prog.run(prog.random_inputs(seed=0))
-    got = spawn(n, collective_rank, (paths, kvh))
+    got = spawn(n, collective_rank, (paths, kvh, shared))
     assert sorted(got) == list(range(n))
     for strategy in ("megatron", "random"):
         assert sum(got[r][strategy][1] for r in got) > 0, strategy  # collectives did run
+        # Through shared memory where the ranks share it (ranks of one machine); not otherwise.
+        assert (got[0]["megatron"][2] > 0) is shared
         for rank, results in got.items():
             for call, outputs in zip(("interpreted", "replayed"), results[strategy][0], strict=True):
                 for name, w in want.items():

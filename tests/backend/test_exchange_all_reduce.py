@@ -5,8 +5,9 @@ the same values: equal (to rounding for a sum or product of four f32 partials, t
 another order), and the same bits on every rank (zeros of either sign included).  The custom
 op the recorded graphs call returns the reduction as a fresh tensor, leaves its argument as it
 was, replays from a recorded graph, and is never dead code.  The runtime's choice of it follows
-the cost model's rule: a plan's programs run end to end on it in ``test_collectives.py`` (2
-ranks) and beside it on gloo's own (3 ranks)."""
+the cost model's rule: ranks of one machine all-reduce through shared memory instead, so a
+plan's programs run end to end on it in ``test_collectives.py`` with shared memory withheld (2
+ranks)."""
 
 from __future__ import annotations
 
