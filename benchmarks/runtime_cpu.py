@@ -35,8 +35,8 @@ sgemm, 2.0-2.3x slower on this project's AMD EPYC) as they ship.
 Likewise the baselines' all-reduces (the hand-written block's two, DTensor's row-parallel ones) go
 through shared memory between the ranks, as edatalog's runtime runs its own
 (--baseline-all-reduce shared-memory, the default; benchmarks/shm_collectives.py);
---baseline-all-reduce gloo leaves gloo's all_reduce (1.2-1.6 ms for the block's 2 MiB, against
-0.15 through shared memory).
+--baseline-all-reduce gloo leaves gloo's all_reduce (1.2-2.7 ms for the block's 2 MiB in this
+project's runs, against 0.15-0.17 through shared memory).
 
 Timing: --warmup calls of each contender, then --repeat rounds; each round calls every contender
 once, in turn (so that drift in the machine's load hits all of them alike).  Before each call all

@@ -695,9 +695,11 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
     pairwise_s = shared_s = None
     world_group = dist.group.WORLD
     assert world_group is not None  # initialized
-    route = all_reduce_route(_library(dev.type), SMALL_COLLECTIVE_BYTES, world, one_node=True)
-    shared = route is AllReduceRoute.SHARED_MEMORY and shm.register(world_group, INIT_TIMEOUT_SECONDS)
-    if shared:
+    library = _library(dev.type)
+    wanted = all_reduce_route(library, SMALL_COLLECTIVE_BYTES, world, one_node=True)
+    shared = wanted is AllReduceRoute.SHARED_MEMORY and shm.register(world_group, INIT_TIMEOUT_SECONDS)
+    route = all_reduce_route(library, SMALL_COLLECTIVE_BYTES, world, one_node=True, shared_memory=shared)
+    if route is AllReduceRoute.SHARED_MEMORY:
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} through shared memory")
         name = world_group.group_name
         for _ in range(sizes.warmup):
@@ -714,7 +716,7 @@ def measure_links(sizes: Sizes, steps: _Steps, dev: Any) -> dict[str, Any]:
         # the scheduler took off its core (197 µs in a third, 8 in a fourth).
         shared_s = statistics.median(each)
         steps.done()
-    elif all_reduce_route(_library(dev.type), SMALL_COLLECTIVE_BYTES, world, False) is AllReduceRoute.EXCHANGES:
+    elif route is AllReduceRoute.EXCHANGES:
         steps.now(f"all_reduce {size(SMALL_COLLECTIVE_BYTES)} as pairwise exchanges, after a matmul")
 
         def matmul_then_exchange() -> None:

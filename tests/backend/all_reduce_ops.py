@@ -1,11 +1,37 @@
-"""What the tests of edatalog's own all-reduce ops (shared memory, pairwise exchanges) check of
-the custom op a recorded graph calls, inside a spawned rank: its result eager, recorded,
-replayed and (``direct``) called as the Python function behind it; whether it left its argument
-as it was; whether dead-code elimination keeps it."""
+"""What the tests of edatalog's own all-reduces (shared memory, pairwise exchanges) check alike:
+their results against gloo's (:func:`check_against_gloo`), and of the custom op a recorded graph
+calls, inside a spawned rank: its result eager, recorded, replayed and (``direct``) called as the
+Python function behind it; whether it left its argument as it was; whether dead-code
+elimination keeps it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
+
+
+def check_against_gloo(
+    got: dict[int, dict[str, Any]],
+    n: int,
+    skip: Collection[str],
+    inexact: Callable[[str, Any], bool],
+    tol: float,
+) -> None:
+    """Every rank's ``(ours, gloo's)`` pair under each key of ``got`` (but ``skip``): the same
+    bits on every rank, and equal to gloo's, or within ``tol`` where ``inexact(key, ours)`` (f32
+    sums and products rounded in another order)."""
+    import numpy as np
+
+    for key in got[0]:
+        if key in skip:
+            continue
+        for rank in range(n):
+            ours, theirs = got[rank][key]
+            assert np.array_equal(ours, got[0][key][0]), (key, rank)  # the same bits on every rank
+            if inexact(key, ours):
+                np.testing.assert_allclose(ours, theirs, rtol=tol, atol=tol)
+            else:
+                assert np.array_equal(ours, theirs), (key, rank)
 
 
 def op_checks(op: Any, group: str, rank: int, direct: bool = False) -> dict[str, Any]:

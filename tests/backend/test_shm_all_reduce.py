@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.backend.all_reduce_ops import check_op_results, op_checks
+from tests.backend.all_reduce_ops import check_against_gloo, check_op_results, op_checks
 
 REDUCTIONS = ("sum", "prod", "max", "min")
 
@@ -74,24 +74,18 @@ def test_shared_memory_reduces_as_gloo_does(n: int, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
     got = spawn(n, shm_rank, (1024,))
     assert sorted(got) == list(range(n))
-    for key in got[0]:
-        if key in ("op", "avg"):
-            continue
-        for rank in range(n):
-            ours, theirs = got[rank][key]
-            assert np.array_equal(ours, got[0][key][0]), (key, rank)  # the same bits on every rank
-            if ours.dtype.kind == "f" and (key == "chunks" or (key.startswith(("sum", "prod")) and n > 2)):
-                np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-            else:
-                assert np.array_equal(ours, theirs), (key, rank)
+
+    def inexact(key: str, ours: np.ndarray) -> bool:
+        return ours.dtype.kind == "f" and (key == "chunks" or (key.startswith(("sum", "prod")) and n > 2))
+
+    check_against_gloo(got, n, ("op", "avg"), inexact, 1e-5)
     for rank in range(n):
         assert got[rank]["avg"] == "no shared-memory all-reduce for the reduction 'avg'"
     check_op_results({rank: got[rank]["op"] for rank in range(n)}, n)
 
 
-def absent_rank() -> str:
-    """One rank (spawned): rank 1 never comes to the second all-reduce; rank 0's wait ends."""
-    import torch
+def _world_segment(timeout: float) -> tuple[Any, Any]:
+    """In a spawned rank: the process group of every rank, with its segment made; the module."""
     import torch.distributed as dist
 
     from edatalog.backend.running import shm_all_reduce as shm
@@ -99,7 +93,16 @@ def absent_rank() -> str:
 
     init_group("cpu")
     group = dist.group.WORLD
-    assert group is not None and shm.register(group, 1.0)
+    assert group is not None and shm.register(group, timeout)
+    return shm, group
+
+
+def absent_rank() -> str:
+    """One rank (spawned): rank 1 never comes to the second all-reduce; rank 0's wait ends."""
+    import torch
+    import torch.distributed as dist
+
+    shm, group = _world_segment(1.0)
     x = torch.ones(4)
     shm.shm_all_reduce_(x, "sum", group.group_name)
     if dist.get_rank() == 1:
@@ -128,12 +131,7 @@ def mismatched_rank() -> str:
     import torch
     import torch.distributed as dist
 
-    from edatalog.backend.running import shm_all_reduce as shm
-    from edatalog.backend.running.spmd import init_group
-
-    init_group("cpu")
-    group = dist.group.WORLD
-    assert group is not None and shm.register(group, 30.0)
+    shm, group = _world_segment(30.0)
     try:
         shm.shm_all_reduce_(torch.ones(4 + dist.get_rank()), "sum", group.group_name)
     except RuntimeError as exc:
