@@ -40,7 +40,8 @@ project's runs, against 0.15-0.17 through shared memory).
 
 Timing: --warmup calls of each contender, then --repeat rounds; each round calls every contender
 once, in turn (so that drift in the machine's load hits all of them alike).  Before each call all
-ranks meet at a barrier; a call's time is the slowest rank's.  The table shows, per contender, the
+ranks meet at a barrier (through shared memory where they share it, as ``edl run``'s calls meet:
+they leave it together and awake); a call's time is the slowest rank's.  The table shows, per contender, the
 median, min and max of those times over the rounds, and each rank's own median.
 
   .venv/bin/python benchmarks/runtime_cpu.py                                  # the full block
@@ -473,17 +474,21 @@ def time_calls(ctx: Context, contenders: list[Contender]) -> dict[str, list[list
     import torch
     import torch.distributed as dist
 
+    from edatalog.backend.running.shm_all_reduce import barrier_of
+    from edatalog.backend.running.spmd import TIMEOUT_SECONDS
+
     args = ctx.args
+    meet = barrier_of(dist.group.WORLD, TIMEOUT_SECONDS)  # as edl run's calls meet: every contender alike
     for c in contenders:
         ctx.log(f"warming up {c.name} ({args.warmup} calls)")
         for _ in range(args.warmup):
-            dist.barrier()
+            meet()
             c.call()
     mine: dict[str, list[float]] = {c.name: [] for c in contenders}
     ctx.log(f"timing {', '.join(c.name for c in contenders)}: {args.repeat} rounds")
     for _ in range(args.repeat):
         for c in contenders:
-            dist.barrier()
+            meet()
             t0 = time.perf_counter()
             c.call()
             mine[c.name].append((time.perf_counter() - t0) * 1e3)

@@ -98,6 +98,7 @@ from edatalog.backend.kernels.arrays import TorchOps
 from edatalog.backend.running import shm_all_reduce as shm
 from edatalog.backend.running.compiled import Compile, compile_mode
 from edatalog.backend.running.exchange_all_reduce import exchange_all_reduce_
+from edatalog.backend.running.spmd import timed_calls
 from edatalog.errors import EdlError
 from edatalog.ir.cost import KernelClass, Launches
 from edatalog.solver.costmodel import AllReduceRoute, all_reduce_route
@@ -528,26 +529,12 @@ def spmd_call_overhead(
 def _after_barriers(
     op: Callable[[], None], reps: int, warmup: int, sync: Callable[[], None], dev: Any, slowest: bool = True
 ) -> list[float]:
-    """``op``'s time in each of ``reps`` runs (after ``warmup`` untimed), every run started
-    right after a barrier of the group, as ranks meet each step: with ``slowest``, each run's
-    slowest rank's, the time ``edl run`` reports of a call (the median of every call's slowest
-    rank exceeds the slowest rank's median wherever ranks are noisy: 384 against 304-318 µs for
-    a tiny GPT-2's calls on 2 gloo ranks of a 2-core machine); else this rank's own."""
-    torch = _torch()
-    import torch.distributed as dist
-
-    times = []
-    for i in range(warmup + reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        op()
-        sync()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)  # NCCL: on the GPU
-        if slowest:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # after the clock stopped, as edl run does
-        if i >= warmup:
-            times.append(float(elapsed))
-    return times
+    """``op``'s time in each of ``reps`` runs (after ``warmup`` untimed), every run started as
+    the ranks leave a barrier together, as ``edl run`` times calls
+    (:func:`edatalog.backend.running.spmd.timed_calls`): with ``slowest``, each run's slowest
+    rank's, the time ``edl run`` reports of a call; else this rank's own."""
+    mine, slowest_times = timed_calls(op, reps, warmup, sync, dev)
+    return slowest_times if slowest else mine
 
 
 def measure_class_floors(
@@ -980,7 +967,11 @@ def summarize(opts: Options, results: dict[int, dict[str, Any]]) -> Calibration:
             "kernel_floor": floor_how,
             "call_overhead": (
                 "what the shorter chain's time per call leaves beyond its kernel launches"
-                + ", split by rows across the ranks, each call after a barrier as edl run times them" * several
+                + (
+                    ", split by rows across the ranks, each call started as edl run starts calls"
+                    " (the ranks leave a barrier together)"
+                )
+                * several
             )
             if kernels
             else "no runtime probe was given",

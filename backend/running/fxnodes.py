@@ -41,9 +41,12 @@ VIEW_NAMES = frozenset(
 # broadcasting): written in place over an operand of the result's geometry, they give the same.
 TENSORS_POINTWISE = frozenset({"mul", "add", "sub", "div", "maximum", "minimum", "pow", "where", "addcmul", "addcdiv"})
 UNARY_POINTWISE = frozenset(
-    {"exp", "rsqrt", "sqrt", "neg", "cos", "sin", "tanh", "sigmoid", "silu", "log", "abs", "reciprocal", "erf"}
+    {"exp", "rsqrt", "sqrt", "neg", "cos", "sin", "tanh", "sigmoid", "silu", "gelu", "relu", "log", "abs"}
+    | {"reciprocal", "erf"}
 )
 POINTWISE = TENSORS_POINTWISE | UNARY_POINTWISE
+# Reductions by dims whose schema takes ``keepdim`` third: (op, overload).
+KEEPS_DIMS = frozenset({("sum", "dim_IntList"), ("amax", "default"), ("amin", "default"), ("mean", "dim")})
 # Pointwise ops that give the same bits whatever the strides of their operands and result.
 # Others may not: torch's CPU kernels take a vectorized loop over contiguous rows and a scalar
 # one otherwise, and for ``sigmoid`` (f32), ``rsqrt`` (bf16, f16) and ``add``/``sub`` with an
@@ -98,14 +101,10 @@ def exact_in_any_layout(node: Any) -> bool:
 # Ops outside ATen whose result is always memory of its own (oneDNN's linear, which the torch
 # kernels call for large f32 GEMMs on a CPU): other namespaces are not trusted to say so (a
 # functional collective's wait returns its argument under a schema that claims a fresh result).
-FRESH_OUTSIDE_ATEN = frozenset(
-    {
-        "mkldnn::_linear_pointwise",
-        "edatalog::onednn_linear",
-        "edatalog::exchange_all_reduce",
-        "edatalog::shm_all_reduce",
-    }
-)
+# edatalog's all-reduces (:func:`all_reduce_op`): elementwise over a tensor of any shape (every
+# rank's result is its cells reduced with the same cells of the others').
+ALL_REDUCES = frozenset({"edatalog::exchange_all_reduce", "edatalog::shm_all_reduce"})
+FRESH_OUTSIDE_ATEN = frozenset({"mkldnn::_linear_pointwise", "edatalog::onednn_linear"}) | ALL_REDUCES
 
 
 def all_reduce_op(name: str, impl: Callable[[Any, str, str], Any]) -> Any:
@@ -131,8 +130,13 @@ def all_reduce_op(name: str, impl: Callable[[Any, str, str], Any]) -> Any:
 
 def fresh_outside_aten(node: Any) -> bool:
     """Whether ``node`` calls one of :data:`FRESH_OUTSIDE_ATEN`."""
+    return schema_name(node) in FRESH_OUTSIDE_ATEN
+
+
+def schema_name(node: Any) -> str | None:
+    """The qualified name of the op a node calls (``edatalog::shm_all_reduce``), else None."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return schema is not None and schema.name in FRESH_OUTSIDE_ATEN
+    return None if schema is None else str(schema.name)
 
 
 def aliased_args(node: Any) -> list[Any]:

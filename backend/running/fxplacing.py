@@ -1,4 +1,4 @@
-"""Three rewrites of a traced device program that remove calls around its kernels, run by
+"""Two rewrites of a traced device program that remove calls around its kernels, run by
 :func:`edatalog.backend.running.fxpasses.simplify` after the views are folded and the values
 shared:
 
@@ -9,18 +9,13 @@ shared:
   tensor and one copy less per block;
 - :func:`implied_broadcasts`: a view that only broadcasts a tensor (``as_strided(w, (1, 256),
   (0, 1))`` of ``w[256]``) read by a pointwise op is the tensor itself, which the op
-  broadcasts the same way;
-- :func:`kept_dims`: a reduction whose readers all view its result with the reduced dims put
-  back as ones (``as_strided(sum(x, [1]), (1, 1), (1, 0))``, a row's sum of squares before it
-  divides the row) keeps them itself (``sum(x, [1], keepdim=True)``).
+  broadcasts the same way.
 
 All keep every result bit for bit: an op is computed into a strided place only if it gives the
 same bits whatever the layout (:data:`edatalog.backend.running.fxnodes.LAYOUT_EXACT`: torch's
 CPU kernels run a vectorized loop over contiguous rows and a scalar one elsewhere, and for some
-ops the two differ in the last bit), an operand is left for the op to broadcast only where the
-result keeps its layout, and a reduction keeps its dims only over a contiguous source, where
-its result is laid out as the readers' view.  On a decode step of a small LLaMA they take 38 of
-427 calls away, at about a microsecond each.
+ops the two differ in the last bit), and an operand is left for the op to broadcast only where
+the result keeps its layout.
 """
 
 from __future__ import annotations
@@ -34,13 +29,11 @@ from edatalog.backend.running.fxnodes import (
     POINTWISE,
     aliased_args,
     aten_of,
-    contiguous_strides,
     exact_in_any_layout,
     is_contiguous,
     is_view,
     name_of,
     nodes_in,
-    same_layout,
     writes,
 )
 from edatalog.backend.running.fxreuse import REUSED, out_variant
@@ -199,7 +192,7 @@ def implied_broadcasts(graph: Any, shapes: dict[Any, Geometry]) -> int:
         if not is_view(view) or not hasattr(view.args[0], "op"):
             continue
         source = view.args[0]
-        if source not in shapes or view not in shapes or not _broadcasts(shapes[source], shapes[view]):
+        if source not in shapes or view not in shapes or not broadcasts(shapes[source], shapes[view]):
             continue
         for user in list(view.users):
             if _reads_broadcast(user, view, source, shapes):
@@ -210,7 +203,7 @@ def implied_broadcasts(graph: Any, shapes: dict[Any, Geometry]) -> int:
     return changed
 
 
-def _broadcasts(source: Geometry, view: Geometry) -> bool:
+def broadcasts(source: Geometry, view: Geometry) -> bool:
     """Whether ``view`` is ``source`` broadcast to the view's sizes, as an op broadcasts an
     operand: dims added in front, and dims of one cell expanded, each with stride 0."""
     (src_sizes, src_strides, src_offset, src_dtype), (sizes, strides, offset, dtype) = source, view
@@ -254,44 +247,3 @@ def _reads_broadcast(user: Any, view: Any, source: Any, shapes: dict[Any, Geomet
     if user.kwargs.get("out") is not None:
         return True
     return all(is_contiguous(shapes[a]) for a in [*operands, user])
-
-
-# Reductions by dims whose schema takes ``keepdim`` third: (op, overload).
-_KEEPS_DIMS = frozenset({("sum", "dim_IntList"), ("amax", "default"), ("amin", "default"), ("mean", "dim")})
-
-
-def kept_dims(graph: Any, shapes: dict[Any, Geometry]) -> int:
-    """Let each reduction whose readers only view it with its reduced dims as ones keep those
-    dims (see the module docstring); returns how many views went.  Only over a contiguous
-    source: torch lays a reduction's result out after its source's strides."""
-    done = 0
-    for node in list(graph.nodes):
-        if aten_of(node) not in _KEEPS_DIMS or node not in shapes or len(node.args) != 2 or "keepdim" in node.kwargs:
-            continue
-        source, dims = node.args
-        if source not in shapes or not dims or not node.users or not shapes[source][0]:
-            continue
-        if not is_contiguous(shapes[source]) or not is_contiguous(shapes[node]):
-            continue
-        sizes = shapes[source][0]
-        reduced = {d % len(sizes) for d in dims}
-        kept = tuple(1 if k in reduced else n for k, n in enumerate(sizes))
-        geometry = (kept, contiguous_strides(kept), shapes[node][2], shapes[node][3])
-        views = list(node.users)
-        if not all(_keeps(v, node, geometry, shapes) for v in views):
-            continue
-        with graph.inserting_before(node):
-            made = graph.call_function(node.target, (source, dims, True), dict(node.kwargs))
-            made.meta = dict(node.meta)
-        shapes[made] = geometry
-        for view in views:
-            view.replace_all_uses_with(made)
-            graph.erase_node(view)
-            done += 1
-        graph.erase_node(node)
-    return done
-
-
-def _keeps(view: Any, reduction: Any, kept: Geometry, shapes: dict[Any, Geometry]) -> bool:
-    """Whether ``view`` shows the result of ``reduction`` as its keepdim form (``kept``) is."""
-    return is_view(view) and view.args[0] is reduction and view in shapes and same_layout(shapes[view], kept)

@@ -38,6 +38,7 @@ from edatalog.backend.running.carry import all_local, carried_loads, own, taking
 from edatalog.backend.running.collective_ops import TorchCollectives
 from edatalog.backend.running.interpreter import NO_MESSAGES, Buffer, Device, Kernels, gather, slicer
 from edatalog.backend.running.launch import TIMED_OUT
+from edatalog.backend.running.shm_all_reduce import barrier_of
 from edatalog.backend.running.torch_runtime import OpTime, Outputs, op_label, torch_devices
 from edatalog.errors import EdlError
 from edatalog.ir import program as ir
@@ -454,3 +455,31 @@ class SpmdExecutable:
         for tensor in wire:
             self.dist.broadcast(tensor, src=holder)
         return Buffer(region, wire[0].view(dtype), None if full else wire[1].bool())
+
+
+def timed_calls(
+    call: Callable[[], object], reps: int, warmup: int = 0, sync: Callable[[], None] = lambda: None, device: Any = None
+) -> tuple[list[float], list[float]]:
+    """Seconds of each of ``reps`` calls (after ``warmup`` untimed) on this rank and on the
+    slowest rank, in a torch.distributed job: every call starts as the ranks leave a barrier
+    together (:func:`~edatalog.backend.running.shm_all_reduce.barrier_of`), and the times are
+    gathered after the last call, so that no other collective runs between calls.  A call's
+    time is its slowest rank's: a step waits for it (``edl run`` reports the median; the
+    median of every call's slowest rank exceeds the slowest rank's median wherever ranks are
+    noisy)."""
+    torch = torch_module()
+    dist = torch.distributed
+    meet = barrier_of(dist.group.WORLD, TIMEOUT_SECONDS)
+    mine: list[float] = []
+    for k in range(warmup + reps):
+        meet()
+        start = time.perf_counter()
+        call()
+        sync()
+        if k >= warmup:
+            mine.append(time.perf_counter() - start)
+    local = torch.tensor(mine, dtype=torch.float64, device=device)  # NCCL: on the GPU
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, local)
+    slowest = torch.stack(every).amax(dim=0)
+    return mine, [float(t) for t in slowest]

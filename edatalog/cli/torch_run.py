@@ -3,7 +3,9 @@
 Without ``--nproc`` the plan's devices are logical devices of this process (``--device``).
 With ``--nproc N`` edl starts N processes itself (torch's elastic launcher) and rank ``r`` runs
 device ``r``'s program; under ``torchrun --nproc-per-node N -m edatalog.cli run ...`` this
-process is one of the ranks.  Each call is timed between barriers (the slowest rank's time);
+process is one of the ranks.  Each call starts as the ranks leave a barrier together (through
+shared memory where they share it: :func:`edatalog.backend.running.spmd.timed_calls`) and is
+timed on the slowest rank;
 the median of ``--repeat`` calls is printed beside the plan's predicted time, with each rank's
 own median.  ``--trace`` writes the measured run as Chrome trace JSON, laid out like the
 predicted trace of ``edl plan --trace`` (one process per device), so the two read side by side.
@@ -110,10 +112,7 @@ def _in_process(job: Job) -> Result:
     params, inputs = _split(prog, _values(job, prog))
     exe = prog.executable(plan, backend="torch", device=job.device, collectives=job.collectives, compile=job.compile)
     exe.load(params)
-    # The inputs on the executable's device once, as a caller keeping them there has them: the
-    # timed calls are the program's, not a host-to-GPU copy of its inputs every call.
-    checked = prog.prepare(inputs, kinds=("input",))  # names, shapes and dtypes first, as a call checks them
-    inputs = {k: TorchOps().asarray(v).to(exe.device) for k, v in checked.items()}
+    inputs = _on_device(prog, inputs, exe.device)
     for _ in range(job.warmup):
         exe(inputs)
     calls = []
@@ -128,11 +127,19 @@ def _in_process(job: Job) -> Result:
     return Result(outputs, absent, calls, [statistics.median(calls)], list(exe.last_times), exe.peak_memory())
 
 
+def _on_device(prog: Any, inputs: dict[str, Any], device: Any) -> dict[str, Any]:
+    """The inputs as torch tensors on the executable's device, once, as a caller keeping them
+    there has them: the timed calls are the program's, not a conversion from numpy or a
+    host-to-GPU copy of its inputs every call (about 40 µs a call of a tiny GPT-2 on a rank)."""
+    checked = prog.prepare(inputs, kinds=("input",))  # names, shapes and dtypes first, as a call checks them
+    return {k: TorchOps().asarray(v).to(device) for k, v in checked.items()}
+
+
 def rank_main(job: Job) -> Result:
-    """One rank: join the group, run the job's plan, time each call between barriers."""
+    """One rank: join the group, run the job's plan, time each call from a common start."""
     import torch
 
-    from edatalog.backend.running.spmd import init_group
+    from edatalog.backend.running.spmd import init_group, timed_calls
 
     torch.set_num_threads(1)  # one thread per rank: ranks share this machine's cores
     device = init_group(job.device)
@@ -151,17 +158,18 @@ def rank_main(job: Job) -> Result:
     params, inputs = _split(prog, _values(job, prog))
     exe = prog.executable(lowered, backend="torch", device=device, compile=job.compile)
     exe.load(params)
+    inputs = _on_device(prog, inputs, exe.device)
     for _ in range(job.warmup):
         exe(inputs, gather=False)
-    mine, calls = [], []
-    for k in range(job.repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        exe(inputs, gather=False, record=job.record and k == job.repeat - 1)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)  # NCCL: a GPU's
-        mine.append(float(elapsed) * 1e3)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        calls.append(float(elapsed) * 1e3)
+    made = [0]
+
+    def call() -> None:
+        made[0] += 1
+        exe(inputs, gather=False, record=job.record and made[0] == job.repeat)
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
+    own, slowest = timed_calls(call, job.repeat, sync=sync, device=device)
+    mine, calls = [t * 1e3 for t in own], [t * 1e3 for t in slowest]
     times = list(exe.last_times)
     peak = exe.peak_memory()  # of a timed call: the gathered one below holds every output whole
     out = exe.run(inputs)  # once more, gathered: every rank gets the outputs whole

@@ -322,7 +322,7 @@ def test_two_ranks_measure_their_links(tmp_path: Path) -> None:
     per_rank = result.measured["per_rank"]
     assert topo.kernel_floor == max(per_rank["kernel_floor"])
     assert topo.call_overhead == max(per_rank["call_overhead"])
-    assert "each call after a barrier" in result.measured["how"]["call_overhead"]  # as each rank runs its part
+    assert "the ranks leave a barrier together" in result.measured["how"]["call_overhead"]  # as each rank runs its part
     assert all(v >= 0 for v in per_rank["device_call_overhead"])  # one device's, which prices the general probe
     assert [c for c, _ in topo.kernel_floors] == list(KernelClass)
     assert all(f == max(per_rank["kernel_floors"][c.value]) for c, f in topo.kernel_floors)

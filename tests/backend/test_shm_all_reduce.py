@@ -172,3 +172,49 @@ def test_a_segment_no_member_could_map_is_made_by_none(monkeypatch: pytest.Monke
 
     monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
     assert spawn(2, unmappable_rank) == {0: (False, False), 1: (False, False)}
+
+
+def barrier_rank(shared: bool) -> tuple[float, list[float], list[float]]:
+    """One rank (spawned): rank 1 comes to the barrier 0.3 s late (rank 0 must wait for it), then
+    both time calls that take rank 1 longer; with ``shared`` false the segment cannot be made
+    (``/dev/shm`` missing), and the barrier is gloo's."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from edatalog.backend.running import shm_all_reduce as shm
+    from edatalog.backend.running.spmd import init_group, timed_calls
+
+    init_group("cpu")
+    if not shared:
+        setattr(os.path, "isdir", lambda path: False)  # in this spawned process only
+    rank, world = dist.get_rank(), dist.group.WORLD
+    assert world is not None
+    meet = shm.barrier_of(world, 30.0)
+    assert shm.registered(world.group_name) == shared
+    if rank == 1:
+        time.sleep(0.3)
+    began = time.perf_counter()
+    meet()
+    waited = time.perf_counter() - began
+    mine, slowest = timed_calls(lambda: time.sleep(0.002 * (1 + rank)), 5, warmup=1)
+    return waited, mine, slowest
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("shared", [True, False])
+def test_calls_start_together_and_take_the_slowest_ranks_time(shared: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The barrier holds the early rank until the late one comes, through shared memory or
+    gloo's; the timed calls are each rank's own and, gathered, the slowest rank's."""
+    from edatalog.backend.running.launch import spawn
+
+    monkeypatch.setenv("EDL_DIST_TIMEOUT", "60")
+    got = spawn(2, barrier_rank, (shared,))
+    assert got[0][0] >= 0.25 and got[1][0] < 0.25
+    for rank in range(2):
+        _, mine, slowest = got[rank]
+        assert len(mine) == len(slowest) == 5
+        assert all(t >= 0.002 * (1 + rank) for t in mine)
+        assert all(s >= 0.004 and s >= m for s, m in zip(slowest, mine, strict=True))
+    assert got[0][2] == got[1][2]

@@ -532,12 +532,16 @@ def _kill_if_alive(rank: tuple[int, int]) -> None:
             os.kill(rank[0], signal.SIGKILL)
 
 
-def _writes(pid: int) -> int:
-    """How many write calls the process has made (it sends to the other rank in every call)."""
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("syscw:"):
-            return int(line.split()[1])
-    return 0
+def _shares_memory(pid: int) -> bool:
+    """Whether the process has mapped a shared-memory segment of edatalog's (its plan's group
+    made one: the ranks meet there before each call, and all-reduce there)."""
+    return "/dev/shm/edatalog-" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time the process has used (user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _terminating(pid: int) -> bool:
@@ -559,8 +563,9 @@ class Fault:
 
 def _fault(tmp_path: Path, sig: signal.Signals, timeout: int) -> Fault:
     """Start ``edl run --nproc 2`` for many calls, wait until both ranks are running calls (each
-    has made hundreds of writes, where joining the group and agreeing take a few), send ``sig``
-    to rank 1, and wait for the job to end (a stopped rank is continued once SIGTERM awaits it)."""
+    has mapped its group's shared memory, which it does as it builds the plan's executable, and
+    has used a second of CPU since), send ``sig`` to rank 1, and wait for the job to end (a
+    stopped rank is continued once SIGTERM awaits it)."""
     if not Path("/proc/self/io").exists():
         pytest.skip("needs Linux's /proc to find and watch the ranks")
     plan_file = tmp_path / "plan.json"
@@ -578,6 +583,7 @@ def _fault(tmp_path: Path, sig: signal.Signals, timeout: int) -> Fault:
             start_new_session=True,
         )
     ranks: list[tuple[int, int]] = []
+    mapped: dict[int, float] = {}  # rank's pid -> its CPU seconds when first seen with the segment
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -585,7 +591,12 @@ def _fault(tmp_path: Path, sig: signal.Signals, timeout: int) -> Fault:
             assert time.monotonic() < deadline, f"the ranks did not start running calls: {ranks}"
             ranks = _ranks_of(proc.pid)
             try:
-                if len(ranks) == 2 and all(_writes(pid) >= 200 for pid, _ in ranks):
+                for pid, _ in ranks:
+                    if pid not in mapped and _shares_memory(pid):
+                        mapped[pid] = _cpu_seconds(pid)
+                if len(ranks) == 2 and all(
+                    pid in mapped and _cpu_seconds(pid) - mapped[pid] >= 1.0 for pid, _ in ranks
+                ):
                     break
             except OSError:
                 pass
