@@ -160,8 +160,8 @@ def _pointwise(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) 
     best: tuple[int, tuple[int, ...], dict[Any, Any]] | None = None
     for sizes in candidates:
         reads = _reads_in(sizes, target, operands, geometries, shapes, module)
-        if reads is None or (out is not None and isinstance(reads[out], tuple)):
-            continue  # an op writes only into a tensor of its own (fresh) layout, never a new view
+        if reads is None or (out is not None and not _writable(reads[out], sizes, shapes, module)):
+            continue
         saving = _views_saved(node, reads, sizes, target, shapes)
         better = saving >= 0 and (best is None or saving > best[0])
         if better and _fresh_result(node, reads, sizes, target, shapes, module):
@@ -227,6 +227,16 @@ def _reads_in(
             base = o.args[0] if is_view(o) else o
             reads[o] = (base, wanted)
     return reads
+
+
+def _writable(read: Any, sizes: tuple[int, ...], shapes: dict[Any, Geometry], module: Any) -> bool:
+    """Whether an op running in ``sizes`` may write ``out=`` the tensor ``read``: one of exactly
+    those sizes (an ``out=`` of other sizes, even one that broadcasts, is resized by the op), not
+    a new view."""
+    if isinstance(read, tuple):
+        return False
+    g = _geometry(read, shapes, module)
+    return g is not None and g[0] == sizes
 
 
 def _views_saved(

@@ -215,3 +215,29 @@ def test_random_chains_over_reshapes_give_the_eager_results(steps: list[tuple[st
     gm, _ = _simplified(fn, [x, b])
     for args in ([x, b], [torch.randn(64, generator=g).to(dtype), b]):
         _same(gm(*args), fn(*args))
+
+
+def test_an_op_writing_into_a_reshape_writes_the_tensor_itself() -> None:
+    """``mul(w, view(y), out=view(y))`` over ``y[16, 32]`` viewed as ``[1, 16, 32]`` becomes
+    ``mul(w, y, out=y)``; an ``out=`` that only broadcasts to the new shape is never taken (the
+    op would resize it)."""
+
+    def fn(x: Any, w: Any) -> list[Any]:
+        y = torch.mul(x, 2.0)
+        v = y.view(1, 16, 32)
+        torch.mul(w.view(1, 1, 32), v, out=v)
+        torch.add(v, 1.0, out=v)
+        return [torch.mm(y, torch.ones(32, 4))]
+
+    def into_another(x: Any) -> list[Any]:  # [1, 16, 32] is x's shape; y's only broadcasts to it
+        y = torch.empty(16, 32)
+        torch.add(x.view(16, 32), 1.0, out=y)
+        return [torch.mm(y, torch.ones(32, 4))]
+
+    for f, args, views in (
+        (fn, [torch.randn(16, 32), torch.randn(32)], 0),
+        (into_another, [torch.randn(1, 16, 32)], 1),
+    ):
+        gm, _ = _simplified(f, args)
+        assert _views(gm) == views
+        _same(gm(*args), f(*args))
