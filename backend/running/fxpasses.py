@@ -565,6 +565,7 @@ def simplify(
     assemblies = share_assemblies(graph, shapes)
     values = share_values(graph, module)
     graph.eliminate_dead_code()
+    shared += share_views(graph)  # views of values share_values made one
     reshaped = in_source_shapes(graph, module, shapes)
     shared += share_views(graph)
     placed = results_in_place(graph, shapes)

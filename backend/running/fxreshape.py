@@ -22,6 +22,13 @@ needs that (often nothing: the next view was to undo it).
   which may then broadcast it as it is (``x - view(sum(x, [1]), [16, 32], [1, 0])`` becomes
   ``x - sum(x, [1], keepdim=True)``).
 
+The sweep is tried on copies of the graph first (with and without dims kept for pointwise
+readers), and runs on the graph only if it leaves fewer views than there were.  Views of a
+result in another dtype stay views of its old shape, and a tensor an ``out=`` op resized
+(whose recorded geometry is the one before) is left alone.  A review's adversarial cases
+(dtype views, resized buffers, duplicate views, readers that cannot take a view away) are in
+``tests/backend/test_fxreshape.py``.
+
 Bits are kept: a reshape of contiguous memory changes no address any operand reads, and
 torch's CPU kernels first merge the dims that memory allows (TensorIterator's coalescing), so
 the op runs the very same loop in either shape.  Each rewrite is checked on meta tensors: the
@@ -54,17 +61,52 @@ from edatalog.backend.running.tracer import Geometry
 
 def in_source_shapes(graph: Any, module: Any, shapes: dict[Any, Geometry]) -> int:
     """Run each pointwise op and reduction in its operands' source shape where that saves
-    views (see the module docstring); returns how many views went, net."""
-    saved = 0
+    views (see the module docstring); returns how many views went.  The rewrites decide one op
+    at a time, and a reduction's dims kept for its pointwise readers pay off only if a later
+    op takes the view away: the sweep is tried on copies of the graph with and without those,
+    and the one that leaves the fewest views runs on the graph itself, if it leaves fewer
+    than there are."""
+    before = _views(graph)
+    tried = {}
+    for keep_for_readers in (True, False):
+        copy, copied = _copy(graph, shapes)
+        _sweep(copy, module, copied, keep_for_readers)
+        tried[keep_for_readers] = _views(copy)
+    best = min(tried, key=lambda k: (tried[k], not k))
+    if tried[best] >= before:
+        return 0
+    _sweep(graph, module, shapes, best)
+    return before - _views(graph)
+
+
+def _sweep(graph: Any, module: Any, shapes: dict[Any, Geometry], keep_for_readers: bool) -> None:
+    """One pass over the graph in its order (see :func:`in_source_shapes`).  Tensors that an
+    ``out=`` op resized are left alone: their recorded geometry is the one they had before."""
+    resized = {w for n in graph.nodes if (w := writes(n)) in shapes and n in shapes and shapes[n][0] != shapes[w][0]}
+    known = {k: v for k, v in shapes.items() if k not in resized}
     for node in list(graph.nodes):
         if node._erased:  # a view of an op rewritten before it, replaced then
             continue
         if aten_of(node) in KEEPS_DIMS:
-            saved += _reduction(graph, node, shapes, module)
+            _reduction(graph, node, known, module, keep_for_readers)
         elif (name_of(node) in POINTWISE and not is_view(node)) or schema_name(node) in ALL_REDUCES:
-            saved += _pointwise(graph, node, shapes, module)
+            _pointwise(graph, node, known, module)
     graph.eliminate_dead_code()
-    return saved
+    shapes.update((k, v) for k, v in known.items() if k not in shapes)
+
+
+def _views(graph: Any) -> int:
+    return sum(1 for n in graph.nodes if is_view(n))
+
+
+def _copy(graph: Any, shapes: dict[Any, Geometry]) -> tuple[Any, dict[Any, Geometry]]:
+    """A copy of ``graph`` (the same module's constants) and the geometries of its nodes."""
+    torch = torch_module()
+    copy = torch.fx.Graph(owning_module=graph.owning_module)
+    nodes: dict[Any, Any] = {}
+    result = copy.graph_copy(graph, nodes)
+    copy.output(result)
+    return copy, {nodes[k]: v for k, v in shapes.items() if k in nodes}
 
 
 # -- geometry ---------------------------------------------------------------------------------------
@@ -223,9 +265,10 @@ def _reads_in(
             if tg is not None and (same_layout(tg, wanted) or (tg[0] and broadcasts(tg, wanted))):
                 reads[o] = tensor
                 break
-        else:
-            base = o.args[0] if is_view(o) else o
-            reads[o] = (base, wanted)
+        else:  # a view of the memory o views, if that has o's dtype, else of o
+            base = o.args[0] if is_view(o) and hasattr(o.args[0], "op") else o
+            bg = _geometry(base, shapes, module)
+            reads[o] = (base if bg is not None and bg[3] == g[3] else o, wanted)
     return reads
 
 
@@ -255,7 +298,7 @@ def _views_saved(
     result = _fresh(sizes, target[3])
     others = False
     for user in node.users:
-        if is_view(user) and user.args[0] is node and user in shapes and writes(user) is None:
+        if _moved_view(user, node, shapes):
             saving += 1 if same_layout(shapes[user], result) else 0
         else:
             others = True
@@ -285,7 +328,7 @@ def _fresh_result(
     return same_layout(got, _fresh(sizes, target[3]))
 
 
-def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) -> int:
+def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any, keep_for_readers: bool) -> int:
     """Reduce the tensor a reduction's operand reshapes, keeping dims, or the contiguous
     operand itself keeping dims where its readers are pointwise ops (see the module docstring)."""
     if len(node.args) != 2 or "keepdim" in node.kwargs or nodes_in(node.kwargs) or node not in shapes:
@@ -313,10 +356,10 @@ def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) 
     reduced = sorted(reduced_dims)
     kept = tuple(1 if k in reduced_dims else n for k, n in enumerate(sizes))
     result = _fresh(kept, shapes[node][3])
-    others = [u for u in node.users if not is_view(u) or u.args[0] is not node or writes(u) is not None]
+    others = [u for u in node.users if not _moved_view(u, node, shapes)]
     saving = (1 if source is not operand and set(operand.users) == {node} else 0) - (1 if others else 0)
     saving += sum(1 for u in node.users if u not in others and u in shapes and same_layout(shapes[u], result))
-    if saving < 0 and not all(name_of(u) in POINTWISE and writes(u) is None for u in others):
+    if saving < 0 and not (keep_for_readers and all(name_of(u) in POINTWISE and writes(u) is None for u in others)):
         return 0
     with graph.inserting_before(node):
         new = graph.call_function(node.target, (source, reduced, True), dict(node.kwargs))
@@ -354,6 +397,19 @@ def _reduced_in(view_sizes: tuple[int, ...], reduced: set[int], sizes: tuple[int
     return out
 
 
+def _moved_view(user: Any, node: Any, shapes: dict[Any, Geometry]) -> bool:
+    """Whether ``user`` is a view of ``node`` that can become the same view of ``node``'s
+    cells in another shape: an ``as_strided`` of them, so not one in another dtype."""
+    return (
+        is_view(user)
+        and user.args[0] is node
+        and user in shapes
+        and node in shapes
+        and writes(user) is None
+        and shapes[user][3] == shapes[node][3]
+    )
+
+
 def _replace(graph: Any, old: Any, new: Any, shapes: dict[Any, Geometry]) -> None:
     """Give ``old``'s readers ``new`` (a fresh contiguous tensor of ``old``'s cells in another
     shape): each view of ``old`` becomes the same view of ``new`` (or ``new`` itself where it
@@ -361,7 +417,7 @@ def _replace(graph: Any, old: Any, new: Any, shapes: dict[Any, Geometry]) -> Non
     torch = torch_module()
     as_old = None
     for user in list(old.users):
-        if is_view(user) and user.args[0] is old and user in shapes and writes(user) is None:
+        if _moved_view(user, old, shapes):
             g = shapes[user]
             if same_layout(g, shapes[new]):
                 user.replace_all_uses_with(new)

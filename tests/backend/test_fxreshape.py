@@ -3,6 +3,7 @@ as part of the traced graph's simplification: results bit for bit, the views gon
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edatalog.backend.running import fxpasses, fxreshape
+from edatalog.backend.running import fxnodes, fxpasses, fxreshape
 from edatalog.backend.running.tracer import record
 
 
@@ -241,3 +242,81 @@ def test_an_op_writing_into_a_reshape_writes_the_tensor_itself() -> None:
         gm, _ = _simplified(f, args)
         assert _views(gm) == views
         _same(gm(*args), f(*args))
+
+
+def test_a_view_of_the_result_in_another_dtype_stays_a_view_of_it() -> None:
+    """``view(mul(view(x, [4, 8]), 2), int32)``: an ``as_strided`` of the op's result in
+    another shape would lose the dtype (and, for another element size, its bounds)."""
+
+    def as_int(x: Any) -> list[Any]:
+        return [torch.mul(x.view(4, 8), 2.0).view(torch.int32)]
+
+    def summed_as_int(x: Any) -> list[Any]:
+        return [torch.sum(x.view(4, 8), [1]).view(torch.int32)]
+
+    def as_bf16(x: Any) -> list[Any]:
+        return [torch.mul(x.view(4, 8), 2.0).view(torch.bfloat16)]
+
+    for f, args in ((as_int, [torch.randn(32)]), (summed_as_int, [torch.randn(4, 2, 4)]), (as_bf16, [torch.randn(32)])):
+        gm, _ = _simplified(f, args)
+        _same(gm(*args), f(*args))
+
+
+def test_a_tensor_an_out_op_resized_is_left_alone() -> None:
+    """``mul(x, 2, out=buf)`` resizes ``buf[1, 8]`` to ``[4, 8]`` (torch warns): its recorded
+    geometry is the one before, so no rewrite may trust it."""
+
+    def resized(x: Any, y: Any) -> list[Any]:
+        buf = torch.empty(1, 8)
+        torch.mul(x, 2.0, out=buf)
+        return [torch.add(y.view(4, 8), buf).view(32)]
+
+    def flattened(x: Any) -> list[Any]:
+        buf = torch.empty(32)
+        torch.mul(x, 2.0, out=buf)
+        return [torch.exp(buf.view(2, 16)).view(32)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's, of the resize
+        for f, args in (
+            (resized, [torch.randn(4, 8), torch.randn(4, 1, 8)]),
+            (resized, [torch.randn(4, 8), torch.randn(2, 2, 8)]),
+            (flattened, [torch.randn(4, 8)]),
+        ):
+            gm, _ = _simplified(f, args)
+            _same(gm(*args), f(*args))
+
+
+def test_the_pass_never_leaves_more_views_than_it_found() -> None:
+    """Rewrites decided op by op can add views on net (a reduction keeping its dims for a
+    reader that cannot take the view away; two equal views each counted as going): the pass
+    keeps the better of its two sweeps only where it leaves fewer views than there were."""
+
+    def unabsorbed(x: Any) -> list[Any]:
+        return [torch.mul(torch.sum(x, [1]), 2.0)]
+
+    def twice(x: Any) -> list[Any]:
+        a, b = x.reshape(32), x.reshape(32)
+        return [torch.mul(a, 2.0), torch.add(b, 1.0)]
+
+    def scalar_sum(x: Any) -> list[Any]:
+        s = torch.sum(x, [1, 0])
+        return [s.view(1, 1) * x, s + 1.0]
+
+    for f, args in (
+        (unabsorbed, [torch.randn(4, 8)]),
+        (twice, [torch.randn(8, 4).t()]),
+        (scalar_sum, [torch.randn(4, 8)]),
+    ):
+        rec = record(f, args)
+        before = sum(1 for n in rec.graph.nodes if fxnodes.is_view(n))
+        gm, summary = _simplified(f, args)
+        assert summary["views_reshaped"] >= 0
+        _same(gm(*args), f(*args))
+        rec = record(f, args)
+        fxpasses.fold_views(rec.graph, rec.shapes)
+        rec.graph.eliminate_dead_code()
+        folded = sum(1 for n in rec.graph.nodes if fxnodes.is_view(n))
+        assert folded <= before
+        assert fxreshape.in_source_shapes(rec.graph, rec.module, rec.shapes) >= 0
+        assert sum(1 for n in rec.graph.nodes if fxnodes.is_view(n)) <= folded
