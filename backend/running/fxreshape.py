@@ -31,14 +31,17 @@ result in another dtype stay views of its old shape, and a tensor an ``out=`` op
 
 Bits are kept: a reshape of contiguous memory changes no address any operand reads, and
 torch's CPU kernels first merge the dims that memory allows (TensorIterator's coalescing), so
-the op runs the very same loop in either shape.  Each rewrite is checked on meta tensors: the
-op in its new shape must give a fresh contiguous result of the same dtype, as it did.
+the op runs the very same loop in either shape.  Each rewrite is checked to give a fresh
+contiguous result of the same sizes and dtype, as the op did (:func:`_fresh_result`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
+
+import numpy as np
 
 from edatalog.backend.kernels.arrays import torch_module
 from edatalog.backend.running.fxnodes import (
@@ -206,7 +209,7 @@ def _pointwise(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) 
             continue
         saving = _views_saved(node, reads, sizes, target, shapes)
         better = saving >= 0 and (best is None or saving > best[0])
-        if better and _fresh_result(node, reads, sizes, target, shapes, module):
+        if better and _fresh_result(node, reads, sizes, shapes, module):
             best = (saving, sizes, reads)
     if best is None:
         return 0
@@ -306,26 +309,32 @@ def _views_saved(
 
 
 def _fresh_result(
-    node: Any, reads: dict[Any, Any], sizes: tuple[int, ...], target: Geometry, shapes: dict[Any, Geometry], module: Any
+    node: Any, reads: dict[Any, Any], sizes: tuple[int, ...], shapes: dict[Any, Geometry], module: Any
 ) -> bool:
-    """Whether the op on its new operands, run on meta tensors, gives a fresh contiguous result
-    of ``sizes`` and the old dtype."""
-    torch = torch_module()
-
-    def meta(a: Any) -> Any:
-        if not hasattr(a, "op"):
-            return a
+    """Whether the op on its new operands gives a fresh contiguous result of ``sizes``, as it
+    gave one of its old: its operands broadcast to ``sizes`` (an ``out=`` tensor is not one: the
+    op sizes it), and each steps through memory outermost dim first where it is not broadcast,
+    so that torch lays the result out row-major.  The dtype stays: every operand keeps its own,
+    and a 0-d one stays 0-d.  (Found by geometry alone: running the op on meta tensors would
+    cost each process a second, the first time, to load torch's meta kernels.)"""
+    geometries = []
+    for a in nodes_in((node.args, {k: v for k, v in node.kwargs.items() if k != "out"})):
         read = reads[a]
         g = read[1] if isinstance(read, tuple) else _geometry(read, shapes, module)
-        assert g is not None  # every read was chosen by its geometry
-        return torch.empty_strided(g[0], g[1], dtype=g[3], device="meta")
-
+        if g is None:
+            return False
+        geometries.append(g)
     try:
-        out = node.target(*(meta(a) for a in node.args), **{k: meta(v) for k, v in node.kwargs.items()})
-    except (RuntimeError, TypeError):
+        joined = tuple(np.broadcast_shapes(*(g[0] for g in geometries)))
+    except ValueError:
         return False
-    got: Geometry = (tuple(out.shape), tuple(out.stride()), 0, out.dtype)
-    return same_layout(got, _fresh(sizes, target[3]))
+    if joined != sizes:
+        return False
+    for g in geometries:
+        strides = [st for n, st in zip(g[0], g[1], strict=True) if n > 1 and st != 0]
+        if any(a <= b for a, b in itertools.pairwise(strides)) or any(st < 0 for st in strides):
+            return False
+    return True
 
 
 def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any, keep_for_readers: bool) -> int:

@@ -320,3 +320,17 @@ def test_the_pass_never_leaves_more_views_than_it_found() -> None:
         assert folded <= before
         assert fxreshape.in_source_shapes(rec.graph, rec.module, rec.shapes) >= 0
         assert sum(1 for n in rec.graph.nodes if fxnodes.is_view(n)) <= folded
+
+
+def test_an_operand_read_transposed_in_the_new_shape_keeps_the_old_one() -> None:
+    """Torch lays a fresh result out after its operands' strides: the rewrite is taken only
+    where every operand steps through memory row-major in the new shape, so the result stays
+    a contiguous tensor (here ``x.t()`` would be read with strides (.., 1, 16))."""
+
+    def fn(x: Any, y: Any) -> list[Any]:
+        return [torch.mul(y.view(16, 8), x.t()).view(1, 16, 8)]
+
+    args = [torch.randn(8, 16), torch.randn(1, 16, 8)]
+    gm, summary = _simplified(fn, args)
+    assert summary["views_reshaped"] == 0
+    _same(gm(*args), fn(*args))
