@@ -566,7 +566,7 @@ def simplify(
     values = share_values(graph, module)
     graph.eliminate_dead_code()
     shared += share_views(graph)  # views of values share_values made one
-    reshaped = in_source_shapes(graph, module, shapes)
+    graph, reshaped = in_source_shapes(graph, module, shapes)
     shared += share_views(graph)
     placed = results_in_place(graph, shapes)
     broadcasts = implied_broadcasts(graph, shapes)

@@ -22,8 +22,7 @@ needs that (often nothing: the next view was to undo it).
   which may then broadcast it as it is (``x - view(sum(x, [1]), [16, 32], [1, 0])`` becomes
   ``x - sum(x, [1], keepdim=True)``).
 
-The sweep is tried on copies of the graph first (with and without dims kept for pointwise
-readers), and runs on the graph only if it leaves fewer views than there were.  Views of a
+The sweep runs on a copy of the graph, kept only if it leaves fewer views than there were.  Views of a
 result in another dtype stay views of its old shape, and a tensor an ``out=`` op resized
 (whose recorded geometry is the one before) is left alone.  A review's adversarial cases
 (dtype views, resized buffers, duplicate views, readers that cannot take a view away) are in
@@ -62,27 +61,24 @@ from edatalog.backend.running.fxplacing import broadcasts
 from edatalog.backend.running.tracer import Geometry
 
 
-def in_source_shapes(graph: Any, module: Any, shapes: dict[Any, Geometry]) -> int:
+def in_source_shapes(graph: Any, module: Any, shapes: dict[Any, Geometry]) -> tuple[Any, int]:
     """Run each pointwise op and reduction in its operands' source shape where that saves
-    views (see the module docstring); returns how many views went.  The rewrites decide one op
-    at a time, and a reduction's dims kept for its pointwise readers pay off only if a later
-    op takes the view away: the sweep is tried on copies of the graph with and without those,
-    and the one that leaves the fewest views runs on the graph itself, if it leaves fewer
-    than there are."""
+    views (see the module docstring).  The rewrites decide one op at a time, and a reduction's
+    dims kept for its pointwise readers pay off only if a later op takes the view away: the
+    sweep runs on a copy of the graph, which is kept (its nodes' geometries added to
+    ``shapes``) only if it has fewer views than ``graph``.  Returns the graph kept and how
+    many views went."""
     before = _views(graph)
-    tried = {}
-    for keep_for_readers in (True, False):
-        copy, copied = _copy(graph, shapes)
-        _sweep(copy, module, copied, keep_for_readers)
-        tried[keep_for_readers] = _views(copy)
-    best = min(tried, key=lambda k: (tried[k], not k))
-    if tried[best] >= before:
-        return 0
-    _sweep(graph, module, shapes, best)
-    return before - _views(graph)
+    copy, copied = _copy(graph, shapes)
+    _sweep(copy, module, copied)
+    after = _views(copy)
+    if after >= before:
+        return graph, 0
+    shapes.update(copied)
+    return copy, before - after
 
 
-def _sweep(graph: Any, module: Any, shapes: dict[Any, Geometry], keep_for_readers: bool) -> None:
+def _sweep(graph: Any, module: Any, shapes: dict[Any, Geometry]) -> None:
     """One pass over the graph in its order (see :func:`in_source_shapes`).  Tensors that an
     ``out=`` op resized are left alone: their recorded geometry is the one they had before."""
     resized = {w for n in graph.nodes if (w := writes(n)) in shapes and n in shapes and shapes[n][0] != shapes[w][0]}
@@ -91,7 +87,7 @@ def _sweep(graph: Any, module: Any, shapes: dict[Any, Geometry], keep_for_reader
         if node._erased:  # a view of an op rewritten before it, replaced then
             continue
         if aten_of(node) in KEEPS_DIMS:
-            _reduction(graph, node, known, module, keep_for_readers)
+            _reduction(graph, node, known, module)
         elif (name_of(node) in POINTWISE and not is_view(node)) or schema_name(node) in ALL_REDUCES:
             _pointwise(graph, node, known, module)
     graph.eliminate_dead_code()
@@ -337,7 +333,7 @@ def _fresh_result(
     return True
 
 
-def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any, keep_for_readers: bool) -> int:
+def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) -> int:
     """Reduce the tensor a reduction's operand reshapes, keeping dims, or the contiguous
     operand itself keeping dims where its readers are pointwise ops (see the module docstring)."""
     if len(node.args) != 2 or "keepdim" in node.kwargs or nodes_in(node.kwargs) or node not in shapes:
@@ -368,7 +364,7 @@ def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any, 
     others = [u for u in node.users if not _moved_view(u, node, shapes)]
     saving = (1 if source is not operand and set(operand.users) == {node} else 0) - (1 if others else 0)
     saving += sum(1 for u in node.users if u not in others and u in shapes and same_layout(shapes[u], result))
-    if saving < 0 and not (keep_for_readers and all(name_of(u) in POINTWISE and writes(u) is None for u in others)):
+    if saving < 0 and not all(name_of(u) in POINTWISE and writes(u) is None for u in others):
         return 0
     with graph.inserting_before(node):
         new = graph.call_function(node.target, (source, reduced, True), dict(node.kwargs))
