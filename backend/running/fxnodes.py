@@ -66,6 +66,14 @@ def aten_of(node: Any) -> tuple[str, str] | None:
     return target._schema.name.removeprefix("aten::"), target._overloadname
 
 
+def attribute(module: Any, target: str) -> Any:
+    """What a ``get_attr`` node of ``target`` (a dotted path) reads from ``module``."""
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def name_of(node: Any) -> str | None:
     """The ATen op a node calls (``mul``), else None."""
     aten = aten_of(node)

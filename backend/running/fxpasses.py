@@ -64,6 +64,7 @@ from edatalog.backend.kernels.arrays import torch_module
 from edatalog.backend.running.exchange_all_reduce import exchange_all_reduce, exchange_all_reduce_op
 from edatalog.backend.running.fxnodes import VIEW_NAMES as _VIEW_NAMES
 from edatalog.backend.running.fxnodes import aten_of as _aten
+from edatalog.backend.running.fxnodes import attribute as _attr
 from edatalog.backend.running.fxnodes import (
     exact_in_any_layout,
     functional_variant,
@@ -205,13 +206,6 @@ def _substitute(tree: Any, values: dict[Any, Any]) -> Any:
     if isinstance(tree, dict):
         return {k: _substitute(v, values) for k, v in tree.items()}
     return tree
-
-
-def _attr(module: Any, target: str) -> Any:
-    obj = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 _METHODS = frozenset({"view", "expand", "copy_", "fill_", "masked_fill_", "zero_", "contiguous"})  # Tensor methods

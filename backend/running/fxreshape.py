@@ -48,6 +48,7 @@ from edatalog.backend.running.fxnodes import (
     KEEPS_DIMS,
     POINTWISE,
     aten_of,
+    attribute,
     contiguous_strides,
     is_contiguous,
     is_view,
@@ -116,9 +117,7 @@ def _geometry(node: Any, shapes: dict[Any, Geometry], module: Any) -> Geometry |
     if node in shapes:
         return shapes[node]
     if node.op == "get_attr":
-        obj = module
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
+        obj = attribute(module, node.target)
         if isinstance(obj, torch_module().Tensor):
             return (tuple(obj.shape), tuple(obj.stride()), int(obj.storage_offset()), obj.dtype)
     return None
@@ -171,23 +170,23 @@ def _restrided(sizes: tuple[int, ...], strides: tuple[int, ...], wanted: tuple[i
 # -- the rewrites -----------------------------------------------------------------------------------
 
 
-def _pointwise(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) -> int:
+def _pointwise(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) -> None:
     """Run ``node`` in the shape that saves the most views (ties: the first source shape).  An
     op writing ``out=`` a reshape writes the reshaped tensor itself."""
     if node not in shapes or not is_contiguous(shapes[node]) or shapes[node][2] != 0:
-        return 0
+        return
     out = node.kwargs.get("out")
     if out is not None and writes(node) is not out:
-        return 0
+        return
     if nodes_in({k: v for k, v in node.kwargs.items() if k != "out"}):
-        return 0
+        return
     if any(isinstance(a, list | tuple | dict) and nodes_in(a) for a in node.args):
-        return 0
+        return
     target = shapes[node]
     operands = list(dict.fromkeys(a for a in (*node.args, out) if hasattr(a, "op")))
     geometries = {o: _geometry(o, shapes, module) for o in operands}
     if not operands or any(g is None for g in geometries.values()):
-        return 0
+        return
     candidates: dict[tuple[int, ...], None] = {}
     for o in operands:
         source = _reshape_of(o, shapes, module)
@@ -208,8 +207,8 @@ def _pointwise(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) 
         if better and _fresh_result(node, reads, sizes, shapes, module):
             best = (saving, sizes, reads)
     if best is None:
-        return 0
-    saving, sizes, reads = best
+        return
+    _, sizes, reads = best
     torch = torch_module()
     made: dict[Any, Any] = {}
 
@@ -232,7 +231,6 @@ def _pointwise(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) 
         new.meta = dict(node.meta)
     shapes[new] = _fresh(sizes, target[3])
     _replace(graph, node, new, shapes)
-    return saving
 
 
 def _reads_in(
@@ -333,22 +331,22 @@ def _fresh_result(
     return True
 
 
-def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) -> int:
+def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) -> None:
     """Reduce the tensor a reduction's operand reshapes, keeping dims, or the contiguous
     operand itself keeping dims where its readers are pointwise ops (see the module docstring)."""
     if len(node.args) != 2 or "keepdim" in node.kwargs or nodes_in(node.kwargs) or node not in shapes:
-        return 0
+        return
     operand, dims = node.args
     if not hasattr(operand, "op") or not dims or not is_contiguous(shapes[node]) or shapes[node][2] != 0:
-        return 0
+        return
     operand_geometry = _geometry(operand, shapes, module)
     if operand_geometry is None or not operand_geometry[0]:
-        return 0
+        return
     rank = len(operand_geometry[0])
     source = _reshape_of(operand, shapes, module)
     if source is None:  # the operand itself, if contiguous: its readers may then broadcast the result
         if not is_contiguous(operand_geometry):
-            return 0
+            return
         source, sizes, reduced_dims = operand, operand_geometry[0], {d % rank for d in dims}
     else:
         source_geometry = _geometry(source, shapes, module)
@@ -356,7 +354,7 @@ def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) 
         sizes = source_geometry[0]
         found = _reduced_in(operand_geometry[0], {d % rank for d in dims}, sizes)
         if not found:
-            return 0
+            return
         reduced_dims = found
     reduced = sorted(reduced_dims)
     kept = tuple(1 if k in reduced_dims else n for k, n in enumerate(sizes))
@@ -365,13 +363,12 @@ def _reduction(graph: Any, node: Any, shapes: dict[Any, Geometry], module: Any) 
     saving = (1 if source is not operand and set(operand.users) == {node} else 0) - (1 if others else 0)
     saving += sum(1 for u in node.users if u not in others and u in shapes and same_layout(shapes[u], result))
     if saving < 0 and not all(name_of(u) in POINTWISE and writes(u) is None for u in others):
-        return 0
+        return
     with graph.inserting_before(node):
         new = graph.call_function(node.target, (source, reduced, True), dict(node.kwargs))
         new.meta = dict(node.meta)
     shapes[new] = result
     _replace(graph, node, new, shapes)
-    return saving
 
 
 def _reduced_in(view_sizes: tuple[int, ...], reduced: set[int], sizes: tuple[int, ...]) -> set[int] | None:
