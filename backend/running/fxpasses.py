@@ -258,6 +258,8 @@ def share_values(graph: Any, module: Any) -> int:
     nodes = list(graph.nodes)
     order = {node: k for k, node in enumerate(nodes)}
     base, writes = _bases_and_writes(nodes, order)
+    outputs = [value for out in nodes if out.op == "output" for value in nodes_in(out.args)]
+    returned = {base.get(value, value) for value in outputs}  # the memory the caller gets back
     constants = _constants_by_value(graph, module)
     seen: dict[tuple[Any, ...], Any] = {}
     shared = 0
@@ -279,7 +281,8 @@ def share_values(graph: Any, module: Any) -> int:
             continue
         inputs = [base.get(a, a) for a in nodes_in((node.args, node.kwargs))]
         quiet = all(_unwritten(writes.get(b, ()), order[first], order[node]) for b in inputs)
-        if quiet and not writes.get(base.get(first, first)) and not writes.get(base.get(node, node)):
+        apart = node in returned and base.get(first, first) in returned  # two outputs, one memory: no
+        if quiet and not apart and not writes.get(base.get(first, first)) and not writes.get(base.get(node, node)):
             node.replace_all_uses_with(first)
             graph.erase_node(node)
             shared += 1

@@ -385,6 +385,26 @@ def test_constants_fold_unless_something_writes_into_them() -> None:
         assert torch.equal(gm(x)[0], want[0])
 
 
+def test_equal_values_are_computed_once_but_two_outputs_keep_their_own_memory() -> None:
+    """share_values: ``exp(x)`` twice is computed once; two equal copies that are both returned
+    stay two (merged, a caller writing into one output would change the other)."""
+
+    def fn(x: Any) -> list[Any]:
+        first, second = x.t().contiguous(), x.t().contiguous()
+        return [first, second, torch.exp(x) + torch.exp(x)]
+
+    x = torch.randn(3, 4)
+    module, graph, _, want = _graph(fn, x)
+    assert _ops(graph, "exp") == 2 and _ops(graph, "clone") == 2
+    fxpasses.share_views(graph)  # one transpose of x: the copies' arguments are then one
+    fxpasses.share_values(graph, module)
+    graph.eliminate_dead_code()
+    assert _ops(graph, "exp") == 1 and _ops(graph, "clone") == 2
+    got = torch.fx.GraphModule(module, graph)(x)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert got[0].data_ptr() != got[1].data_ptr()
+
+
 def test_a_copy_updated_in_place_becomes_the_op_on_the_view() -> None:
     def fn(x: Any, c: Any) -> list[Any]:
         view = x[:, 1:3]
