@@ -96,7 +96,9 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
     :data:`LINGER_SECONDS` before it is raised, so that the launcher (this module's or torchrun's)
     reports the rank that died and why, not each rank that lost it.  After a return the rank
     leaves the group (:func:`leave_group`); after an error it exits without tearing the group
-    down (:func:`_exit_without_teardown`)."""
+    down (:func:`_exit_without_teardown`).  Either way its process ends without the C++ teardown
+    of torch.distributed (:func:`_end_after_handlers`)."""
+    global _ENDING
     show_notices("rank 0")  # a rank's long compile is said once, by the first rank
     try:
         result = entry(*args)
@@ -106,7 +108,18 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
         _exit_without_teardown(130 if isinstance(exc, KeyboardInterrupt) else 1)
         raise
     leave_group()
+    _ENDING = 0
     return result
+
+
+def rank_exit(code: int) -> int:
+    """``code``, the exit code of a command that ran as a rank and went on (``edl run`` under
+    torchrun prints and writes its outputs after :func:`as_rank`): where the rank finished, its
+    process ends with this code (not the 0 :func:`as_rank` left), still without the teardown."""
+    global _ENDING
+    if _ENDING is not None:
+        _ENDING = code
+    return code
 
 
 def _exit_without_teardown(code: int) -> None:
@@ -118,6 +131,24 @@ def _exit_without_teardown(code: int) -> None:
 
     if dist.is_available() and dist.is_initialized():
         atexit.register(_exit_now, code)  # runs first: handlers run last-registered first
+
+
+_ENDING: int | None = None  # a rank that finished: the code its process ends with
+
+
+def _end_after_handlers() -> None:
+    """The last exit handler of a rank that finished (registered when this module is imported,
+    so after those registered later: a compile worker pool's shutdown, say): end the process
+    there, before torch.distributed's C++ teardown.  Even after every rank finished and left the
+    group, that teardown can abort under load ("terminate called without an active exception":
+    one exit in about forty of a 2 x 2-rank ``torchrun --nnodes 2`` job on a busy 2-core
+    machine); the launcher then fails the job, or waits for the aborted node's agent until its
+    exit barrier times out."""
+    if _ENDING is not None:
+        _exit_now(_ENDING)
+
+
+atexit.register(_end_after_handlers)
 
 
 def _exit_now(code: int) -> None:

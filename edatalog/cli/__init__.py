@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from edatalog import __version__
+from edatalog.backend.running.launch import rank_exit
 from edatalog.backend.running.runtime import RUNTIMES
 from edatalog.cli import calibrate, generate, importing, plans, programs, show, train
 from edatalog.cli.common import COMPILE_MODES, command_began, positive_int, seed
@@ -284,6 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command_began()
     show_notices()
     args = _parser().parse_args(_glue_signed_values(sys.argv[1:] if argv is None else argv))
+    return rank_exit(_command(args))  # a rank of torchrun's job exits with it, its way
+
+
+def _command(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except EdlError as err:

@@ -427,6 +427,21 @@ latency = "100us"
 """
 
 
+def test_a_torchrun_rank_that_fails_after_its_job_exits_with_the_error(tmp_path: Path) -> None:
+    """Rank 0 fails writing its outputs, after the ranks ran and left their group: torchrun's job
+    fails with edl's message (a finished rank's process ends without torch.distributed's
+    teardown, with the command's exit code)."""
+    plan_file = tmp_path / "plan.json"
+    edatalog.plan(_llama("mha"), topology="cpux2", strategy="megatron").save(plan_file)
+    run = ["-m", "edatalog.cli", "run", str(LLAMA), *_small("mha"), "--plan", str(plan_file), "--backend", "torch"]
+    out = tmp_path / "out.npz"
+    out.mkdir()  # a directory of that name: found only when rank 0 writes
+    done = _run(
+        [*TORCHRUN, "--standalone", "--nproc-per-node", "2", *run, "--random", "0", "-o", str(out)], 120, _env()
+    )
+    assert done.returncode != 0 and "cannot write" in done.stderr, done.stderr[-4000:]
+
+
 def test_torchrun_runs_a_plan_for_two_nodes_on_two_agents(tmp_path: Path) -> None:
     """``torchrun --nnodes 2``: two agents (one per node, here both on this machine) of two ranks
     each run a plan for a machine of two nodes of two devices, unchanged; rank 0 reports."""
@@ -440,26 +455,34 @@ def test_torchrun_runs_a_plan_for_two_nodes_on_two_agents(tmp_path: Path) -> Non
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes"]
     run = ["-m", "edatalog.cli", "run", str(LLAMA), *_small("gqa"), "--plan", str(plan_file), "--backend", "torch"]
     cmd = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", *rdzv, *run, "--random", "0", "--json"]
-    agents = [
-        subprocess.Popen(
-            [*cmd, "-o", str(tmp_path / f"out{k}.npz")],
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for k in range(2)
+    logs = [(tmp_path / f"agent{k}.out", tmp_path / f"agent{k}.err") for k in range(2)]
+    agents = []
+    for k, (out_log, err_log) in enumerate(logs):
+        with out_log.open("w") as out_file, err_log.open("w") as err_file:  # the agent keeps its own copies
+            agents.append(
+                subprocess.Popen(
+                    [*cmd, "-o", str(tmp_path / f"out{k}.npz")],
+                    cwd=ROOT,
+                    env={**_env(), "PYTHONFAULTHANDLER": "1"},  # a rank that aborts says where
+                    stdout=out_file,
+                    stderr=err_file,
+                    start_new_session=True,
+                )
+            )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and any(a.poll() is None for a in agents):
+        time.sleep(0.1)
+    hung = [a.poll() is None for a in agents]
+    for a in agents:  # both agents together: one waits at its exit barrier for the other
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+        a.wait()
+    done = [(out_log.read_text(), err_log.read_text()) for out_log, err_log in logs]
+    said = [
+        f"agent {k}: exit {a.returncode}{' (hung)' if hung[k] else ''}\n{done[k][1][-3000:]}"
+        for k, a in enumerate(agents)
     ]
-    try:
-        done = [a.communicate(timeout=120) for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-                a.wait()
-    assert all(a.returncode == 0 for a in agents), [err[-3000:] for _, err in done]
+    assert not any(hung) and all(a.returncode == 0 for a in agents), "\n".join(said)
     reports = [json.loads(stdout) for stdout, _ in done if stdout.strip()]
     assert len(reports) == 1 and reports[0]["nproc"] == 4  # the agent holding rank 0 reports
     out = next(p for p in (tmp_path / "out0.npz", tmp_path / "out1.npz") if p.exists())
