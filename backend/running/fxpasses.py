@@ -42,6 +42,7 @@ them:
 - :func:`linear_calls`: ``mm(a, t(w))`` is ``linear(a, w)``, one call (ATen's ``linear`` is
   that very ``t`` and ``mm``);
 - dead-code elimination: views nobody reads any more, and anything else without an effect;
+- :func:`outputs_of_their_own`: an output in a constant's memory is returned as a copy;
 - :func:`fast_calls`: each ATen op overload called through torch's public binding of the same
   op (``torch.mul``, ``torch.as_strided``, ``Tensor.view``): the same kernel, reached through
   C++ argument parsing in about a microsecond, where ``torch.ops.aten.mul.Tensor`` goes through
@@ -258,8 +259,7 @@ def share_values(graph: Any, module: Any) -> int:
     nodes = list(graph.nodes)
     order = {node: k for k, node in enumerate(nodes)}
     base, writes = _bases_and_writes(nodes, order)
-    outputs = [value for out in nodes if out.op == "output" for value in nodes_in(out.args)]
-    returned = {base.get(value, value) for value in outputs}  # the memory the caller gets back
+    returned = _returned(nodes, base)
     constants = _constants_by_value(graph, module)
     seen: dict[tuple[Any, ...], Any] = {}
     shared = 0
@@ -287,6 +287,49 @@ def share_values(graph: Any, module: Any) -> int:
             graph.erase_node(node)
             shared += 1
     return shared
+
+
+def _returned(nodes: list[Any], base: dict[Any, Any]) -> set[Any]:
+    """The nodes whose memory a call returns: each output's base, and the op behind one that is
+    an element of a multi-output op's result (``max(x, 1).values``)."""
+    out: set[Any] = set()
+    for value in (v for node in nodes if node.op == "output" for v in nodes_in(node.args)):
+        root = base.get(value, value)
+        out.add(root)
+        if root.op == "call_function" and root.target is operator.getitem:
+            out.add(root.args[0])
+    return out
+
+
+def outputs_of_their_own(graph: Any) -> int:
+    """Each output that lies in a constant's memory (a folded value, a view of one, or the one
+    constant of equal value that two were shared into) becomes a copy of it, one per place it
+    is returned: what a call returns is the caller's, and a write into it must change neither
+    a later call nor another output.  Returns how many copies were made."""
+    torch = torch_module()
+    nodes = list(graph.nodes)
+    base = {node: node.args[0] for node in nodes if _is_view(node)}
+    output = next(node for node in reversed(nodes) if node.op == "output")
+
+    def root(value: Any) -> Any:
+        while value in base:
+            value = base[value]
+        return value
+
+    copies = 0
+
+    def own(value: Any) -> Any:
+        nonlocal copies
+        if root(value).op != "get_attr":
+            return value
+        with graph.inserting_before(output):
+            copy = graph.call_function(torch.ops.aten.clone.default, (value,))
+        copy.meta = dict(value.meta)
+        copies += 1
+        return copy
+
+    output.args = torch.fx.node.map_arg(output.args, own)
+    return copies
 
 
 def _bases_and_writes(nodes: list[Any], order: dict[Any, int]) -> tuple[dict[Any, Any], dict[Any, list[int]]]:
@@ -570,6 +613,7 @@ def simplify(
     linear = linear_calls(graph, shapes)
     graph.eliminate_dead_code()
     reused = reuse_buffers(graph, shapes) if reuse else 0
+    owned = outputs_of_their_own(graph)
     calls = fast_calls(graph)  # last: dead-code elimination cannot tell torch.mul(..., out=) has an effect
     calls += direct_calls(graph) if direct else 0
     graph.lint()
@@ -587,6 +631,7 @@ def simplify(
         "broadcasts_implied": broadcasts,
         "linear": linear,
         "buffers_reused": reused,
+        "outputs_copied": owned,
         "fast_calls": calls,
         "nodes": len(graph.nodes),
     }

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import os
+import pickle
 import re
 import signal
 import sys
@@ -75,8 +76,9 @@ def spawn(nproc: int, entry: Callable[..., T], args: Sequence[Any] = ()) -> dict
     for log in quiet:
         log.setLevel(logging.CRITICAL)  # the failure is reported once, below, not as launcher logs
     try:
-        rank = functools.update_wrapper(functools.partial(as_rank, entry), entry)  # the launcher logs its name
-        return dict(elastic_launch(config, rank)(*args))
+        rank = functools.update_wrapper(functools.partial(_spawned_rank, entry), entry)  # the launcher logs its name
+        results = elastic_launch(config, rank)(*args)
+        return {r: pickle.loads(pickled) for r, pickled in results.items()}  # from the ranks it started
     except ChildFailedError as exc:
         raise EdlError(_failure_text(exc, nproc), help=_failure_help(exc)) from None
     except SignalException as exc:  # the launcher's handler: this process was told to stop
@@ -95,10 +97,10 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
     """``entry(*args)`` as one rank of a job: an error that says another rank is gone waits
     :data:`LINGER_SECONDS` before it is raised, so that the launcher (this module's or torchrun's)
     reports the rank that died and why, not each rank that lost it.  After a return the rank
-    leaves the group (:func:`leave_group`); after an error it exits without tearing the group
-    down (:func:`_exit_without_teardown`).  Either way its process ends without the C++ teardown
-    of torch.distributed (:func:`_end_after_handlers`)."""
-    global _ENDING
+    leaves the group (:func:`leave_group`), and its process can end without torch.distributed's
+    C++ teardown (:func:`rank_exit`); after an error it exits without tearing the group down
+    (:func:`_exit_without_teardown`)."""
+    global _FINISHED
     show_notices("rank 0")  # a rank's long compile is said once, by the first rank
     try:
         result = entry(*args)
@@ -108,18 +110,29 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
         _exit_without_teardown(130 if isinstance(exc, KeyboardInterrupt) else 1)
         raise
     leave_group()
-    _ENDING = 0
+    _FINISHED = True
     return result
 
 
 def rank_exit(code: int) -> int:
-    """``code``, the exit code of a command that ran as a rank and went on (``edl run`` under
-    torchrun prints and writes its outputs after :func:`as_rank`): where the rank finished, its
-    process ends with this code (not the 0 :func:`as_rank` left), still without the teardown."""
+    """``code``, the exit code of a process that ran as a rank (:func:`as_rank`) and has nothing
+    left to do but return it (``edl run`` under torchrun, once it has printed and written its
+    outputs; :func:`spawn`'s ranks, once their result is ready to go back): the process then
+    ends with it at exit, after the other exit handlers and without torch.distributed's C++
+    teardown (:func:`_end_after_handlers`).  Elsewhere it changes nothing."""
     global _ENDING
-    if _ENDING is not None:
+    if _FINISHED:
         _ENDING = code
     return code
+
+
+def _spawned_rank(entry: Callable[..., T], *args: Any) -> bytes:
+    """A rank of :func:`spawn`: its result goes back pickled here, so that torch's launcher,
+    which then puts it on a queue, cannot fail to (a result that does not pickle fails the rank
+    now, with its error) and the process may end without the teardown."""
+    result = pickle.dumps(as_rank(entry, *args))
+    rank_exit(0)
+    return result
 
 
 def _exit_without_teardown(code: int) -> None:
@@ -133,17 +146,18 @@ def _exit_without_teardown(code: int) -> None:
         atexit.register(_exit_now, code)  # runs first: handlers run last-registered first
 
 
-_ENDING: int | None = None  # a rank that finished: the code its process ends with
+_FINISHED = False  # this process ran as a rank, which returned and left its group
+_ENDING: int | None = None  # ... and then had only this exit code left to return
 
 
 def _end_after_handlers() -> None:
-    """The last exit handler of a rank that finished (registered when this module is imported,
-    so after those registered later: a compile worker pool's shutdown, say): end the process
-    there, before torch.distributed's C++ teardown.  Even after every rank finished and left the
-    group, that teardown can abort under load ("terminate called without an active exception":
-    one exit in about forty of a 2 x 2-rank ``torchrun --nnodes 2`` job on a busy 2-core
-    machine); the launcher then fails the job, or waits for the aborted node's agent until its
-    exit barrier times out."""
+    """The last exit handler (registered when this module is imported, so after the handlers of
+    everything imported later: a compile worker pool's shutdown, say) of a rank that finished:
+    its process ends there, before torch.distributed's C++ teardown.  Even after every rank
+    finished and left the group, that teardown can abort under load ("terminate called without
+    an active exception": one exit in about forty of a 2 x 2-rank ``torchrun --nnodes 2`` job
+    on a busy 2-core machine); the launcher then fails the job, or waits for the aborted node's
+    agent until its exit barrier times out."""
     if _ENDING is not None:
         _exit_now(_ENDING)
 
@@ -152,9 +166,13 @@ atexit.register(_end_after_handlers)
 
 
 def _exit_now(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    logging.shutdown()  # registered before this module's handler, it would not run
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # what was printed cannot be written: fail, as Python exits then
+        code = code or 120
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
     os._exit(code)
 
 

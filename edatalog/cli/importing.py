@@ -58,7 +58,10 @@ def cmd_import(args: argparse.Namespace) -> int:
         example = given if given is not None else tuple(_examples(args.shape, args.high, args.seed))
         text = to_edl(module, example)
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as exc:  # a directory of that name, no room, no right to write
+            raise EdlError(f"cannot write {args.output}: {exc.strerror or exc}", help="give -o a file path") from None
         graph = compile_string(text, name=args.output).graph  # as edl check counts them
         repeated = "".join(f", module {r.module} repeated {r.count} times" for r in graph.repeats)
         print(f"wrote {args.output}: {len(graph.nodes)} rules{repeated}", file=sys.stderr)

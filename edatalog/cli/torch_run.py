@@ -231,5 +231,8 @@ def trace(path: str, result: Result, predicted_ms: float | None) -> None:
         span = {"ts": start * 1e6, "dur": (end - start) * 1e6}
         events.append({"name": name, "cat": "measured", "ph": "X", "pid": d, "tid": 0, **span})
     other = {"measured_ms": result.calls_ms[-1] if result.calls_ms else None, "predicted_ms": predicted_ms}
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, fh)
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, fh)
+    except OSError as exc:  # a directory of that name, no room, no right to write
+        raise EdlError(f"cannot write {path}: {exc.strerror or exc}", help="give --trace a file path") from None

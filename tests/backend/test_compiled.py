@@ -405,6 +405,27 @@ def test_equal_values_are_computed_once_but_two_outputs_keep_their_own_memory() 
     assert got[0].data_ptr() != got[1].data_ptr()
 
 
+def test_every_output_is_the_callers_own_memory_after_simplify() -> None:
+    """Whatever the passes share or fold, a caller writing into one output changes neither
+    another output nor what a later call returns: equal elements of multi-output ops, equal
+    constants (folded, then shared into one), a view of a constant."""
+
+    def fn(x: Any) -> list[Any]:
+        twice = torch.ones(3) * 2
+        return [x.max(1).values, x.max(1).values, twice, torch.ones(3) * 2, twice.view(1, 3), x + 1]
+
+    x = torch.randn(3, 4)
+    rec = record(fn, [x])
+    gm, summary = fxpasses.simplify(rec.module, rec.graph, rec.shapes)
+    assert summary["outputs_copied"] == 3
+    first = gm(x)
+    for k, out in enumerate(first):
+        out.add_(100.0)  # the caller's to write
+        others = [o for j, o in enumerate(gm(x)) if j != k] + [o for j, o in enumerate(first) if j != k]
+        assert all(o.abs().max() < 100 for o in others), k
+        out.sub_(100.0)
+
+
 def test_a_copy_updated_in_place_becomes_the_op_on_the_view() -> None:
     def fn(x: Any, c: Any) -> list[Any]:
         view = x[:, 1:3]
