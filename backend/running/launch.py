@@ -104,12 +104,12 @@ def as_rank(entry: Callable[..., T], *args: Any) -> T:
     show_notices("rank 0")  # a rank's long compile is said once, by the first rank
     try:
         result = entry(*args)
+        leave_group()  # its barrier fails too where a rank died after its work
     except BaseException as exc:
         if isinstance(exc, RuntimeError) and _LOST_PEER.search(str(exc)):
             time.sleep(LINGER_SECONDS)  # the launcher stops this rank meanwhile
         _exit_without_teardown(130 if isinstance(exc, KeyboardInterrupt) else 1)
         raise
-    leave_group()
     _FINISHED = True
     return result
 
