@@ -339,10 +339,12 @@ class Device:
         elif isinstance(op, ir.Combine):
             self.keep(op.buf, self.combined(op, [self.get(b) for b in op.sources]))
         else:
-            assert isinstance(op, ir.Free)  # what is still under way is dropped, not waited for
+            assert isinstance(op, ir.Free)
             if op.buf not in self.store:
                 raise ExecutionError(f"device {self.index} frees buffer %{op.buf}, which it does not hold")
-            self.pending.pop(op.buf, None)
+            finish = self.pending.pop(op.buf, None)
+            if finish is not None:  # under way and never read (a plan's dead partial): taken all the same
+                finish()
             self.live_bytes -= _nbytes(self.store.pop(op.buf))
 
     # -- buffers -------------------------------------------------------------------------------
@@ -350,7 +352,10 @@ class Device:
     def defer(self, buf: int, issued: Buffer, finish: Callable[[], Buffer]) -> None:
         """Hold ``issued`` (a collective's result, under way) as buffer ``buf`` until an op reads
         it; ``finish`` then waits for it and makes the buffer.  The ops in between run while it
-        travels, as DDP overlaps its gradients' all-reduces with the rest of the backward."""
+        travels, as DDP overlaps its gradients' all-reduces with the rest of the backward.  A
+        buffer freed unread is finished at its ``Free``: a message nobody waits for is never
+        taken (gloo's sender then waits for it until the timeout), and a later call's receive of
+        the same tag would take it."""
         self.keep(buf, issued)
         self.pending[buf] = finish
 

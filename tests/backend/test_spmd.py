@@ -427,6 +427,51 @@ latency = "100us"
 """
 
 
+# A program hypothesis drew (tests.strategies): r1 is no output and nothing reads it, yet the plans
+# compute it, a partial of it on each of two ranks, combined where one receives the other's.
+UNREAD_PARTIAL = """\
+dim N = 3, M = 4, K = 1, P = N * M.
+param w0[K, M] : f64.
+input x1[P] : f64.
+output r0.
+r0[j:M*N, i:K*M] *= (i * 2).
+r1[l, k] min= ((r0[(i:6, j:2), k:M] * w0[0, (j, j)]) * (w0[l, j + 1] - x1[(j, i)])).
+r1[0, 3] min= (x1[i] + 0.5) where 3*i <= i - 1.
+"""
+
+
+def _combined_unread(programs: Any) -> bool:
+    """Whether some rank combines a received partial into a buffer that it frees unread."""
+    from edatalog.ir import program as ir
+
+    for device in programs.devices:
+        received = {op.buf for op in device.ops if isinstance(op, ir.Recv)}
+        for k, op in enumerate(device.ops):
+            if not isinstance(op, ir.Combine) or received.isdisjoint(op.sources):
+                continue
+            later = [str(o).split("=", 1)[-1] for o in device.ops[k + 1 :] if not isinstance(o, ir.Free)]
+            if not any(re.search(rf"%{op.buf}\b", text) for text in later):
+                return True
+    return False
+
+
+def test_a_received_partial_that_nothing_reads_is_taken_all_the_same(tmp_path: Path) -> None:
+    """The rank that receives the partial frees the combine unread; it must take the message all
+    the same, or its sender waits for it to be taken until the timeout (the job failed so)."""
+    source, plan_file, out = tmp_path / "unread.edl", tmp_path / "plan.json", tmp_path / "out.npz"
+    source.write_text(UNREAD_PARTIAL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rule whose guard no cell meets
+        prog = edatalog.compile(source)
+    plan = edatalog.plan(prog, topology="cpux3", strategy="random", seed=30)
+    assert _combined_unread(plan.lowered.programs), "no rank frees a received partial unread: pick another seed"
+    plan.save(plan_file)
+    cmd = [*EDL, "run", str(source), "--plan", str(plan_file), "--backend", "torch", "--nproc", "3"]
+    done = _run([*cmd, "--random", "0", "--json", "-o", str(out)], 120, _env(EDL_DIST_TIMEOUT="10"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    _assert_equal(np.load(out)["r0"], prog.run(prog.random_inputs(0))["r0"], True, "r0")
+
+
 def test_a_torchrun_rank_that_fails_after_its_job_exits_with_the_error(tmp_path: Path) -> None:
     """Rank 0 fails writing its outputs, after the ranks ran and left their group: torchrun's job
     fails with edl's message (a finished rank's process ends without torch.distributed's
