@@ -308,19 +308,13 @@ def outputs_of_their_own(graph: Any) -> int:
     a later call nor another output.  Returns how many copies were made."""
     torch = torch_module()
     nodes = list(graph.nodes)
-    base = {node: node.args[0] for node in nodes if _is_view(node)}
+    base, _ = _bases_and_writes(nodes, {node: k for k, node in enumerate(nodes)})
     output = next(node for node in reversed(nodes) if node.op == "output")
-
-    def root(value: Any) -> Any:
-        while value in base:
-            value = base[value]
-        return value
-
     copies = 0
 
     def own(value: Any) -> Any:
         nonlocal copies
-        if root(value).op != "get_attr":
+        if base.get(value, value).op != "get_attr":
             return value
         with graph.inserting_before(output):
             copy = graph.call_function(torch.ops.aten.clone.default, (value,))

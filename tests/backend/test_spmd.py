@@ -449,8 +449,7 @@ def _combined_unread(programs: Any) -> bool:
         for k, op in enumerate(device.ops):
             if not isinstance(op, ir.Combine) or received.isdisjoint(op.sources):
                 continue
-            later = [str(o).split("=", 1)[-1] for o in device.ops[k + 1 :] if not isinstance(o, ir.Free)]
-            if not any(re.search(rf"%{op.buf}\b", text) for text in later):
+            if not any(op.buf in ir.reads(o) for o in device.ops[k + 1 :] if not isinstance(o, ir.Free)):
                 return True
     return False
 
